@@ -1,0 +1,1 @@
+"""Storage backends, one per module; the registry (embstore.registry) finds them by name."""

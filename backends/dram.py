@@ -1,0 +1,182 @@
+"""The DRAM backend: rows in chunked numpy slabs behind a compact C hash index.
+
+With a path, `flush()` writes a snapshot of the table (`<table>.dram`) to a temporary file,
+fsyncs it and renames it over the previous one, so a crash leaves either the old or the new
+snapshot, never a mix. This is how an all-DRAM store persists; as a cache tier above another
+backend it is opened without a path.
+
+Snapshot layout (little-endian), imported by the corruption tests:
+
+    offset  size  field
+    0       8     magic b"EMBSDRAM"
+    8       4     format version (1)
+    12      4     dim (elements per row)
+    16      8     dtype string, NUL-padded (numpy `dtype.str`, e.g. b"<f4")
+    24      8     n, number of rows
+    32      4     crc32 of the body
+    36      4     crc32 of bytes 0..36
+    40      24    reserved (zero)
+    64      8*n   ids, int64
+    64+8n   n*row_bytes rows
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, ClassVar, final
+
+import numpy as np
+
+from embstore._kernels._dram_index import ffi, lib
+from embstore.backend import Backend, BackendSpec
+from embstore.errors import ConfigError, CorruptStoreError
+from embstore.index import IdIndex, RowSlabs
+
+__all__ = ["DRAMBackend"]
+
+MAGIC = b"EMBSDRAM"
+VERSION = 1
+HEADER = struct.Struct("<8sII8sQII24x")
+HEADER_SIZE = 64
+assert HEADER.size == HEADER_SIZE
+OFFSET_CRC_BODY = 32
+OFFSET_IDS = HEADER_SIZE
+
+
+def _crc(data: memoryview | bytes, start: int = 0) -> int:
+    return zlib.crc32(data, start) & 0xFFFFFFFF
+
+
+@final
+class DRAMBackend(Backend):
+    """Rows in host memory; optionally snapshotted to `<path>/<table>.dram` on flush."""
+
+    name: ClassVar[str] = "dram"
+    supports_persistence: ClassVar[bool] = True  # durable on flush when given a path
+
+    def __init__(self, spec: BackendSpec, *, chunk_rows_log2: int = 16) -> None:
+        super().__init__(spec)
+        if not 4 <= chunk_rows_log2 <= 24:
+            raise ConfigError(f"chunk_rows_log2 must be in [4, 24], got {chunk_rows_log2}")
+        self._index = IdIndex()
+        self._slabs = RowSlabs(spec.dim, spec.dtype, shift=chunk_rows_log2)
+        self._dirty_since_flush = False
+        self._file = (spec.path / f"{spec.table}.dram") if spec.path is not None else None
+        if self._file is not None:
+            spec.path.mkdir(parents=True, exist_ok=True)
+            if self._file.exists():
+                self._load(self._file)
+
+    # --- snapshot ---------------------------------------------------------------------
+
+    def _load(self, file: Path) -> None:
+        data = file.read_bytes()
+        if len(data) < HEADER_SIZE:
+            raise CorruptStoreError(f"{file}: truncated snapshot header ({len(data)} bytes)")
+        magic, version, dim, dtype_s, n, crc_body, crc_head = HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise CorruptStoreError(f"{file} is not a DRAM snapshot (bad magic {magic!r})")
+        if _crc(memoryview(data)[:36]) != crc_head:
+            raise CorruptStoreError(f"{file}: header checksum mismatch; the file is damaged")
+        if version != VERSION:
+            raise CorruptStoreError(f"{file}: unsupported snapshot version {version}")
+        dtype = np.dtype(dtype_s.rstrip(b"\0").decode())
+        if dim != self.spec.dim or dtype != self.spec.dtype:
+            raise CorruptStoreError(
+                f"{file} holds rows of dim {dim} {dtype}, the table expects "
+                f"{self.spec.dim} {self.spec.dtype}: the snapshot belongs to another table"
+            )
+        body = memoryview(data)[HEADER_SIZE:]
+        if len(body) != n * (8 + self.spec.row_bytes):
+            raise CorruptStoreError(f"{file}: expected {n} rows, the file is truncated or padded")
+        if _crc(body) != crc_body:
+            raise CorruptStoreError(
+                f"{file}: body checksum mismatch; restore the table from a checkpoint"
+            )
+        ids = np.frombuffer(data, dtype=np.int64, count=n, offset=HEADER_SIZE)
+        rows = np.frombuffer(data, dtype=dtype, count=n * dim, offset=HEADER_SIZE + 8 * n)
+        self._put(np.ascontiguousarray(ids), rows.reshape(n, dim))
+        self._dirty_since_flush = False
+
+    def _write_snapshot(self, file: Path) -> None:
+        ids, slots = self._index.items()
+        order = np.argsort(ids, kind="stable")  # sorted ids: byte-identical files for equal tables
+        ids = np.ascontiguousarray(ids[order])
+        rows = self._slabs.gather(np.ascontiguousarray(slots[order]))
+        crc_body = _crc(rows.data, _crc(ids.data)) if len(ids) else 0
+        head = bytearray(HEADER.pack(MAGIC, VERSION, self.spec.dim,
+                                     self.spec.dtype.str.encode(), len(ids), crc_body, 0))
+        struct.pack_into("<I", head, 36, _crc(bytes(head[:36])))
+        tmp = file.with_name(file.name + ".tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(head)
+            fh.write(ids.data)
+            fh.write(rows.data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, file)
+        dir_fd = os.open(file.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    # --- Backend ----------------------------------------------------------------------
+
+    def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(ids)
+        out = np.empty((n, self.spec.dim), dtype=self.spec.dtype)
+        found = np.empty(n, dtype=bool)
+        if n:
+            keys, vals, mask = self._index.pointers()
+            lib.idx_gather(keys, vals, mask, self._slabs.pointer(), self._slabs.shift,
+                           self._slabs.row_bytes, ffi.cast("int64_t *", ids.ctypes.data), n,
+                           ffi.cast("char *", out.ctypes.data),
+                           ffi.cast("uint8_t *", found.ctypes.data))
+        return out, found
+
+    def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        slots, _ = self._index.add(ids)
+        self._slabs.ensure(self._index.high_water)
+        self._slabs.scatter(slots, rows)
+        self._dirty_since_flush = True
+
+    def _delete(self, ids: np.ndarray) -> np.ndarray:
+        found = self._index.remove(ids) >= 0
+        self._dirty_since_flush |= bool(found.any())
+        return found
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        # docstring inherited
+        self._check_open()
+        return self._index.find(self._check_ids(ids)) >= 0
+
+    def _ids(self) -> np.ndarray:
+        return self._index.items()[0]
+
+    def _len(self) -> int:
+        return len(self._index)
+
+    def nbytes(self) -> int:
+        # docstring inherited
+        return self._index.nbytes() + self._slabs.nbytes()
+
+    def statistics(self) -> dict[str, Any]:
+        # docstring inherited
+        stats = super().statistics()
+        stats["index_bytes"] = self._index.nbytes()
+        stats["slab_bytes"] = self._slabs.nbytes()
+        stats["snapshot"] = str(self._file) if self._file is not None else None
+        return stats
+
+    def _flush(self) -> None:
+        if self._file is not None and (self._dirty_since_flush or not self._file.exists()):
+            self._write_snapshot(self._file)
+            self._dirty_since_flush = False
+
+    def _close(self) -> None:
+        self._index = IdIndex(16)
+        self._slabs = RowSlabs(self.spec.dim, self.spec.dtype)

@@ -1,0 +1,1 @@
+"""Compiled helper kernels (cffi, API mode). Built by setup.py at install time."""

@@ -1,0 +1,36 @@
+"""cffi builder for the DRAM index kernel (API mode, compiled at install time by setup.py)."""
+
+from pathlib import Path
+
+from cffi import FFI
+
+CDEF = """
+int64_t idx_find(const int64_t *keys, const int32_t *vals, uint64_t mask,
+                 const int64_t *ids, int64_t n, int32_t *out_slots);
+void idx_insert(int64_t *keys, int32_t *vals, uint64_t mask,
+                const int64_t *ids, const int32_t *slots, int64_t n);
+int64_t idx_remove(int64_t *keys, int32_t *vals, uint64_t mask,
+                   const int64_t *ids, int64_t n, int32_t *out_slots);
+void idx_rehash(const int64_t *old_keys, const int32_t *old_vals, uint64_t old_cap,
+                int64_t *keys, int32_t *vals, uint64_t mask);
+int64_t idx_items(const int64_t *keys, const int32_t *vals, uint64_t cap,
+                  int64_t *out_ids, int32_t *out_slots);
+int64_t idx_gather(const int64_t *keys, const int32_t *vals, uint64_t mask,
+                   char *const *slabs, int shift, int64_t row_bytes,
+                   const int64_t *ids, int64_t n, char *out, uint8_t *found);
+void slab_gather(char *const *slabs, int shift, int64_t row_bytes,
+                 const int32_t *slots, int64_t n, char *out);
+void slab_scatter(char *const *slabs, int shift, int64_t row_bytes,
+                  const int32_t *slots, int64_t n, const char *src);
+"""
+
+ffibuilder = FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    "embstore._kernels._dram_index",
+    (Path(__file__).parent / "dram_index.c").read_text(),
+    extra_compile_args=["-O3", "-std=c99"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,262 @@
+"""The storage backend interface: one medium holding the rows of one table.
+
+A backend maps int64 ids to fixed-width rows (weights plus optimizer state) and works on whole
+batches. The public methods are concrete here: they check closed and read-only state, ids and
+row shapes once, then call the abstract `_get/_put/_delete/...` that each backend implements, so
+no backend can forget a guard. Adding a backend is adding `backends/<name>.py` whose module
+name equals the class's `name`; the registry finds it and the contract suite tests it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .errors import (
+    DimensionMismatchError,
+    DtypeMismatchError,
+    InvalidIdsError,
+    ReadOnlyError,
+    StoreClosedError,
+)
+
+__all__ = ["Backend", "BackendSpec"]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What every backend is opened with.
+
+    Attributes:
+        path: directory the backend owns for its files (shared by the tables of one tier);
+            None for a purely in-memory instance.
+        dim: elements per stored row (the table's weights plus its optimizer state).
+        dtype: element dtype of the rows.
+        table: table name; persistent backends key their files or namespaces by it.
+        capacity_bytes: size hint for media that preallocate (pmem); None lets it grow.
+        read_only: open without write access; every mutating call raises `ReadOnlyError`.
+    """
+
+    path: Path | None
+    dim: int
+    dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
+    table: str = "default"
+    capacity_bytes: int | None = None
+    read_only: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        if self.path is not None:
+            object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one stored row."""
+        return self.dim * self.dtype.itemsize
+
+
+class Backend(ABC):
+    """One table's rows on one medium, addressed by int64 ids, batch by batch.
+
+    Contract for implementers:
+        - `_get` returns rows for every id (zeros where absent) and a found mask.
+        - `_put` receives distinct ids and C-contiguous rows of the spec's dtype and width; it
+          must not keep a reference to the caller's buffer.
+        - After `flush()` returns, every `put`/`delete` before it survives a process crash on
+          backends with `supports_persistence`; a crash never yields a torn row.
+        - `close()` is idempotent; every other call after it raises `StoreClosedError`.
+        - Instances are not thread-safe; the store serialises calls.
+    """
+
+    name: ClassVar[str]
+    supports_persistence: ClassVar[bool] = False
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+        self._closed = False
+
+    @classmethod
+    def open(cls, spec: BackendSpec, **options: Any) -> Backend:
+        """Open (creating if needed) the backend described by `spec`.
+
+        Backend-specific knobs are keyword-only `options` (TierSpec.options).
+
+        Raises:
+            ConfigError: an unknown or invalid option.
+            CorruptStoreError: existing files fail their integrity checks.
+        """
+        return cls(spec, **options)
+
+    # --- guards -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(
+                f"{self.name} backend of table {self.spec.table!r} is closed; open it again"
+            )
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.spec.read_only:
+            raise ReadOnlyError(
+                f"{self.name} backend of table {self.spec.table!r} was opened read-only; "
+                "reopen it with read_only=False to write"
+            )
+
+    @staticmethod
+    def _check_ids(ids: np.ndarray) -> np.ndarray:
+        if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 1:
+            raise InvalidIdsError(
+                f"backend ids must be a 1-D int64 numpy array, got {type(ids).__name__} "
+                f"{getattr(ids, 'dtype', '')} {getattr(ids, 'shape', '')}; "
+                "convert them with embstore's store API, which validates ids"
+            )
+        return np.ascontiguousarray(ids)
+
+    def _check_rows(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        if not isinstance(rows, np.ndarray) or rows.dtype != self.spec.dtype:
+            raise DtypeMismatchError(
+                f"rows for table {self.spec.table!r} must be {self.spec.dtype}, "
+                f"got {getattr(rows, 'dtype', type(rows).__name__)}"
+            )
+        if rows.shape != (len(ids), self.spec.dim):
+            raise DimensionMismatchError(
+                f"rows for table {self.spec.table!r} must have shape ({len(ids)}, "
+                f"{self.spec.dim}), got {rows.shape}"
+            )
+        return np.ascontiguousarray(rows)
+
+    # --- public API ---------------------------------------------------------------------
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether `close()` has been called."""
+        return self._closed
+
+    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Read the rows of `ids` (int64[N]).
+
+        Returns:
+            rows: array[N, dim], zeros where an id is absent; a fresh array the caller owns.
+            found: bool[N], whether each id is stored.
+
+        Raises:
+            StoreClosedError: after close().
+            CorruptStoreError: a stored row failed its checksum.
+        """
+        self._check_open()
+        ids = self._check_ids(ids)
+        return self._get(ids)
+
+    def put(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Store `rows` (array[N, dim]) under distinct `ids` (int64[N]), replacing old rows.
+
+        Raises:
+            StoreClosedError, ReadOnlyError, DtypeMismatchError, DimensionMismatchError.
+            CapacityError: the medium is full.
+        """
+        self._check_writable()
+        ids = self._check_ids(ids)
+        rows = self._check_rows(ids, rows)
+        if len(ids):
+            self._put(ids, rows)
+
+    def delete(self, ids: np.ndarray) -> np.ndarray:
+        """Remove `ids`; absent ids are ignored. Returns bool[N], which ids were present."""
+        self._check_writable()
+        ids = self._check_ids(ids)
+        if not len(ids):
+            return np.zeros(0, dtype=bool)
+        return self._delete(ids)
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        """bool[N]: whether each id is stored.
+
+        Note for implementers: the default reads whole rows; override where the medium can
+        answer from its index alone.
+        """
+        self._check_open()
+        ids = self._check_ids(ids)
+        return self._get(ids)[1]
+
+    def ids(self) -> np.ndarray:
+        """Every stored id, int64, in no particular order unless the backend says so."""
+        self._check_open()
+        return self._ids()
+
+    def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield (ids, rows) batches covering every stored row once.
+
+        Note for implementers: the default reads `ids()` then `get` in batches; a backend
+        with an ordered scan should override it.
+        """
+        self._check_open()
+        all_ids = self._ids()
+        for start in range(0, len(all_ids), batch_rows):
+            chunk = all_ids[start : start + batch_rows]
+            rows, _ = self._get(chunk)
+            yield chunk, rows
+
+    def __len__(self) -> int:
+        self._check_open()
+        return self._len()
+
+    def flush(self) -> None:
+        """Make every write before this call durable (a no-op on volatile media)."""
+        self._check_open()
+        if not self.spec.read_only:
+            self._flush()
+
+    def close(self) -> None:
+        """Flush (unless read-only) and release every resource. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if not self.spec.read_only:
+                self._flush()
+        finally:
+            self._closed = True
+            self._close()
+
+    def statistics(self) -> dict[str, Any]:
+        """Medium-specific facts: rows, bytes, and e.g. whether libpmem is in use."""
+        self._check_open()
+        return {"backend": self.name, "rows": self._len(), "bytes": self.nbytes()}
+
+    def nbytes(self) -> int:
+        """Bytes this backend holds in memory or on disk for its rows and index."""
+        return self._len() * self.spec.row_bytes
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- for implementers ---------------------------------------------------------------
+
+    @abstractmethod
+    def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    @abstractmethod
+    def _put(self, ids: np.ndarray, rows: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def _delete(self, ids: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    def _ids(self) -> np.ndarray: ...
+
+    @abstractmethod
+    def _len(self) -> int: ...
+
+    @abstractmethod
+    def _flush(self) -> None: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...

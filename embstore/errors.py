@@ -1,0 +1,111 @@
+"""Errors raised by embstore. Every class derives from `EmbstoreError`.
+
+Messages say what was wrong, what was expected, what was received and what to do about it.
+A call that raises one of these (other than `CorruptStoreError` found mid-way and I/O errors
+from the medium) has changed nothing.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "CapacityError",
+    "ConfigError",
+    "CorruptStoreError",
+    "DimensionMismatchError",
+    "DtypeMismatchError",
+    "EmbstoreError",
+    "InvalidIdsError",
+    "InvalidValuesError",
+    "NonFiniteValueError",
+    "ReadOnlyError",
+    "StoreClosedError",
+    "StoreExistsError",
+    "StoreLockedError",
+    "StoreNotFoundError",
+    "UnknownNameError",
+    "UnknownTableError",
+]
+
+
+class EmbstoreError(Exception):
+    """Base class of every error embstore raises on purpose."""
+
+
+class ConfigError(EmbstoreError, ValueError):
+    """A TableSpec, TierSpec or option is invalid or contradicts the stored manifest."""
+
+
+class UnknownNameError(ConfigError):
+    """A backend, policy, initializer or optimizer name is not registered."""
+
+
+class UnknownTableError(EmbstoreError, LookupError):
+    """The table named in a call does not exist in this store."""
+
+    def __init__(self, table: str, known: list[str]) -> None:
+        super().__init__(
+            f"unknown table {table!r}: this store has {sorted(known)!r}; "
+            "declare it with a TableSpec when opening the store"
+        )
+        self.table = table
+
+
+class InvalidIdsError(EmbstoreError, ValueError):
+    """Ids are not a 1-D array of integers representable as int64, or out of range."""
+
+
+class InvalidValuesError(EmbstoreError, ValueError):
+    """Rows or gradients have the wrong shape or cannot be used as given."""
+
+
+class DimensionMismatchError(InvalidValuesError):
+    """Rows or gradients do not have the table's embedding dimension."""
+
+
+class DtypeMismatchError(InvalidValuesError, TypeError):
+    """Rows or gradients are not of the table's dtype."""
+
+
+class NonFiniteValueError(InvalidValuesError):
+    """NaN or infinity where the table forbids it."""
+
+
+class StoreClosedError(EmbstoreError):
+    """The store or backend was closed by its owner; open it again to use it."""
+
+
+class ReadOnlyError(EmbstoreError):
+    """A write was attempted on a store or backend opened read-only."""
+
+
+class StoreLockedError(EmbstoreError):
+    """Another process (or another open handle) holds the store's lock."""
+
+
+class StoreNotFoundError(EmbstoreError, FileNotFoundError):
+    """The path holds no embstore store (no manifest)."""
+
+
+class StoreExistsError(EmbstoreError, FileExistsError):
+    """A store already exists where a new one was to be created."""
+
+
+class CorruptStoreError(EmbstoreError):
+    """Stored data failed a checksum or structural check; the bad bytes are never returned."""
+
+
+class CapacityError(EmbstoreError):
+    """A tier or medium cannot hold what was asked of it.
+
+    Attributes:
+        hint: what to change to make it fit (a larger capacity, more disk, ...).
+    """
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(f"{message}; {hint}" if hint else message)
+        self.hint = hint
+
+
+class BackendUnavailableError(EmbstoreError, ImportError):
+    """A registered backend or policy cannot be loaded on this machine."""

@@ -1,0 +1,188 @@
+"""`IdIndex`: a compact hash map from int64 ids to dense int32 slots, and `RowSlabs`, the
+chunked row storage addressed by those slots.
+
+Per entry the index costs 12 bytes (int64 key, int32 slot) at a load factor between 0.375 and
+0.75, about 20 bytes per id at 10M ids. There is no Python object per id. The probing loops are
+a small C kernel (`_kernels/dram_index.c`); everything here works on whole batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._kernels._dram_index import ffi, lib
+from .errors import CapacityError
+
+__all__ = ["IdIndex", "RowSlabs"]
+
+_MAX_LOAD = 0.75
+_MAX_SLOTS = 2**31 - 1
+
+
+def _ptr(ctype: str, arr: np.ndarray) -> object:
+    return ffi.cast(ctype, arr.ctypes.data)
+
+
+class IdIndex:
+    """Map distinct int64 ids to slots 0..high_water-1; freed slots are reused first."""
+
+    def __init__(self, initial_capacity: int = 1024) -> None:
+        cap = 1 << max(4, int(initial_capacity - 1).bit_length())
+        self._keys = np.empty(cap, dtype=np.int64)
+        self._vals = np.full(cap, -1, dtype=np.int32)
+        self._count = 0
+        self._high_water = 0  # slots ever handed out; slots below it are live or free
+        self._free = np.empty(0, dtype=np.int32)
+        self._n_free = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def high_water(self) -> int:
+        """One past the largest slot ever handed out."""
+        return self._high_water
+
+    def nbytes(self) -> int:
+        """Bytes held by the hash arrays and the free list."""
+        return self._keys.nbytes + self._vals.nbytes + self._free.nbytes
+
+    def pointers(self) -> tuple[object, object, int]:
+        """(keys, vals, mask) for kernels that probe the index themselves."""
+        return (_ptr("int64_t *", self._keys), _ptr("int32_t *", self._vals),
+                len(self._keys) - 1)
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """int32 slots of `ids` (int64[N], C-contiguous), -1 where absent."""
+        out = np.empty(len(ids), dtype=np.int32)
+        if len(ids):
+            keys, vals, mask = self.pointers()
+            lib.idx_find(keys, vals, mask, _ptr("int64_t *", ids), len(ids),
+                         _ptr("int32_t *", out))
+        return out
+
+    def _reserve(self, n_new: int) -> None:
+        need = self._count + n_new
+        cap = len(self._keys)
+        if need <= cap * _MAX_LOAD:
+            return
+        while need > cap * _MAX_LOAD:
+            cap *= 2
+        keys = np.empty(cap, dtype=np.int64)
+        vals = np.full(cap, -1, dtype=np.int32)
+        lib.idx_rehash(_ptr("int64_t *", self._keys), _ptr("int32_t *", self._vals),
+                       len(self._keys), _ptr("int64_t *", keys), _ptr("int32_t *", vals),
+                       cap - 1)
+        self._keys, self._vals = keys, vals
+
+    def _allocate(self, n: int) -> np.ndarray:
+        from_free = min(n, self._n_free)
+        fresh = n - from_free
+        if self._high_water + fresh > _MAX_SLOTS:
+            raise CapacityError(
+                f"an index holds at most {_MAX_SLOTS} rows, {self._count + n} requested",
+                "split the table across shards or tiers",
+            )
+        slots = np.empty(n, dtype=np.int32)
+        # reuse the most recently freed slots first: their slab pages are likely still cached
+        slots[:from_free] = self._free[self._n_free - from_free : self._n_free][::-1]
+        self._n_free -= from_free
+        slots[from_free:] = np.arange(self._high_water, self._high_water + fresh, dtype=np.int32)
+        self._high_water += fresh
+        return slots
+
+    def add(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Slots for distinct `ids`, inserting the absent ones.
+
+        Returns:
+            slots: int32[N], the slot of every id.
+            inserted: bool[N], True where the id was new.
+        """
+        slots = self.find(ids)
+        inserted = slots < 0
+        n_new = int(np.count_nonzero(inserted))
+        if n_new:
+            new_ids = np.ascontiguousarray(ids[inserted])
+            new_slots = self._allocate(n_new)
+            self._reserve(n_new)
+            keys, vals, mask = self.pointers()
+            lib.idx_insert(keys, vals, mask, _ptr("int64_t *", new_ids),
+                           _ptr("int32_t *", new_slots), n_new)
+            self._count += n_new
+            slots[inserted] = new_slots
+        return slots, inserted
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """Remove `ids` (distinct); returns the freed int32 slots, -1 where absent."""
+        out = np.empty(len(ids), dtype=np.int32)
+        if not len(ids):
+            return out
+        keys, vals, mask = self.pointers()
+        removed = lib.idx_remove(keys, vals, mask, _ptr("int64_t *", ids), len(ids),
+                                 _ptr("int32_t *", out))
+        self._count -= removed
+        freed = out[out >= 0]
+        if len(freed):
+            if self._n_free + len(freed) > len(self._free):
+                grown = np.empty(max(2 * len(self._free), self._n_free + len(freed)), np.int32)
+                grown[: self._n_free] = self._free[: self._n_free]
+                self._free = grown
+            self._free[self._n_free : self._n_free + len(freed)] = freed
+            self._n_free += len(freed)
+        return out
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int64[M], slots int32[M]) of every live entry, in hash-table order."""
+        ids = np.empty(self._count, dtype=np.int64)
+        slots = np.empty(self._count, dtype=np.int32)
+        if self._count:
+            lib.idx_items(_ptr("int64_t *", self._keys), _ptr("int32_t *", self._vals),
+                          len(self._keys), _ptr("int64_t *", ids), _ptr("int32_t *", slots))
+        return ids, slots
+
+
+class RowSlabs:
+    """Rows of a fixed width in chunks of 2**shift rows, addressed by int32 slot.
+
+    Chunks let a table grow without copying its payload or briefly needing twice its memory.
+    """
+
+    def __init__(self, dim: int, dtype: np.dtype, shift: int = 16) -> None:
+        self.dim = dim
+        self.dtype = np.dtype(dtype)
+        self.shift = shift
+        self.row_bytes = dim * self.dtype.itemsize
+        self._chunks: list[np.ndarray] = []
+        self._ptrs = np.zeros(0, dtype=np.uint64)
+
+    def nbytes(self) -> int:
+        """Bytes allocated for rows (whole chunks)."""
+        return sum(c.nbytes for c in self._chunks) + self._ptrs.nbytes
+
+    def ensure(self, high_water: int) -> None:
+        """Allocate chunks until slots below `high_water` are addressable."""
+        need = (high_water + (1 << self.shift) - 1) >> self.shift
+        if need <= len(self._chunks):
+            return
+        while len(self._chunks) < need:
+            # np.empty of a large block maps fresh pages lazily: untouched rows cost no RSS
+            self._chunks.append(np.empty((1 << self.shift, max(self.dim, 1)), dtype=self.dtype))
+        self._ptrs = np.array([c.ctypes.data for c in self._chunks], dtype=np.uint64)
+
+    def pointer(self) -> object:
+        """`char **` to the chunk table, for kernels."""
+        return _ptr("char **", self._ptrs)
+
+    def gather(self, slots: np.ndarray) -> np.ndarray:
+        """Rows at `slots` (int32[N], all valid) as a new array[N, dim]."""
+        out = np.empty((len(slots), self.dim), dtype=self.dtype)
+        if len(slots) and self.row_bytes:
+            lib.slab_gather(self.pointer(), self.shift, self.row_bytes,
+                            _ptr("int32_t *", slots), len(slots), _ptr("char *", out))
+        return out
+
+    def scatter(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Write C-contiguous `rows` (array[N, dim]) to `slots` (int32[N], all valid)."""
+        if len(slots) and self.row_bytes:
+            lib.slab_scatter(self.pointer(), self.shift, self.row_bytes,
+                             _ptr("int32_t *", slots), len(slots), _ptr("char *", rows))

@@ -1,0 +1,1 @@
+"""The embstore command-line tools."""
