@@ -2,4 +2,9 @@
 
 from setuptools import setup
 
-setup(cffi_modules=["embstore/_kernels/build.py:ffibuilder"])
+setup(
+    cffi_modules=[
+        "embstore/_kernels/build.py:ffibuilder",
+        "embstore/_kernels/build.py:checksum_ffibuilder",
+    ]
+)

@@ -1,4 +1,4 @@
-"""cffi builder for the DRAM index kernel (API mode, compiled at install time by setup.py)."""
+"""cffi builders for the C kernels (API mode, compiled at install time by setup.py)."""
 
 from pathlib import Path
 
@@ -32,5 +32,21 @@ ffibuilder.set_source(
     extra_compile_args=["-O3", "-std=c99"],
 )
 
+CHECKSUM_CDEF = """
+void crc32c_rows(const int64_t *ids, const char *rows, int64_t n, int64_t row_bytes,
+                 int64_t stride, uint32_t *out);
+uint32_t crc32c_buffer(const char *data, int64_t len);
+int crc32c_uses_hardware(void);
+"""
+
+checksum_ffibuilder = FFI()
+checksum_ffibuilder.cdef(CHECKSUM_CDEF)
+checksum_ffibuilder.set_source(
+    "embstore._kernels._checksum",
+    (Path(__file__).parent / "checksum.c").read_text(),
+    extra_compile_args=["-O3", "-std=gnu99"],
+)
+
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
+    checksum_ffibuilder.compile(verbose=True)

@@ -1,0 +1,92 @@
+"""Admission and eviction policy interfaces.
+
+A tier *composes* one eviction and one admission policy; policies never touch storage. Each
+policy works on whole batches of int64 ids and keeps its state in numpy arrays (no Python
+object per id). Time and randomness are injected: `now` is passed to every call (the tier uses
+a logical clock, the batch counter, so runs are reproducible) and randomness comes from a
+`numpy.random.Generator` seeded from the `seed` setting. Adding a policy is adding
+`policies/<name>.py` with one public class whose `name` equals the module name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = ["AdmissionPolicy", "EvictionPolicy", "Policy"]
+
+
+class Policy(ABC):
+    """Common base: a registered name, a family (`kind`) and its settings.
+
+    Subclasses take their settings as keyword-only constructor arguments, all JSON-serialisable,
+    and return them from `config()` so a store's manifest can recreate the policy on reopen.
+    """
+
+    name: ClassVar[str]
+    kind: ClassVar[str]
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+
+    def config(self) -> dict[str, Any]:
+        """Constructor settings, JSON-serialisable; `type(self)(**config())` recreates it."""
+        return {"seed": self.seed}
+
+
+class EvictionPolicy(Policy):
+    """Tracks the ids resident in a tier and decides which to evict.
+
+    Contract for implementers:
+        - `record_insert` is called with distinct ids that are not tracked yet.
+        - `record_access` may receive duplicates and ids it does not track (ignore those).
+        - `record_remove` drops ids (absent ones are ignored).
+        - `choose_victims(n, now)` returns min(n, len(self)) distinct tracked ids and stops
+          tracking them; the same state and calls give the same victims.
+    """
+
+    kind: ClassVar[str] = "eviction"
+
+    @abstractmethod
+    def record_access(self, ids: np.ndarray, now: float) -> None:
+        """Note reads or writes of `ids` (int64[N], duplicates allowed) at time `now`."""
+
+    @abstractmethod
+    def record_insert(self, ids: np.ndarray, now: float) -> None:
+        """Start tracking distinct, untracked `ids` (int64[N]) inserted at time `now`."""
+
+    @abstractmethod
+    def record_remove(self, ids: np.ndarray) -> None:
+        """Stop tracking `ids` (int64[N]); untracked ids are ignored."""
+
+    @abstractmethod
+    def choose_victims(self, n: int, now: float) -> np.ndarray:
+        """Pick up to `n` tracked ids to evict (int64[min(n, len)]) and stop tracking them."""
+
+    def expired(self, now: float) -> np.ndarray:
+        """Tracked ids whose time is up regardless of pressure (TTL); untracks them.
+
+        Note for implementers: the default expires nothing.
+        """
+        return np.zeros(0, dtype=np.int64)
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of tracked ids."""
+
+
+class AdmissionPolicy(Policy):
+    """Decides which ids may enter a tier."""
+
+    kind: ClassVar[str] = "admission"
+
+    @abstractmethod
+    def admit(self, ids: np.ndarray, now: float) -> np.ndarray:
+        """bool[N]: whether each of `ids` (int64[N], duplicates allowed) may enter now.
+
+        A call also counts as an observation of the ids (a frequency policy learns from it).
+        Duplicates of one id in a batch get the same answer.
+        """
