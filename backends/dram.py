@@ -56,6 +56,7 @@ class DRAMBackend(Backend):
 
     name: ClassVar[str] = "dram"
     supports_persistence: ClassVar[bool] = True  # durable on flush when given a path
+    requires_path: ClassVar[bool] = False
 
     def __init__(self, spec: BackendSpec, *, chunk_rows_log2: int = 16) -> None:
         super().__init__(spec)

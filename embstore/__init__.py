@@ -1,0 +1,19 @@
+"""embstore: a tiered storage engine for the embedding tables of recommendation models.
+
+Tables map int64 ids to float rows plus the optimizer state that travels with them, held in a
+chain of tiers (DRAM, persistent memory, RocksDB, LMDB) with admission and eviction policies.
+See `embstore.open`.
+
+Caveats:
+    - A store is used by one process at a time (a lock file enforces it); within the process
+      one handle per store, shared by threads.
+    - Cache tiers start empty on every open; only the bottom tier is the store of record.
+    - Only `flush()` (or `close()`) makes writes durable.
+"""
+
+from . import errors, init, optim
+from .spec import TableSpec, TierSpec
+from .store import EmbeddingStore, open
+
+__all__ = ["EmbeddingStore", "TableSpec", "TierSpec", "errors", "init", "open", "optim"]
+__version__ = "0.1.0"

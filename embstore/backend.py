@@ -75,6 +75,7 @@ class Backend(ABC):
 
     name: ClassVar[str]
     supports_persistence: ClassVar[bool] = False
+    requires_path: ClassVar[bool] = True  # False: can run with BackendSpec.path None (in memory)
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec

@@ -13,7 +13,7 @@ import numpy as np
 from ._kernels._dram_index import ffi, lib
 from .errors import CapacityError
 
-__all__ = ["IdIndex", "RowSlabs"]
+__all__ = ["IdGroups", "IdIndex", "RowSlabs"]
 
 _MAX_LOAD = 0.75
 _MAX_SLOTS = 2**31 - 1
@@ -186,3 +186,37 @@ class RowSlabs:
         if len(slots) and self.row_bytes:
             lib.slab_scatter(self.pointer(), self.shift, self.row_bytes,
                              _ptr("int32_t *", slots), len(slots), _ptr("char *", rows))
+
+
+class IdGroups:
+    """The distinct ids of a batch, in order of first occurrence, with the map back.
+
+    Attributes:
+        unique: int64[U], distinct ids in order of first occurrence.
+        inverse: int64[N], group of each input position (`unique[inverse] == ids`).
+        last: int64[U], last position of each group (for last-write-wins updates).
+    """
+
+    __slots__ = ("inverse", "last", "unique")
+
+    def __init__(self, ids: np.ndarray) -> None:
+        n = len(ids)
+        cap = 1 << max(4, int(2 * n - 1).bit_length())
+        scratch_keys = np.empty(cap, dtype=np.int64)
+        scratch_vals = np.full(cap, -1, dtype=np.int32)
+        unique = np.empty(n, dtype=np.int64)
+        self.inverse = np.empty(n, dtype=np.int64)
+        last = np.empty(n, dtype=np.int64)
+        groups = 0
+        if n:
+            groups = lib.group_ids(_ptr("int64_t *", ids), n, _ptr("int64_t *", scratch_keys),
+                                   _ptr("int32_t *", scratch_vals), cap - 1,
+                                   _ptr("int64_t *", unique), _ptr("int64_t *", self.inverse),
+                                   _ptr("int64_t *", last))
+        self.unique = unique[:groups]
+        self.last = last[:groups]
+
+    @property
+    def has_duplicates(self) -> bool:
+        """Whether any id occurs more than once."""
+        return len(self.unique) != len(self.inverse)

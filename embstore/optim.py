@@ -9,14 +9,26 @@ layout, cache size and run.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from .errors import ConfigError, UnknownNameError
+from . import _optim_rules as rules
+from .errors import ConfigError, DtypeMismatchError, UnknownNameError
 
-__all__ = ["SGD", "Optimizer", "from_config", "optimizer_names"]
+__all__ = [
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Optimizer",
+    "RowWiseAdagrad",
+    "from_config",
+    "optimizer_names",
+]
 
 _OPTIMIZERS: dict[str, type[Optimizer]] = {}
 
@@ -59,7 +71,8 @@ class Optimizer(ABC):
         return type(other) is type(self) and other.config() == self.config()  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
-        return hash((self.name, tuple(sorted(self.config().items()))))
+        # JSON, not a tuple of items: config values may be lists (Adam's betas).
+        return hash((self.name, json.dumps(self.config(), sort_keys=True)))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
@@ -98,6 +111,182 @@ class SGD(Optimizer):
     def config(self) -> dict[str, Any]:
         # docstring inherited
         return {"lr": self.lr, "weight_decay": self.weight_decay}
+
+
+def _check_beta(name: str, value: float) -> float:
+    value = float(value)
+    if not 0.0 <= value < 1.0:  # also rejects NaN
+        raise ConfigError(f"{name} must be in [0, 1), got {value!r}")
+    return value
+
+
+class Adagrad(Optimizer):
+    """Per-element Adagrad, as torch.optim.Adagrad: ``G += g*g; w -= lr * g / (sqrt(G) + eps)``.
+
+    State per row: ``[G (dim)]``, the running sum of squared gradients, starting at
+    `initial_accumulator_value`. torch's `lr_decay` is not offered: torch counts steps per
+    parameter tensor, including steps where a row's gradient is zero, which a per-row count
+    cannot reproduce for rows that are not updated at every step.
+
+    Args:
+        lr: learning rate, > 0.
+        weight_decay: L2 penalty folded into the gradient (``g + weight_decay * w``), >= 0.
+        initial_accumulator_value: starting value of every element of G, >= 0.
+        eps: added to ``sqrt(G)``, > 0.
+
+    Raises:
+        ConfigError: a setting out of range.
+    """
+
+    name: ClassVar[str] = "adagrad"
+
+    def __init__(self, lr: float = 0.01, *, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> None:
+        self.lr = _check_positive("lr", lr)
+        self.weight_decay = _check_positive("weight_decay", weight_decay, allow_zero=True)
+        self.initial_accumulator_value = _check_positive(
+            "initial_accumulator_value", initial_accumulator_value, allow_zero=True)
+        self.eps = _check_positive("eps", eps)
+
+    def state_width(self, dim: int) -> int:
+        # docstring inherited
+        return dim
+
+    def initial_state(self, n: int, dim: int, dtype: np.dtype) -> np.ndarray:
+        # docstring inherited
+        return np.full((n, dim), self.initial_accumulator_value, dtype=dtype)
+
+    def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
+        # docstring inherited
+        rules.adagrad(weights, state, grads, lr=self.lr, eps=self.eps,
+                      weight_decay=self.weight_decay)
+
+    def config(self) -> dict[str, Any]:
+        # docstring inherited
+        return {"lr": self.lr, "weight_decay": self.weight_decay,
+                "initial_accumulator_value": self.initial_accumulator_value, "eps": self.eps}
+
+
+class RowWiseAdagrad(Optimizer):
+    """Row-wise Adagrad, FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row.
+
+    ``G += mean(g*g over the row); w -= lr * g / (sqrt(G) + eps)``. State per row: ``[G]``
+    (one element), which is why this is the usual choice for large embedding tables.
+
+    Args:
+        lr: learning rate, > 0.
+        eps: added to ``sqrt(G)``, > 0.
+        weight_decay: decay strength, >= 0.
+        weight_decay_mode: ``"l2"`` (FBGEMM's L2: ``g + weight_decay * w`` feeds G and the
+            step) or ``"decoupled"`` (FBGEMM's DECOUPLE: ``w *= 1 - lr * weight_decay``).
+
+    Raises:
+        ConfigError: a setting out of range or an unknown `weight_decay_mode`.
+    """
+
+    name: ClassVar[str] = "rowwise_adagrad"
+    _MODES: ClassVar[tuple[str, ...]] = ("l2", "decoupled")
+
+    def __init__(self, lr: float = 0.01, *, eps: float = 1e-8, weight_decay: float = 0.0,
+                 weight_decay_mode: str = "l2") -> None:
+        self.lr = _check_positive("lr", lr)
+        self.eps = _check_positive("eps", eps)
+        self.weight_decay = _check_positive("weight_decay", weight_decay, allow_zero=True)
+        if weight_decay_mode not in self._MODES:
+            raise ConfigError(f"weight_decay_mode must be one of {self._MODES!r}, "
+                              f"got {weight_decay_mode!r}")
+        self.weight_decay_mode = weight_decay_mode
+
+    def state_width(self, dim: int) -> int:
+        # docstring inherited
+        return 1
+
+    def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
+        # docstring inherited
+        rules.rowwise_adagrad(weights, state[:, 0], grads, lr=self.lr, eps=self.eps,
+                              weight_decay=self.weight_decay,
+                              decoupled=self.weight_decay_mode == "decoupled")
+
+    def config(self) -> dict[str, Any]:
+        # docstring inherited
+        return {"lr": self.lr, "eps": self.eps, "weight_decay": self.weight_decay,
+                "weight_decay_mode": self.weight_decay_mode}
+
+
+class Adam(Optimizer):
+    """Per-element Adam, as torch.optim.Adam, with the step count kept per row.
+
+    State per row: ``[m (dim) | v (dim) | v_max (dim), only with amsgrad | t (1)]``. ``t``
+    counts the updates of that row, so a row's bias correction follows its own history (a
+    dense torch.optim.Adam counts steps per tensor; both agree on rows updated at every step).
+    ``t`` is stored as a float of the table dtype, not as int32 bits: a float32 count is exact
+    up to 2**24 updates of one row and then stays at 2**24, which is what torch's own float32
+    step tensor does, and by then ``1 - beta**t`` is 1.0 in float32 for any beta2 < 0.999999,
+    so the update is unchanged. Unlike int32 bits, a float count survives any float handling
+    of stored rows (finiteness checks, dtype casts, denormal flushing).
+
+    Args:
+        lr: learning rate, > 0.
+        betas: decay rates of the first and second moments, each in [0, 1).
+        eps: added to the bias-corrected ``sqrt(v)``, > 0.
+        weight_decay: L2 penalty folded into the gradient (``g + weight_decay * w``), >= 0.
+        amsgrad: normalise by the running maximum of v (AMSGrad); adds dim state elements.
+
+    Raises:
+        ConfigError: a setting out of range.
+        DtypeMismatchError: from `step`, on a table narrower than float32 (the step count
+            would stop being exact after 2048 updates).
+    """
+
+    name: ClassVar[str] = "adam"
+    _decoupled: ClassVar[bool] = False
+
+    def __init__(self, lr: float = 0.001, *, betas: Sequence[float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False) -> None:
+        self.lr = _check_positive("lr", lr)
+        if len(betas) != 2:
+            raise ConfigError(f"betas must be two floats (beta1, beta2), got {betas!r}")
+        self.betas = (_check_beta("betas[0]", betas[0]), _check_beta("betas[1]", betas[1]))
+        self.eps = _check_positive("eps", eps)
+        self.weight_decay = _check_positive("weight_decay", weight_decay, allow_zero=True)
+        self.amsgrad = bool(amsgrad)
+
+    def state_width(self, dim: int) -> int:
+        # docstring inherited
+        return (3 if self.amsgrad else 2) * dim + 1
+
+    def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
+        # docstring inherited
+        if weights.dtype.itemsize < 4:
+            raise DtypeMismatchError(
+                f"{type(self).__name__} needs a float32 or float64 table to count steps "
+                f"exactly, got {weights.dtype}; use RowWiseAdagrad or a wider dtype")
+        dim = weights.shape[1]
+        rules.adam(weights, state[:, :dim], state[:, dim:2 * dim],
+                   state[:, 2 * dim:3 * dim] if self.amsgrad else None, state[:, -1], grads,
+                   lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                   weight_decay=self.weight_decay, decoupled=self._decoupled)
+
+    def config(self) -> dict[str, Any]:
+        # docstring inherited
+        # betas as a list: the manifest stores JSON, and a list round-trips unchanged.
+        return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay, "amsgrad": self.amsgrad}
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay, as torch.optim.AdamW: ``w *= 1 - lr * weight_decay``.
+
+    Same settings, state layout and step count as `Adam`; only the default `weight_decay`
+    (0.01, torch's) and where the decay applies differ.
+    """
+
+    name: ClassVar[str] = "adamw"
+    _decoupled: ClassVar[bool] = True
+
+    def __init__(self, lr: float = 0.001, *, betas: Sequence[float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, amsgrad: bool = False) -> None:
+        super().__init__(lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
 
 
 def optimizer_names() -> list[str]:

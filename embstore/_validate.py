@@ -1,0 +1,94 @@
+"""Checks of caller input, done once at the store boundary before anything changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import (
+    DimensionMismatchError,
+    DtypeMismatchError,
+    InvalidIdsError,
+    InvalidValuesError,
+    NonFiniteValueError,
+)
+from .spec import TableSpec
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
+    """`ids` as a C-contiguous 1-D int64 array, or `InvalidIdsError` saying what is wrong.
+
+    Any integer dtype is accepted when its values convert to int64 without loss; floats,
+    bools and out-of-range unsigned values are rejected rather than silently rounded.
+    """
+    if not isinstance(ids, np.ndarray):
+        if np.isscalar(ids):
+            raise InvalidIdsError(
+                f"table {spec.name!r}: ids must be a 1-D array, got the scalar {ids!r}; "
+                "wrap it: np.array([id])"
+            )
+        try:
+            ids = np.asarray(ids)
+        except (ValueError, TypeError) as exc:
+            raise InvalidIdsError(f"table {spec.name!r}: ids are not an array: {exc}") from exc
+        if ids.size == 0 and ids.dtype == np.float64:  # a bare [] has no dtype of its own
+            ids = ids.astype(np.int64)
+    if ids.ndim != 1:
+        raise InvalidIdsError(
+            f"table {spec.name!r}: ids must be 1-D, got shape {ids.shape}; flatten them first"
+        )
+    kind = ids.dtype.kind
+    if kind == "b" or kind not in "iu":
+        raise InvalidIdsError(
+            f"table {spec.name!r}: ids must be integers, got dtype {ids.dtype}; "
+            "convert with ids.astype(np.int64) if the values are whole numbers"
+        )
+    if kind == "u" and ids.dtype.itemsize == 8 and len(ids) and ids.max() > _INT64_MAX:
+        raise InvalidIdsError(
+            f"table {spec.name!r}: uint64 id {int(ids.max())} does not fit in int64; "
+            "hash or remap ids into the int64 range"
+        )
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    n = spec.num_embeddings
+    if n is not None and len(ids):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= n:
+            bad = lo if lo < 0 else hi
+            raise InvalidIdsError(
+                f"table {spec.name!r} has num_embeddings={n}: id {bad} is outside [0, {n}); "
+                "fix the ids or declare a larger table"
+            )
+    return ids
+
+
+def as_rows(rows: Any, n: int, spec: TableSpec, what: str = "rows") -> np.ndarray:
+    """`rows` as a C-contiguous (n, dim) array of the table dtype, checked for NaN/inf."""
+    if not isinstance(rows, np.ndarray):
+        raise InvalidValuesError(
+            f"table {spec.name!r}: {what} must be a numpy array of shape ({n}, {spec.dim}), "
+            f"got {type(rows).__name__}"
+        )
+    if rows.dtype != spec.dtype:
+        raise DtypeMismatchError(
+            f"table {spec.name!r}: {what} must have the table dtype {spec.dtype}, got "
+            f"{rows.dtype}; convert with .astype(np.{spec.dtype.name})"
+        )
+    if rows.ndim != 2 or rows.shape[1] != spec.dim:
+        raise DimensionMismatchError(
+            f"table {spec.name!r}: {what} must have shape ({n}, {spec.dim}) (dim {spec.dim}), "
+            f"got {rows.shape}"
+        )
+    if rows.shape[0] != n:
+        raise InvalidValuesError(
+            f"table {spec.name!r}: {n} ids but {rows.shape[0]} {what}; give one row per id"
+        )
+    if not spec.allow_nonfinite and rows.size and not np.isfinite(rows).all():
+        bad = int(np.flatnonzero(~np.isfinite(rows).all(axis=1))[0])
+        raise NonFiniteValueError(
+            f"table {spec.name!r}: {what} hold NaN or infinity (first at row {bad}); the "
+            "table forbids them: fix the values or declare allow_nonfinite=True"
+        )
+    return np.ascontiguousarray(rows)

@@ -1,0 +1,301 @@
+"""The tier hierarchy: a chain of backends per table, fastest on top, with write-back caching.
+
+The bottom tier is the store of record. Upper tiers are write-back caches:
+
+- a read that misses a tier and hits below is promoted into the topmost tier above it whose
+  admission policy admits it;
+- a write goes to the topmost tier that already holds the row or admits it, else further down;
+- a tier over capacity evicts the victims its eviction policy picks, and writes each dirty victim
+  into the tier below *before* dropping it, so nothing acknowledged is lost;
+- `flush` writes every dirty row down level by level, then flushes the persistent media.
+
+Invariant: the topmost tier holding an id holds its latest value; a clean copy equals the
+value in the next tier below that holds the id. Cache tiers start empty on open, so after a
+crash the store of record alone defines the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .backend import Backend
+from .index import IdGroups, IdIndex
+from .policy import AdmissionPolicy, EvictionPolicy
+from .spec import TierSpec
+
+__all__ = ["TableChain", "Tier", "TierStatistics"]
+
+
+@dataclass(frozen=True)
+class TierStatistics:
+    """Counters of one tier of one table since the store was opened."""
+
+    level: int
+    """Position in the chain; 0 is the top."""
+    backend: str
+    """Registered backend name."""
+    lookups: int
+    """Ids looked up in this tier (distinct per batch below the top)."""
+    hits: int
+    """Lookups that found the row here."""
+    misses: int
+    """Lookups that did not find the row here."""
+    promotions: int
+    """Rows copied into this tier from a tier below on a read."""
+    admissions_rejected: int
+    """Ids the admission policy kept out (reads and writes); at the bottom, dropped updates."""
+    evictions: int
+    """Rows evicted for capacity (from the bottom tier: expired features)."""
+    writebacks: int
+    """Dirty rows written from this tier into the tier below."""
+    rows: int
+    """Rows held now."""
+    bytes: int
+    """Bytes the backend holds now (payload plus index or file overhead)."""
+    capacity_rows: int | None
+    """Capacity in rows; None for unbounded."""
+
+
+class Tier:
+    """A backend with a capacity, an eviction and an admission policy, and counters."""
+
+    def __init__(self, level: int, spec: TierSpec, backend: Backend, capacity_rows: int | None,
+                 eviction: EvictionPolicy | None, admission: AdmissionPolicy | None,
+                 is_bottom: bool) -> None:
+        self.level = level
+        self.spec = spec
+        self.backend = backend
+        self.capacity_rows = capacity_rows
+        self.eviction = eviction
+        self.admission = admission
+        self.is_bottom = is_bottom
+        self.dirty = None if is_bottom else IdIndex()
+        self.counters = dict.fromkeys(("lookups", "hits", "misses", "promotions",
+                                       "admissions_rejected", "evictions", "writebacks"), 0)
+
+    def statistics(self) -> TierStatistics:
+        """A snapshot of this tier's counters and size."""
+        return TierStatistics(level=self.level, backend=self.backend.name,
+                              rows=len(self.backend), bytes=self.backend.nbytes(),
+                              capacity_rows=self.capacity_rows, **self.counters)
+
+
+class TableChain:
+    """The tiers of one table and the moves of rows between them.
+
+    Every method takes whole batches; ids passed to `put` and `delete` are distinct.
+    """
+
+    def __init__(self, tiers: list[Tier], width: int, dtype: np.dtype) -> None:
+        self.tiers = tiers
+        self.width = width
+        self.dtype = dtype
+        self._clock = 0  # logical time: one tick per batch, so policies replay identically
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # --- reads ----------------------------------------------------------------------------
+
+    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Full rows of `ids` (duplicates allowed) and whether each is stored anywhere."""
+        now = self._tick()
+        top = self.tiers[0]
+        rows, found = top.backend.get(ids)
+        hits = int(np.count_nonzero(found))
+        self._count_lookups(top, len(ids), hits)
+        if top.eviction is not None and hits:
+            top.eviction.record_access(ids if hits == len(ids) else ids[found], now)
+        if hits == len(ids) or len(self.tiers) == 1:
+            return rows, found
+        miss_pos = np.flatnonzero(~found)
+        groups = IdGroups(np.ascontiguousarray(ids[miss_pos]))
+        u = groups.unique
+        urows = np.zeros((len(u), self.width), dtype=self.dtype)
+        level_of = np.full(len(u), -1, dtype=np.int64)
+        remaining = np.arange(len(u))
+        for tier in self.tiers[1:]:
+            sub = u[remaining]
+            r, f = tier.backend.get(sub)
+            n_hit = int(np.count_nonzero(f))
+            self._count_lookups(tier, len(sub), n_hit)
+            if n_hit:
+                if tier.eviction is not None:
+                    tier.eviction.record_access(sub[f], now)
+                urows[remaining[f]] = r[f]
+                level_of[remaining[f]] = tier.level
+                remaining = remaining[~f]
+            if not len(remaining):
+                break
+        self._promote(u, urows, level_of, now)
+        rows[miss_pos] = urows[groups.inverse]
+        found[miss_pos] = (level_of >= 0)[groups.inverse]
+        return rows, found
+
+    def _count_lookups(self, tier: Tier, n: int, hits: int) -> None:
+        c = tier.counters
+        c["lookups"] += n
+        c["hits"] += hits
+        c["misses"] += n - hits
+
+    def _promote(self, ids: np.ndarray, rows: np.ndarray, level_of: np.ndarray, now: int) -> None:
+        """Copy rows found below into the topmost tier above them that admits them."""
+        for tier in self.tiers[:-1]:
+            cand = np.flatnonzero(level_of > tier.level)
+            if not len(cand):
+                continue
+            admitted = self._admit(tier, ids[cand], now)
+            sel = cand[admitted]
+            if len(sel):
+                tier.counters["promotions"] += len(sel)
+                self._insert(tier, ids[sel], rows[sel], dirty=False, now=now)
+                level_of[sel] = tier.level
+
+    @staticmethod
+    def _admit(tier: Tier, ids: np.ndarray, now: int) -> np.ndarray:
+        if tier.admission is None:
+            return np.ones(len(ids), dtype=bool)
+        admitted = np.asarray(tier.admission.admit(ids, now), dtype=bool)
+        tier.counters["admissions_rejected"] += int(len(ids) - np.count_nonzero(admitted))
+        return admitted
+
+    # --- writes ---------------------------------------------------------------------------
+
+    def put(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Write full rows of distinct `ids`; returns bool[N], False where feature admission
+        dropped the write (the id has no stored row and the bottom tier did not admit it)."""
+        now = self._tick()
+        written = np.ones(len(ids), dtype=bool)
+        bottom = self.tiers[-1]
+        if bottom.admission is not None:
+            new = ~self.contains(ids)
+            if new.any():
+                written[new] = self._admit(bottom, ids[new], now)
+                if not written.all():
+                    ids, rows = ids[written], rows[written]
+        remaining = np.arange(len(ids))
+        for tier in self.tiers[:-1]:
+            sub = ids[remaining]
+            want = tier.backend.contains(sub)
+            if not want.all():
+                absent = np.flatnonzero(~want)
+                want[absent] = self._admit(tier, sub[absent], now)
+            sel = remaining[want]
+            if len(sel):
+                self._insert(tier, ids[sel], rows[sel], dirty=True, now=now)
+            remaining = remaining[~want]
+            if not len(remaining):
+                return written
+        self._insert(bottom, ids[remaining], rows[remaining], dirty=False, now=now)
+        return written
+
+    def _insert(self, tier: Tier, ids: np.ndarray, rows: np.ndarray, *, dirty: bool,
+                now: int) -> None:
+        """Put rows into one tier, mark them dirty in caches, then enforce its capacity."""
+        if not len(ids):
+            return
+        ids = np.ascontiguousarray(ids)
+        if tier.eviction is not None:
+            existed = tier.backend.contains(ids)
+        tier.backend.put(ids, np.ascontiguousarray(rows))
+        if tier.eviction is not None:
+            if existed.any():
+                tier.eviction.record_access(ids[existed], now)
+            if not existed.all():
+                tier.eviction.record_insert(np.ascontiguousarray(ids[~existed]), now)
+        if dirty and tier.dirty is not None:
+            tier.dirty.add(ids)
+        self._enforce_capacity(tier, now)
+
+    def _enforce_capacity(self, tier: Tier, now: int) -> None:
+        if tier.eviction is None:
+            return
+        victims = tier.eviction.expired(now)
+        if tier.capacity_rows is not None:
+            over = len(tier.backend) - len(victims) - tier.capacity_rows
+            if over > 0:
+                more = tier.eviction.choose_victims(over, now)
+                victims = np.concatenate([victims, more]) if len(victims) else more
+        if not len(victims):
+            return
+        victims = np.ascontiguousarray(victims, dtype=np.int64)
+        if tier.dirty is not None:
+            dirty = victims[tier.dirty.find(victims) >= 0]
+            if len(dirty):
+                # write-back before drop: the victim's value must exist below first
+                self._write_back(tier, dirty, now)
+        tier.backend.delete(victims)
+        tier.counters["evictions"] += len(victims)
+
+    def _write_back(self, tier: Tier, ids: np.ndarray, now: int) -> None:
+        rows, _ = tier.backend.get(ids)
+        below = self.tiers[tier.level + 1]
+        self._insert(below, ids, rows, dirty=True, now=now)
+        tier.dirty.remove(ids)
+        tier.counters["writebacks"] += len(ids)
+
+    def delete(self, ids: np.ndarray) -> np.ndarray:
+        """Remove distinct `ids` from every tier; returns bool[N], which were stored."""
+        found = np.zeros(len(ids), dtype=bool)
+        for tier in self.tiers:
+            found |= tier.backend.delete(ids)
+            if tier.eviction is not None:
+                tier.eviction.record_remove(ids)
+            if tier.dirty is not None:
+                tier.dirty.remove(ids)
+        return found
+
+    # --- whole-table operations -------------------------------------------------------------
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        """bool[N]: whether each id is stored in any tier."""
+        found = np.zeros(len(ids), dtype=bool)
+        for tier in self.tiers:
+            rest = np.flatnonzero(~found)
+            if not len(rest):
+                break
+            found[rest] = tier.backend.contains(np.ascontiguousarray(ids[rest]))
+        return found
+
+    def write_back_all(self) -> None:
+        """Write every dirty row down to the store of record, level by level."""
+        now = self._tick()
+        for tier in self.tiers[:-1]:
+            dirty = tier.dirty.items()[0]
+            if len(dirty):
+                self._write_back(tier, dirty, now)
+
+    def flush(self) -> None:
+        """Write back every dirty row, then make the store of record durable."""
+        self.write_back_all()
+        for tier in self.tiers:
+            tier.backend.flush()
+
+    def __len__(self) -> int:
+        """Number of stored rows (dirty cache rows are written back first)."""
+        self.write_back_all()
+        return len(self.tiers[-1].backend)
+
+    def items(self, batch_rows: int = 65536) -> Any:
+        """(ids, full rows) batches over every stored row, after writing back dirty rows."""
+        self.write_back_all()
+        return self.tiers[-1].backend.items(batch_rows)
+
+    def statistics(self) -> list[TierStatistics]:
+        """One `TierStatistics` per tier, top first."""
+        return [t.statistics() for t in self.tiers]
+
+    def close(self) -> None:
+        """Close every backend (without flushing caches: call flush first to keep writes)."""
+        errors = []
+        for tier in self.tiers:
+            try:
+                tier.backend.close()
+            except Exception as exc:  # close the rest, then report the first failure
+                errors.append(exc)
+        if errors:
+            raise errors[0]

@@ -1,0 +1,166 @@
+"""Deterministic initializers: the value of a row that was never written.
+
+Each initializer is a pure, vectorised function of (seed, id, column): a counter-based hash
+(splitmix64), not a stateful RNG. The same id gets the same row on any tier layout, cache size,
+batch order, process or shard, which is what makes results independent of placement.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .errors import ConfigError, UnknownNameError
+
+__all__ = ["Constant", "Initializer", "Normal", "Uniform", "Zeros", "from_config",
+           "initializer_names"]
+
+_INITIALIZERS: dict[str, type[Initializer]] = {}
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on a uint64 array (wrapping arithmetic, in place where possible)."""
+    z = z ^ (z >> np.uint64(30))
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def hash_bits(seed: int, ids: np.ndarray, dim: int, stream: int = 0) -> np.ndarray:
+    """uint64[N, dim] of well-mixed bits, a pure function of (seed, stream, id, column)."""
+    # Python ints (arbitrary precision, masked) for the scalar key: numpy scalars warn on wrap
+    seed_key = _mix64(np.array([(seed * 2 + 1 + stream * int(_GOLDEN)) & (2**64 - 1)],
+                               dtype=np.uint64))
+    row_key = _mix64(ids.astype(np.int64).view(np.uint64) ^ seed_key)
+    cols = (np.arange(1, dim + 1, dtype=np.uint64) * _GOLDEN)
+    return _mix64(row_key[:, None] + cols[None, :])
+
+
+def _unit_interval(bits: np.ndarray) -> np.ndarray:
+    """float64 uniform in [0, 1) with 53 random bits."""
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+
+
+class Initializer(ABC):
+    """Produces the initial rows of ids that have never been written."""
+
+    name: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            _INITIALIZERS[cls.name] = cls
+
+    @abstractmethod
+    def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
+        """Rows array[len(ids), dim] of `dtype` for int64 `ids`; pure in (settings, id)."""
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """Constructor settings; `type(self)(**config())` recreates the initializer."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.config() == self.config()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.config().items()))))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class Zeros(Initializer):
+    """Every element 0."""
+
+    name: ClassVar[str] = "zeros"
+
+    def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
+        # docstring inherited
+        return np.zeros((len(ids), dim), dtype=dtype)
+
+    def config(self) -> dict[str, Any]:
+        # docstring inherited
+        return {}
+
+
+class Constant(Initializer):
+    """Every element `value`."""
+
+    name: ClassVar[str] = "constant"
+
+    def __init__(self, value: float) -> None:
+        self.value = float(value)
+
+    def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
+        # docstring inherited
+        return np.full((len(ids), dim), self.value, dtype=dtype)
+
+    def config(self) -> dict[str, Any]:
+        # docstring inherited
+        return {"value": self.value}
+
+
+class Uniform(Initializer):
+    """Elements uniform in [low, high), a pure function of (seed, id, column)."""
+
+    name: ClassVar[str] = "uniform"
+
+    def __init__(self, low: float = -0.05, high: float = 0.05, *, seed: int = 0) -> None:
+        if not (np.isfinite(low) and np.isfinite(high) and low < high):
+            raise ConfigError(f"Uniform needs finite low < high, got low={low}, high={high}")
+        self.low, self.high, self.seed = float(low), float(high), int(seed)
+
+    def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
+        # docstring inherited
+        u = _unit_interval(hash_bits(self.seed, ids, dim))
+        return (self.low + (self.high - self.low) * u).astype(dtype)
+
+    def config(self) -> dict[str, Any]:
+        # docstring inherited
+        return {"low": self.low, "high": self.high, "seed": self.seed}
+
+
+class Normal(Initializer):
+    """Elements normal with `mean` and `std` (Box-Muller over two hashed uniforms)."""
+
+    name: ClassVar[str] = "normal"
+
+    def __init__(self, mean: float = 0.0, std: float = 0.01, *, seed: int = 0) -> None:
+        if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
+            raise ConfigError(f"Normal needs finite mean and std > 0, got {mean}, {std}")
+        self.mean, self.std, self.seed = float(mean), float(std), int(seed)
+
+    def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
+        # docstring inherited
+        u1 = 1.0 - _unit_interval(hash_bits(self.seed, ids, dim, stream=1))  # (0, 1]: log-safe
+        u2 = _unit_interval(hash_bits(self.seed, ids, dim, stream=2))
+        z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+        return (self.mean + self.std * z).astype(dtype)
+
+    def config(self) -> dict[str, Any]:
+        # docstring inherited
+        return {"mean": self.mean, "std": self.std, "seed": self.seed}
+
+
+def initializer_names() -> list[str]:
+    """Names of every registered initializer."""
+    return sorted(_INITIALIZERS)
+
+
+def from_config(name: str, config: dict[str, Any]) -> Initializer:
+    """Recreate an initializer from its registered name and `config()`.
+
+    Raises:
+        UnknownNameError: no initializer of that name.
+    """
+    if name not in _INITIALIZERS:
+        raise UnknownNameError(
+            f"unknown initializer {name!r}; registered: {initializer_names()!r}"
+        )
+    return _INITIALIZERS[name](**config)

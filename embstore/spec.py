@@ -1,0 +1,181 @@
+"""`TableSpec` and `TierSpec`: what a store holds and where.
+
+Both serialise to plain JSON for the store's manifest, so reopening a store needs only its path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import init as init_mod
+from . import optim as optim_mod
+from .errors import ConfigError
+
+__all__ = ["TableSpec", "TierSpec", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes in a size such as "512MiB", "2GB" or "4096".
+
+    Raises:
+        ConfigError: not a size.
+    """
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(
+            f"cannot read {text!r} as a size; write e.g. '512MiB', '2GB' or a row count (int)"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One level of a table's tier chain.
+
+    Args:
+        backend: registered backend name ("dram", "pmem", "rocksdb", "lmdb", ...).
+        capacity: None (unbounded), an int number of rows, or a size string ("512MiB") of row
+            payload bytes. The bottom tier is normally unbounded: it is the store of record.
+        eviction: eviction policy name; defaults to "lru" for bounded tiers.
+        admission: admission policy name; defaults to "always".
+        eviction_options: keyword settings of the eviction policy.
+        admission_options: keyword settings of the admission policy.
+        options: keyword options of the backend (e.g. RocksDB block cache size).
+    """
+
+    backend: str
+    capacity: int | str | None = None
+    eviction: str | None = None
+    admission: str | None = None
+    eviction_options: dict[str, Any] = field(default_factory=dict)
+    admission_options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"TierSpec.backend must be a backend name, got {self.backend!r}")
+        cap = self.capacity
+        if isinstance(cap, bool) or not (cap is None or isinstance(cap, (int, str))):
+            raise ConfigError(f"TierSpec.capacity must be None, rows (int) or a size, got {cap!r}")
+        if isinstance(cap, int) and cap < 1:
+            raise ConfigError(f"TierSpec.capacity must be at least 1 row, got {cap}")
+        if isinstance(cap, str) and parse_bytes(cap) < 1:
+            raise ConfigError(f"TierSpec.capacity {cap!r} is zero bytes")
+        if self.eviction is None and cap is not None:
+            object.__setattr__(self, "eviction", "lru")
+
+    def capacity_rows(self, row_bytes: int) -> int | None:
+        """Capacity in rows for rows of `row_bytes` bytes (None: unbounded)."""
+        if self.capacity is None:
+            return None
+        if isinstance(self.capacity, int):
+            return self.capacity
+        rows = parse_bytes(self.capacity) // row_bytes
+        if rows < 1:
+            raise ConfigError(
+                f"tier capacity {self.capacity!r} holds no row of {row_bytes} bytes; raise it"
+            )
+        return rows
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form for the manifest."""
+        return {"backend": self.backend, "capacity": self.capacity, "eviction": self.eviction,
+                "admission": self.admission, "eviction_options": dict(self.eviction_options),
+                "admission_options": dict(self.admission_options), "options": dict(self.options)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TierSpec:
+        """Inverse of `to_json`."""
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table.
+
+    Args:
+        name: table name (letters, digits, `_ . -`; used in file names).
+        dim: embedding dimension (weights per row).
+        dtype: dtype of weights and optimizer state (a float dtype).
+        init: initializer giving the value of never-written ids.
+        optimizer: fused optimizer applied by `apply_gradients`.
+        num_embeddings: if set, ids must lie in [0, num_embeddings).
+        allow_nonfinite: accept NaN and infinity in rows and gradients.
+        tiers: this table's chain, overriding the store's default.
+    """
+
+    name: str
+    dim: int
+    dtype: Any = np.float32
+    init: init_mod.Initializer = field(default_factory=init_mod.Zeros)
+    optimizer: optim_mod.Optimizer = field(default_factory=optim_mod.SGD)
+    num_embeddings: int | None = None
+    allow_nonfinite: bool = False
+    tiers: tuple[TierSpec, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigError(
+                f"table name {self.name!r} must be 1-128 characters of letters, digits, "
+                "'_', '.', '-', not starting with '.' or '-'"
+            )
+        if isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer)) \
+                or self.dim < 1:
+            raise ConfigError(f"table {self.name!r}: dim must be a positive int, got {self.dim!r}")
+        object.__setattr__(self, "dim", int(self.dim))
+        try:
+            dtype = np.dtype(self.dtype)
+        except TypeError as exc:
+            raise ConfigError(f"table {self.name!r}: {self.dtype!r} is not a dtype") from exc
+        if dtype.kind != "f":
+            raise ConfigError(f"table {self.name!r}: dtype must be a float dtype, got {dtype}")
+        object.__setattr__(self, "dtype", dtype)
+        if not isinstance(self.init, init_mod.Initializer):
+            raise ConfigError(f"table {self.name!r}: init must be an embstore.init initializer")
+        if not isinstance(self.optimizer, optim_mod.Optimizer):
+            raise ConfigError(f"table {self.name!r}: optimizer must be an embstore.optim optimizer")
+        n = self.num_embeddings
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+            raise ConfigError(f"table {self.name!r}: num_embeddings must be None or >= 1, got {n!r}")
+        if self.tiers is not None:
+            tiers = tuple(self.tiers)
+            if not tiers or not all(isinstance(t, TierSpec) for t in tiers):
+                raise ConfigError(f"table {self.name!r}: tiers must be a non-empty list of TierSpec")
+            object.__setattr__(self, "tiers", tiers)
+
+    @property
+    def row_width(self) -> int:
+        """Stored elements per row: weights plus optimizer state."""
+        return self.dim + self.optimizer.state_width(self.dim)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form for the manifest."""
+        return {
+            "name": self.name, "dim": self.dim, "dtype": self.dtype.str,
+            "init": {"name": self.init.name, "config": self.init.config()},
+            "optimizer": {"name": self.optimizer.name, "config": self.optimizer.config()},
+            "num_embeddings": self.num_embeddings, "allow_nonfinite": self.allow_nonfinite,
+            "tiers": None if self.tiers is None else [t.to_json() for t in self.tiers],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TableSpec:
+        """Inverse of `to_json`."""
+        return cls(
+            name=data["name"], dim=data["dim"], dtype=np.dtype(data["dtype"]),
+            init=init_mod.from_config(data["init"]["name"], data["init"]["config"]),
+            optimizer=optim_mod.from_config(data["optimizer"]["name"],
+                                            data["optimizer"]["config"]),
+            num_embeddings=data["num_embeddings"], allow_nonfinite=data["allow_nonfinite"],
+            tiers=None if data["tiers"] is None
+            else tuple(TierSpec.from_json(t) for t in data["tiers"]),
+        )

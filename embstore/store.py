@@ -1,0 +1,454 @@
+"""`EmbeddingStore` and `open`: the public face of embstore.
+
+A store holds named tables; each table's rows live in a chain of tiers (embstore.hierarchy).
+Every public method validates its input completely before it changes anything, so a call
+that raises an `InvalidIdsError`, `InvalidValuesError` or `UnknownTableError` leaves the store
+as it was. Calls are serialised by a lock, so one store may be shared between threads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import registry
+from ._validate import as_ids, as_rows
+from .backend import BackendSpec
+from .errors import (
+    ConfigError,
+    NonFiniteValueError,
+    ReadOnlyError,
+    StoreClosedError,
+    StoreLockedError,
+    StoreNotFoundError,
+    UnknownTableError,
+)
+from .hierarchy import TableChain, Tier, TierStatistics
+from .index import IdGroups
+from .manifest import MANIFEST_NAME, read_manifest, write_manifest
+from .spec import TableSpec, TierSpec
+
+__all__ = ["EmbeddingStore", "open"]
+
+_LOCK_NAME = "LOCK"
+DEFAULT_TIERS = (TierSpec("dram"),)
+
+
+@dataclass
+class _Table:
+    spec: TableSpec
+    chain: TableChain
+    updates_dropped: int = 0
+
+
+class EmbeddingStore:
+    """Embedding tables in a hierarchy of tiers. Create it with `embstore.open`.
+
+    Example::
+
+        with embstore.open(None, tables=[embstore.TableSpec("user", dim=16)]) as store:
+            rows = store.lookup("user", np.array([3, 1, 3]))        # (3, 16)
+            store.apply_gradients("user", np.array([3]), np.ones((1, 16), np.float32))
+    """
+
+    def __init__(self, path: Path | None, specs: list[TableSpec], tiers: tuple[TierSpec, ...],
+                 *, read_only: bool, lock_fd: int | None) -> None:
+        self._path = path
+        self._default_tiers = tiers
+        self._read_only = read_only
+        self._lock_fd = lock_fd
+        self._mutex = threading.RLock()
+        self._tables: dict[str, _Table] = {}
+        self._closed = False
+        try:
+            for spec in specs:
+                self._tables[spec.name] = _Table(spec, self._build_chain(spec))
+        except BaseException:
+            self._close_tables()
+            self._release_lock()
+            raise
+
+    # --- construction -----------------------------------------------------------------------
+
+    def _build_chain(self, spec: TableSpec) -> TableChain:
+        tier_specs = spec.tiers or self._default_tiers
+        width, dtype = spec.row_width, spec.dtype
+        row_bytes = width * dtype.itemsize
+        tiers: list[Tier] = []
+        try:
+            for level, ts in enumerate(tier_specs):
+                is_bottom = level == len(tier_specs) - 1
+                cls = registry.load_backend(ts.backend)
+                path = None
+                if self._path is not None and (cls.requires_path or is_bottom):
+                    # caches live apart from the store of record and start empty on open: after
+                    # a crash their unflushed rows must not shadow the bottom tier's
+                    path = (self._path / f"tier{level}-{ts.backend}" if is_bottom
+                            else self._path / "cache" / f"tier{level}-{ts.backend}")
+                    if not is_bottom and path.exists() and not self._read_only:
+                        shutil.rmtree(path / spec.name, ignore_errors=True)
+                elif cls.requires_path:
+                    raise ConfigError(
+                        f"table {spec.name!r}: backend {ts.backend!r} needs a directory; open the "
+                        "store with a path, or use only 'dram' tiers for an in-memory store"
+                    )
+                capacity = ts.capacity_rows(row_bytes)
+                bspec = BackendSpec(path=path, dim=width, dtype=dtype, table=spec.name,
+                                    read_only=self._read_only and is_bottom,
+                                    capacity_bytes=None if capacity is None else capacity * row_bytes)
+                backend = cls.open(bspec, **ts.options)
+                if not is_bottom and len(backend):
+                    backend.delete(backend.ids())  # a cache medium that kept rows: start empty
+                eviction = admission = None
+                if ts.eviction is not None:
+                    eviction = registry.load_policy(ts.eviction)(**ts.eviction_options)
+                if ts.admission is not None and ts.admission != "always":
+                    admission = registry.load_policy(ts.admission)(**ts.admission_options)
+                tiers.append(Tier(level, ts, backend, capacity, eviction, admission, is_bottom))
+        except BaseException:
+            for tier in tiers:
+                tier.backend.close()
+            raise
+        return TableChain(tiers, width, dtype)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _table(self, name: str) -> _Table:
+        if self._closed:
+            raise StoreClosedError("the store is closed; open it again with embstore.open(path)")
+        table = self._tables.get(name)
+        if table is None:
+            raise UnknownTableError(name, list(self._tables))
+        return table
+
+    def _check_writable(self) -> None:
+        if self._read_only:
+            raise ReadOnlyError("the store was opened read-only; reopen it with read_only=False")
+
+    def _fill_absent(self, spec: TableSpec, ids: np.ndarray, rows: np.ndarray,
+                     found: np.ndarray, *, with_state: bool) -> None:
+        """Give never-written rows their initial weights (and optimizer state)."""
+        if found.all():
+            return
+        miss = np.flatnonzero(~found)
+        rows[miss, : spec.dim] = spec.init(ids[miss], spec.dim, spec.dtype)
+        if with_state and spec.row_width > spec.dim:
+            rows[miss, spec.dim :] = spec.optimizer.initial_state(len(miss), spec.dim, spec.dtype)
+
+    # --- public API -------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path | None:
+        """The store's directory, or None for an in-memory store."""
+        return self._path
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the store rejects writes."""
+        return self._read_only
+
+    @property
+    def tables(self) -> list[str]:
+        """Names of the store's tables."""
+        return list(self._tables)
+
+    def table_spec(self, table: str) -> TableSpec:
+        """The `TableSpec` of `table`.
+
+        Raises:
+            UnknownTableError: no such table.
+        """
+        return self._table(table).spec
+
+    def lookup(self, table: str, ids: Any) -> np.ndarray:
+        """Weights of `ids` (1-D integers, duplicates allowed) as a new array[len(ids), dim].
+
+        Ids never written get their initializer's value. Rows found in a lower tier may be
+        promoted into a faster one.
+
+        Raises:
+            UnknownTableError, InvalidIdsError, StoreClosedError, CorruptStoreError.
+        """
+        with self._mutex:
+            t = self._table(table)
+            ids = as_ids(ids, t.spec)
+            rows, found = t.chain.get(ids)
+            self._fill_absent(t.spec, ids, rows, found, with_state=False)
+            if t.spec.row_width != t.spec.dim:
+                rows = np.ascontiguousarray(rows[:, : t.spec.dim])
+            return rows
+
+    def lookup_state(self, table: str, ids: Any) -> np.ndarray:
+        """Optimizer state of `ids`: array[len(ids), state_width] (width 0 for SGD)."""
+        with self._mutex:
+            t = self._table(table)
+            ids = as_ids(ids, t.spec)
+            rows, found = t.chain.get(ids)
+            self._fill_absent(t.spec, ids, rows, found, with_state=True)
+            return np.ascontiguousarray(rows[:, t.spec.dim :])
+
+    def update(self, table: str, ids: Any, rows: Any) -> None:
+        """Overwrite the weights of `ids` with `rows` (array[len(ids), dim] of the table dtype).
+
+        Where an id occurs more than once the last row wins. Optimizer state is kept (new rows
+        get the optimizer's initial state).
+
+        Raises:
+            UnknownTableError, InvalidIdsError, DtypeMismatchError, DimensionMismatchError,
+            NonFiniteValueError, ReadOnlyError, StoreClosedError.
+        """
+        with self._mutex:
+            t = self._table(table)
+            ids = as_ids(ids, t.spec)
+            rows = as_rows(rows, len(ids), t.spec)
+            self._check_writable()
+            groups = IdGroups(ids)
+            if groups.has_duplicates:
+                ids, rows = groups.unique, np.ascontiguousarray(rows[groups.last])
+            if t.spec.row_width != t.spec.dim:
+                full, found = t.chain.get(ids)
+                self._fill_absent(t.spec, ids, full, found, with_state=True)
+                full[:, : t.spec.dim] = rows
+                rows = full
+            t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, rows)))
+
+    def apply_gradients(self, table: str, ids: Any, grads: Any) -> None:
+        """Apply the table's fused optimizer to `ids` with `grads` (array[len(ids), dim]).
+
+        Gradients of duplicate ids are summed in position order, then each distinct row is
+        updated once together with its optimizer state. The same calls give bit-identical
+        tables on any tier chain.
+
+        Raises:
+            UnknownTableError, InvalidIdsError, DtypeMismatchError, DimensionMismatchError,
+            NonFiniteValueError (in the gradients, or in the result where the table forbids
+            it: nothing is written then), ReadOnlyError, StoreClosedError.
+        """
+        with self._mutex:
+            t = self._table(table)
+            spec = t.spec
+            ids = as_ids(ids, spec)
+            grads = as_rows(grads, len(ids), spec, what="gradients")
+            self._check_writable()
+            groups = IdGroups(ids)
+            if groups.has_duplicates:
+                summed = np.zeros((len(groups.unique), spec.dim), dtype=spec.dtype)
+                np.add.at(summed, groups.inverse, grads)  # unbuffered: adds in position order
+                ids, grads = groups.unique, summed
+            full, found = t.chain.get(ids)
+            self._fill_absent(spec, ids, full, found, with_state=True)
+            spec.optimizer.step(full[:, : spec.dim], full[:, spec.dim :], grads)
+            if not spec.allow_nonfinite and not np.isfinite(full).all():
+                bad = int(ids[np.flatnonzero(~np.isfinite(full).all(axis=1))[0]])
+                raise NonFiniteValueError(
+                    f"table {spec.name!r}: the optimizer step made row {bad} non-finite "
+                    "(exploding gradients or learning rate?); nothing was written"
+                )
+            t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, full)))
+
+    def delete(self, table: str, ids: Any) -> int:
+        """Remove the rows of `ids`; later lookups return initial values. Returns rows removed."""
+        with self._mutex:
+            t = self._table(table)
+            ids = as_ids(ids, t.spec)
+            self._check_writable()
+            unique = IdGroups(ids).unique
+            return int(np.count_nonzero(t.chain.delete(unique)))
+
+    def num_rows(self, table: str) -> int:
+        """Number of stored (ever written, not deleted) rows of `table`."""
+        with self._mutex:
+            return len(self._table(table).chain)
+
+    def items(self, table: str, batch_rows: int = 65536) -> Any:
+        """Yield (ids, weights, state) batches over every stored row of `table`."""
+        with self._mutex:
+            t = self._table(table)
+            dim = t.spec.dim
+            for ids, rows in t.chain.items(batch_rows):
+                yield ids, rows[:, :dim], rows[:, dim:]
+
+    def flush(self) -> None:
+        """Make every acknowledged write durable in the persistent tiers.
+
+        Dirty rows in cache tiers are written down to the store of record, which is then
+        synced; after `flush` returns, a crash loses none of the writes before it.
+        """
+        with self._mutex:
+            if self._closed:
+                raise StoreClosedError("the store is closed; open it again")
+            if self._read_only:
+                return
+            for t in self._tables.values():
+                t.chain.flush()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per table: stored rows, dropped updates and one `TierStatistics` per tier."""
+        with self._mutex:
+            if self._closed:
+                raise StoreClosedError("the store is closed; open it again")
+            return {name: {"updates_dropped": t.updates_dropped,
+                           "tiers": t.chain.statistics()}
+                    for name, t in self._tables.items()}
+
+    def tier_statistics(self, table: str) -> list[TierStatistics]:
+        """One `TierStatistics` per tier of `table`, top first."""
+        with self._mutex:
+            return self._table(table).chain.statistics()
+
+    def close(self) -> None:
+        """Flush (unless read-only), close every tier and release the lock. Idempotent."""
+        with self._mutex:
+            if self._closed:
+                return
+            try:
+                if not self._read_only:
+                    for t in self._tables.values():
+                        t.chain.flush()
+            finally:
+                self._closed = True
+                try:
+                    self._close_tables()
+                finally:
+                    self._release_lock()
+
+    def _close_tables(self) -> None:
+        first: BaseException | None = None
+        for t in self._tables.values():
+            try:
+                t.chain.close()
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has been called."""
+        return self._closed
+
+    def __enter__(self) -> EmbeddingStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = str(self._path) if self._path else "memory"
+        return f"<EmbeddingStore {where} tables={self.tables}{' closed' if self._closed else ''}>"
+
+    def _manifest_body(self) -> dict[str, Any]:
+        return {"tiers": [t.to_json() for t in self._default_tiers],
+                "tables": [t.spec.to_json() for t in self._tables.values()]}
+
+
+def _lock(path: Path, read_only: bool) -> int:
+    fd = os.open(path / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if read_only else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLockedError(
+            f"{path} is open in another process or handle; close that store first"
+        ) from None
+    return fd
+
+
+def _check_unique(specs: list[TableSpec]) -> None:
+    names = [s.name for s in specs]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ConfigError(f"table names must be unique, {sorted(dup)} given more than once")
+
+
+def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = None,
+         tiers: list[TierSpec] | None = None, *, read_only: bool = False) -> EmbeddingStore:
+    """Open or create a store.
+
+    Args:
+        path: the store's directory, or None for an in-memory store of DRAM tiers.
+        tables: table specs. Required to create a store; on reopen, tables already in the
+            manifest must be given exactly as stored, and new ones are added.
+        tiers: the default tier chain, top first (default: one DRAM tier). Fixed at creation.
+        read_only: open without write access (a shared lock; writes raise ReadOnlyError).
+
+    Raises:
+        StoreNotFoundError: no store at `path` and no tables to create one, or `path` is a file
+            or a directory of other files.
+        StoreLockedError: another process or handle holds the store.
+        ConfigError: invalid specs, or specs that contradict the manifest.
+        CorruptStoreError: the manifest or a tier's files are damaged.
+    """
+    specs = list(tables or [])
+    if not all(isinstance(s, TableSpec) for s in specs):
+        raise ConfigError("tables must be a list of embstore.TableSpec")
+    _check_unique(specs)
+    tier_specs = tuple(tiers) if tiers is not None else None
+    if tier_specs is not None and (not tier_specs
+                                   or not all(isinstance(t, TierSpec) for t in tier_specs)):
+        raise ConfigError("tiers must be a non-empty list of embstore.TierSpec")
+
+    if path is None:
+        if read_only:
+            raise ConfigError("an in-memory store cannot be read-only")
+        if not specs:
+            raise ConfigError("an in-memory store needs tables=[TableSpec(...)]")
+        return EmbeddingStore(None, specs, tier_specs or DEFAULT_TIERS, read_only=False,
+                              lock_fd=None)
+
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise StoreNotFoundError(f"{directory} is a file, not a store directory")
+    exists = (directory / MANIFEST_NAME).exists()
+    if not exists:
+        if not specs or read_only:
+            read_manifest(directory)  # raises StoreNotFoundError with the reason
+        if directory.exists() and any(p.name != _LOCK_NAME for p in directory.iterdir()):
+            raise StoreNotFoundError(
+                f"{directory} holds files but no {MANIFEST_NAME}: it is not an embstore store; "
+                "choose an empty or new directory"
+            )
+        directory.mkdir(parents=True, exist_ok=True)
+    lock_fd = _lock(directory, read_only)
+    try:
+        if exists:
+            doc = read_manifest(directory)
+            stored_tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
+            if tier_specs is not None and tier_specs != stored_tiers:
+                raise ConfigError(
+                    f"{directory} was created with tiers {stored_tiers}; a store's default chain "
+                    "is fixed at creation: omit tiers= or export/import into a new store"
+                )
+            stored = [TableSpec.from_json(t) for t in doc["tables"]]
+            by_name = {s.name: s for s in stored}
+            for spec in specs:
+                if spec.name in by_name and by_name[spec.name] != spec:
+                    raise ConfigError(
+                        f"table {spec.name!r} exists with {by_name[spec.name]}; it was given as "
+                        f"{spec}: omit it to use the stored spec"
+                    )
+            added = [s for s in specs if s.name not in by_name]
+            if added and read_only:
+                raise ReadOnlyError("cannot add tables to a store opened read-only")
+            all_specs, chain = stored + added, stored_tiers
+        else:
+            all_specs, chain, added = specs, tier_specs or DEFAULT_TIERS, specs
+        store = EmbeddingStore(directory, all_specs, chain, read_only=read_only, lock_fd=lock_fd)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+    if added:
+        write_manifest(directory, store._manifest_body())
+    return store
