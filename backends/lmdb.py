@@ -1,0 +1,360 @@
+"""The LMDB backend: rows in a memory-mapped B+tree, one named database per table.
+
+A tier directory holds one LMDB environment (``data.mdb``, ``lock.mdb``, created with mode
+0600) shared by the tables of the tier; table `t` is the named database ``t:<t>``, and the
+named database ``embstore:meta`` holds one JSON record per table (dim, dtype, format) checked
+on reopen. A batch is read in one read transaction and written in one write transaction. The
+map grows by itself: a write that fills it is rolled back, the map is doubled and the whole
+transaction is retried.
+
+Keys are 8 bytes, big-endian with the sign bit flipped, so a scan yields ids in numeric order.
+Stored value layout (R = BackendSpec.row_bytes), imported by the corruption tests:
+
+    offset  size  field
+    0       4     CRC-32C, uint32 little-endian, of the id (8 bytes little-endian) ++ payload
+    4       R     payload: the row, BackendSpec.dtype, C order
+
+LMDB has no checksums of its own; the per-row CRC detects any change of a stored value.
+
+Durability (default `sync_commits=True`): each write transaction syncs its data pages on commit
+but not the meta page (MDB_NOMETASYNC), so a crash of the process or of the OS may undo the
+last committed batch (D), never mix two (A, C). `flush()` syncs everything: after it returns
+no crash loses an earlier write. `sync_commits=False` (MDB_NOSYNC) skips the per-commit sync:
+a process crash still loses nothing, but an OS crash or power loss between flushes may lose or
+damage the environment (A, C and D), as LMDB documents for MDB_NOSYNC.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar, Final, NoReturn, TypeVar, final
+
+import lmdb
+import numpy as np
+
+from embstore.backend import Backend, BackendSpec
+from embstore.errors import (
+    CapacityError,
+    ConfigError,
+    CorruptStoreError,
+    StoreLockedError,
+    StoreNotFoundError,
+)
+
+from ._keys import (
+    CRC_OFFSET,
+    CRC_SIZE,
+    PAYLOAD_OFFSET,
+    VALUE_LAYOUT,
+    SharedHandles,
+    decode_keys,
+    decode_values,
+    encode_keys,
+    encode_values,
+    record_dtype,
+)
+
+__all__ = ["CRC_OFFSET", "CRC_SIZE", "FILE_MODE", "PAYLOAD_OFFSET", "VALUE_LAYOUT",
+           "LMDBBackend"]
+
+FORMAT: Final = 1
+FILE_MODE: Final = 0o600
+DB_PREFIX: Final = b"t:"
+META_DB: Final = b"embstore:meta"
+
+_HANDLES: SharedHandles[lmdb.Environment] = SharedHandles("lmdb")
+T = TypeVar("T")
+
+
+@final
+class LMDBBackend(Backend):
+    """One table in a named database of the LMDB environment of its tier directory.
+
+    Args:
+        spec: the table; `spec.path` is the tier directory.
+        map_size_bytes: initial size of the memory map (the file grows only as pages are used).
+        max_map_size_bytes: the map never grows past this; a write that needs more raises
+            CapacityError.
+        sync_commits: sync the data pages of every write transaction (see the module's
+            Durability note); False defers every sync to `flush()`.
+        max_tables: named databases the environment can hold (LMDB's max_dbs), one per table.
+        max_readers: concurrent read transactions across processes.
+        readahead: let the OS read ahead on page faults; off suits random lookups in a table
+            larger than memory.
+
+    Raises:
+        ConfigError: no path or an invalid option, or a table stored with another dim/dtype.
+        StoreLockedError: the directory is open read-only in this process and a writer asks.
+        StoreNotFoundError: read-only open of a directory or table that does not exist.
+    """
+
+    name: ClassVar[str] = "lmdb"
+    supports_persistence: ClassVar[bool] = True
+
+    def __init__(self, spec: BackendSpec, *, map_size_bytes: int = 1 << 30,
+                 max_map_size_bytes: int = 1 << 40, sync_commits: bool = True,
+                 max_tables: int = 64, max_readers: int = 126, readahead: bool = False) -> None:
+        super().__init__(spec)
+        if spec.path is None:
+            raise ConfigError("the lmdb backend stores rows on disk: give its tier a path")
+        for opt, value, low in (("map_size_bytes", map_size_bytes, 1 << 16),
+                                ("max_map_size_bytes", max_map_size_bytes, map_size_bytes),
+                                ("max_tables", max_tables, 2),
+                                ("max_readers", max_readers, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"lmdb option {opt} must be an int >= {low}, got {value!r}")
+        self._settings = (("map_size_bytes", map_size_bytes),
+                          ("max_map_size_bytes", max_map_size_bytes),
+                          ("sync_commits", bool(sync_commits)),
+                          ("max_tables", max_tables),
+                          ("max_readers", max_readers),
+                          ("readahead", bool(readahead)))
+        self._dir: Path = spec.path
+        self._file = self._dir / "data.mdb"
+        self._max_map = max_map_size_bytes
+        self._rec = record_dtype(spec.dtype, spec.dim)
+        if not spec.read_only:
+            # Made here, not by lmdb.open: LMDB would give the directory FILE_MODE, no x bit.
+            self._dir.mkdir(parents=True, exist_ok=True)
+        self._key = _HANDLES.key(self._dir)
+        self._env: Any = _HANDLES.acquire(self._key, self._settings, spec.read_only,
+                                          self._open_env)
+        try:
+            self._db = self._open_table()
+        except BaseException:
+            _HANDLES.release(self._key, _close_env)
+            raise
+
+    # --- opening --------------------------------------------------------------------------
+
+    def _open_env(self) -> Any:
+        # Called once per directory and process, by the first table opened there.
+        s = dict(self._settings)
+        if self.spec.read_only and not self._file.exists():
+            raise StoreNotFoundError(
+                f"no LMDB environment in {self._dir}; open it for writing first to create it"
+            )
+        try:
+            env = lmdb.open(str(self._dir), map_size=s["map_size_bytes"], subdir=True,
+                            readonly=self.spec.read_only, create=not self.spec.read_only,
+                            mode=FILE_MODE, sync=s["sync_commits"], metasync=False,
+                            max_dbs=s["max_tables"], max_readers=s["max_readers"],
+                            readahead=s["readahead"], lock=True)
+        except lmdb.Error as exc:
+            _fail(exc, f"opening LMDB environment {self._dir}")
+        # Reader slots of dead processes pin old pages and would stop the file from reusing them.
+        env.reader_check()
+        return env
+
+    def _open_table(self) -> Any:
+        meta = {"format": FORMAT, "dim": self.spec.dim, "dtype": self.spec.dtype.str}
+        name = DB_PREFIX + self.spec.table.encode()
+        create = not self.spec.read_only
+        try:
+            meta_db = self._env.open_db(META_DB, create=create)
+            with self._env.begin(db=meta_db) as txn:
+                stored = txn.get(self.spec.table.encode())
+        except lmdb.NotFoundError:
+            stored = None
+        except lmdb.Error as exc:
+            _fail(exc, f"opening table {self.spec.table!r} in {self._dir}")
+        if stored is not None:
+            found = json.loads(bytes(stored))
+            if (found.get("dim"), found.get("dtype")) != (meta["dim"], meta["dtype"]):
+                raise ConfigError(
+                    f"table {self.spec.table!r} in {self._dir} holds rows of dim "
+                    f"{found.get('dim')} dtype {found.get('dtype')}, the spec asks for dim "
+                    f"{self.spec.dim} dtype {self.spec.dtype.str}; open it with its own spec"
+                )
+        try:
+            db = self._env.open_db(name, create=create)
+        except lmdb.NotFoundError as exc:
+            raise StoreNotFoundError(
+                f"table {self.spec.table!r} does not exist in LMDB environment {self._dir}"
+            ) from exc
+        except lmdb.Error as exc:
+            _fail(exc, f"opening table {self.spec.table!r} in {self._dir}")
+        if stored is None and create:
+            record = json.dumps(meta).encode()
+            self._write_txn(lambda txn: txn.put(self.spec.table.encode(), record, db=meta_db))
+        return db
+
+    # --- transactions ---------------------------------------------------------------------
+
+    def _write_txn(self, body: Callable[[Any], T]) -> T:
+        """Run `body(txn)` in one write transaction, growing the map and retrying when full."""
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    return body(txn)
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.MapResizedError:
+                # Another process grew the map: adopt its size and retry.
+                self._env.set_mapsize(0)
+            except lmdb.Error as exc:
+                _fail(exc, f"writing table {self.spec.table!r} in {self._file}")
+
+    def _read_txn(self, body: Callable[[Any], T]) -> T:
+        """Run `body(txn)` in one read transaction (buffers valid only inside it)."""
+        while True:
+            try:
+                with self._env.begin(buffers=True) as txn:
+                    return body(txn)
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)
+            except lmdb.Error as exc:
+                _fail(exc, f"reading table {self.spec.table!r} in {self._file}")
+
+    def _grow(self) -> None:
+        # The transaction was rolled back, so no transaction of this process is open: LMDB
+        # allows set_mapsize only then.
+        size = self._env.info()["map_size"]
+        if size >= self._max_map:
+            raise CapacityError(
+                f"LMDB environment {self._dir} is full at its maximum map size of {size} bytes",
+                hint="raise the tier's max_map_size_bytes option or free disk space",
+            )
+        self._env.set_mapsize(min(size * 2, self._max_map))
+
+    # --- Backend --------------------------------------------------------------------------
+
+    def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(ids)
+        if n == 0:
+            return np.zeros((0, self.spec.dim), dtype=self.spec.dtype), np.zeros(0, dtype=bool)
+        # Distinct ids in key order: duplicates are read once and neighbours share pages.
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        keys = encode_keys(uniq)
+        db = self._db
+
+        def read(txn: Any) -> tuple[np.ndarray, np.ndarray]:
+            get = txn.get
+            values = [get(k, db=db) for k in keys]
+            found = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+            rows = np.zeros((len(uniq), self.spec.dim), dtype=self.spec.dtype)
+            if found.any():
+                # The buffers point into the map: check and copy them before the txn ends.
+                rows[found] = decode_values(uniq[found], [v for v in values if v is not None],
+                                            self._rec, table=self.spec.table, file=self._file)
+            return rows, found
+
+        rows_u, found_u = self._read_txn(read)
+        return rows_u[inverse], found_u[inverse]
+
+    def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        items = list(zip(encode_keys(ids), encode_values(ids, rows, self._rec), strict=True))
+        self._write_txn(lambda txn: txn.cursor(db=self._db).putmulti(items))
+
+    def _delete(self, ids: np.ndarray) -> np.ndarray:
+        keys = encode_keys(ids)
+
+        def delete(txn: Any) -> np.ndarray:
+            rm = txn.delete
+            return np.fromiter((rm(k, db=self._db) for k in keys), dtype=bool, count=len(keys))
+
+        return self._write_txn(delete)
+
+    def _scan(self, batch_rows: int, *, values: bool) -> Iterator[tuple[list[bytes], list[Any]]]:
+        """Yield (keys, values) in key order, batch_rows at a time.
+
+        Each batch has its own read transaction, so none stays open while the caller works
+        (an open one would block growing the map and pin old pages).
+        """
+        after: bytes | None = None
+        while True:
+            def read(txn: Any, after: bytes | None = after) -> tuple[list[bytes], list[Any]]:
+                cur = txn.cursor(db=self._db)
+                keys: list[bytes] = []
+                vals: list[Any] = []
+                ok = cur.first() if after is None else cur.set_range(after)
+                if ok and after is not None and cur.key() == after:
+                    ok = cur.next()
+                while ok and len(keys) < batch_rows:
+                    keys.append(bytes(cur.key()))
+                    if values:
+                        vals.append(bytes(cur.value()))
+                    ok = cur.next()
+                return keys, vals
+
+            keys, vals = self._read_txn(read)
+            if not keys:
+                return
+            yield keys, vals
+            if len(keys) < batch_rows:
+                return
+            after = keys[-1]
+
+    def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield (ids, rows) batches in id order, every stored row once.
+
+        Raises:
+            StoreClosedError: after close().
+            CorruptStoreError: a row failed its checksum.
+        """
+        self._check_open()
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
+        return self._items(batch_rows)
+
+    def _items(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for keys, vals in self._scan(batch_rows, values=True):
+            self._check_open()
+            ids = decode_keys(keys)
+            rows = decode_values(ids, vals, self._rec, table=self.spec.table, file=self._file)
+            yield ids, rows.copy()
+
+    def _ids(self) -> np.ndarray:
+        parts = [decode_keys(keys) for keys, _ in self._scan(1 << 16, values=False)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def _len(self) -> int:
+        return int(self._read_txn(lambda txn: txn.stat(self._db)["entries"]))
+
+    def nbytes(self) -> int:
+        # docstring inherited
+        st = self._read_txn(lambda txn: txn.stat(self._db))
+        pages = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return int(pages * st["psize"])
+
+    def statistics(self) -> dict[str, Any]:
+        # docstring inherited
+        stats = super().statistics()
+        info = self._env.info()
+        stats["path"] = str(self._file)
+        stats["map_size"] = info["map_size"]
+        stats["options"] = dict(self._settings)
+        return stats
+
+    def _flush(self) -> None:
+        try:
+            self._env.sync(True)
+        except lmdb.Error as exc:
+            _fail(exc, f"syncing LMDB environment {self._dir}")
+
+    def _close(self) -> None:
+        self._db = None
+        self._env = None
+        _HANDLES.release(self._key, _close_env)
+
+
+def _close_env(env: Any) -> None:
+    env.close()
+
+
+def _fail(exc: lmdb.Error, what: str) -> NoReturn:
+    """Re-raise an LMDB error as the embstore error it means (as itself where none fits)."""
+    if isinstance(exc, lmdb.CorruptedError | lmdb.InvalidError | lmdb.PageNotFoundError):
+        raise CorruptStoreError(
+            f"{what}: LMDB reports a damaged environment ({exc}); restore the tier from a "
+            "checkpoint"
+        ) from exc
+    if isinstance(exc, lmdb.LockError | lmdb.ReadersFullError):
+        raise StoreLockedError(f"{what}: {exc}; close the other users of the environment") \
+            from exc
+    if isinstance(exc, lmdb.MapFullError):
+        raise CapacityError(f"{what}: {exc}", hint="raise the tier's max_map_size_bytes option") \
+            from exc
+    raise exc
