@@ -1,0 +1,86 @@
+"""The recency log shared by LRU and TTL eviction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from embstore.policy import EvictionPolicy
+
+from ._tracked import SlotLog, Tracked, as_ids
+
+__all__: list[str] = []
+
+
+class RecencyEviction(EvictionPolicy):
+    """Evict the ids whose last access or insert is oldest (base of LRU and TTL).
+
+    Recency is the order of calls (the tier's `now` never decreases); ids touched in one call
+    are ordered by id, so ties break deterministically. Each access appends the slot to a log
+    and makes its older entry stale, so an access batch costs O(batch) and a victim scan
+    O(victims + stale entries), instead of an O(tracked) partition per eviction.
+    """
+
+    def __init__(self, *, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self._t = Tracked({"stamp": (np.int64, 0), "time": (np.float64, 0.0)})
+        self._log = SlotLog()
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def _touch(self, slots: np.ndarray, now: float) -> None:
+        # np.unique dedupes a batch (it sorts by slot); re-sort by id for the tie rule
+        slots = np.unique(slots)
+        slots = slots[np.argsort(self._t.ids[slots], kind="stable")]
+        self._log.push(slots, self._t.cols["stamp"], self._t.alive)
+        self._t.cols["time"][slots] = now
+
+    def record_access(self, ids: np.ndarray, now: float) -> None:
+        # docstring inherited
+        slots = self._t.find(ids)
+        if len(slots):
+            self._touch(slots, now)
+
+    def record_insert(self, ids: np.ndarray, now: float) -> None:
+        # docstring inherited
+        if len(ids):
+            self._touch(self._t.insert(as_ids(ids)), now)
+
+    def record_remove(self, ids: np.ndarray) -> None:
+        # docstring inherited
+        self._t.remove(ids)
+
+    def choose_victims(self, n: int, now: float) -> np.ndarray:
+        # docstring inherited
+        n = min(int(n), len(self))
+        if n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        slots, _, pos = self._log.peek_live(n, self._t.cols["stamp"], self._t.alive)
+        self._log.advance(pos)
+        return self._t.remove_slots(slots)
+
+    def _expire_before(self, limit: float) -> np.ndarray:
+        """Untrack and return the ids last touched at a time <= `limit`, oldest first."""
+        taken: list[np.ndarray] = []
+        while len(self):
+            # the log is in call order and `now` never decreases, so times rise along it
+            slots, where, end = self._log.peek_live(
+                max(1024, len(self) // 16), self._t.cols["stamp"], self._t.alive
+            )
+            if not len(slots):
+                break
+            old = self._t.cols["time"][slots] <= limit
+            k = int(np.argmin(old)) if not old.all() else len(slots)
+            if k:
+                taken.append(self._t.remove_slots(slots[:k]))
+            if k < len(slots):
+                self._log.advance(int(where[k]))
+                break
+            self._log.advance(end)
+        return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+
+    def config(self) -> dict[str, Any]:
+        # docstring inherited
+        return {"seed": self.seed}

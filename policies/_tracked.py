@@ -1,0 +1,193 @@
+"""Shared machinery of the eviction policies: tracked ids in dense slots, a lazy FIFO log.
+
+`Tracked` maps ids to dense int32 slots through `IdIndex` and keeps per-slot numpy columns, so
+a policy's state is a handful of arrays, never a Python object per id. `SlotLog` is an
+append-only log of (slot, stamp) pairs read from its head; an entry is live only while its
+stamp equals the slot's current stamp, so moving an id to the tail (LRU) or dropping it is
+O(1) vectorised work now and the stale entry is skipped later (lazy deletion). Victim scans
+therefore cost O(victims + stale entries) per call, amortised O(batch), not O(tracked).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embstore.index import IdIndex
+
+__all__: list[str] = []
+
+
+def as_ids(ids: np.ndarray) -> np.ndarray:
+    """`ids` as a C-contiguous int64 array (the index kernels need one)."""
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+class Tracked:
+    """Tracked ids with per-slot numpy columns.
+
+    Args:
+        columns: name -> (dtype, fill value for a fresh slot).
+    """
+
+    def __init__(self, columns: dict[str, tuple[type, float]]) -> None:
+        self.index = IdIndex()
+        self._spec = dict(columns)
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.alive = np.zeros(0, dtype=bool)
+        self.cols: dict[str, np.ndarray] = {
+            name: np.zeros(0, dtype=dt) for name, (dt, _) in self._spec.items()
+        }
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _grow(self, high_water: int) -> None:
+        size = len(self.ids)
+        if high_water <= size:
+            return
+        new = max(high_water, 2 * size, 1024)
+
+        def grow(a: np.ndarray, fill: float) -> np.ndarray:
+            out = np.full(new, fill, dtype=a.dtype)
+            out[:size] = a
+            return out
+
+        self.ids = grow(self.ids, 0)
+        self.alive = grow(self.alive, False)
+        for name, (_, fill) in self._spec.items():
+            self.cols[name] = grow(self.cols[name], fill)
+
+    def insert(self, ids: np.ndarray) -> np.ndarray:
+        """Track distinct `ids`; returns their slots (already tracked ones keep theirs)."""
+        ids = as_ids(ids)
+        slots, inserted = self.index.add(ids)
+        self._grow(self.index.high_water)
+        fresh = slots[inserted]
+        self.ids[fresh] = ids[inserted]
+        self.alive[fresh] = True
+        for name, (_, fill) in self._spec.items():
+            self.cols[name][fresh] = fill
+        return slots
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """Slots of `ids` that are tracked (int32[M], order of `ids`, duplicates kept)."""
+        if not len(ids):
+            return np.zeros(0, dtype=np.int32)
+        slots = self.index.find(as_ids(ids))
+        return slots[slots >= 0]
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """Untrack `ids` (absent ones ignored); returns the freed slots."""
+        if not len(ids):
+            return np.zeros(0, dtype=np.int32)
+        slots = self.index.remove(np.unique(as_ids(ids)))
+        slots = slots[slots >= 0]
+        self.alive[slots] = False
+        return slots
+
+    def remove_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Untrack the ids at distinct live `slots`; returns those ids."""
+        ids = self.ids[slots].copy()
+        self.remove(ids)
+        return ids
+
+
+class SlotLog:
+    """Append-only FIFO of (slot, stamp) entries with lazy deletion.
+
+    The owner keeps `stamp[slot]`; an entry is live iff the slot is alive and its stamp matches.
+    Re-appending a slot with a fresh stamp makes its older entries stale.
+    """
+
+    def __init__(self) -> None:
+        self.slots = np.zeros(1024, dtype=np.int32)
+        self.stamps = np.zeros(1024, dtype=np.int64)
+        self.head = 0
+        self.tail = 0
+        self.next_stamp = 1
+
+    def __len__(self) -> int:
+        return self.tail - self.head
+
+    def push(self, slots: np.ndarray, stamp: np.ndarray, alive: np.ndarray) -> None:
+        """Append `slots` in order, writing their fresh stamps into the owner's `stamp` column."""
+        n = len(slots)
+        if not n:
+            return
+        if self.tail + n > len(self.slots):
+            self._compact(stamp, alive, extra=n)
+        fresh = np.arange(self.next_stamp, self.next_stamp + n, dtype=np.int64)
+        self.next_stamp += n
+        self.slots[self.tail : self.tail + n] = slots
+        self.stamps[self.tail : self.tail + n] = fresh
+        self.tail += n
+        stamp[slots] = fresh
+
+    def _compact(self, stamp: np.ndarray, alive: np.ndarray, extra: int) -> None:
+        # drop stale entries, then grow if the live ones still leave too little room
+        s = self.slots[self.head : self.tail]
+        t = self.stamps[self.head : self.tail]
+        keep = alive[s] & (stamp[s] == t)
+        s, t = s[keep], t[keep]
+        cap = len(self.slots)
+        while len(s) + extra > cap // 2:
+            cap *= 2
+        if cap != len(self.slots):
+            self.slots = np.zeros(cap, dtype=np.int32)
+            self.stamps = np.zeros(cap, dtype=np.int64)
+        self.slots[: len(s)] = s
+        self.stamps[: len(s)] = t
+        self.head, self.tail = 0, len(s)
+
+    def peek_live(
+        self, count: int, stamp: np.ndarray, alive: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """The next up to `count` live entries from the head, without consuming them.
+
+        Returns:
+            slots: int32[K], K <= count, oldest first.
+            positions: int64[K], their log positions (`advance(positions[i] + 1)` consumes
+                through entry i).
+            end: where the scan stopped; `advance(end)` consumes all K and the stale entries.
+        """
+        pos = self.head
+        out: list[np.ndarray] = []
+        where: list[np.ndarray] = []
+        found = 0
+        chunk = max(2 * count, 256)
+        while found < count and pos < self.tail:
+            end = min(self.tail, pos + chunk)
+            s = self.slots[pos:end]
+            idx = np.flatnonzero(alive[s] & (stamp[s] == self.stamps[pos:end]))
+            idx = idx[: count - found]
+            out.append(s[idx])
+            where.append(idx + pos)
+            found += len(idx)
+            pos = end if found < count else pos + int(idx[-1]) + 1
+            chunk *= 2
+        if not out:
+            return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), pos
+        return np.concatenate(out), np.concatenate(where), pos
+
+    def advance(self, pos: int) -> None:
+        """Consume the log up to position `pos`."""
+        self.head = pos
+        if self.head == self.tail:
+            self.head = self.tail = 0
+
+
+def smallest(
+    slots: np.ndarray, key: np.ndarray, tie: np.ndarray, ids: np.ndarray, n: int
+) -> np.ndarray:
+    """The `n` of `slots` with the smallest `key[slot]`, ties by `tie[slot]`, then by id.
+
+    O(len(slots)) with a partition; only the ids tied at the cut value are sorted.
+    """
+    if n >= len(slots):
+        return slots
+    k = key[slots]
+    cut = np.partition(k, n - 1)[n - 1]
+    below = slots[k < cut]
+    tied = slots[k == cut]
+    order = np.lexsort((ids[tied], tie[tied]))[: n - len(below)]
+    return np.concatenate([below, tied[order]])

@@ -1,0 +1,61 @@
+"""First-in first-out eviction: insertion order only, accesses change nothing."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, final
+
+import numpy as np
+
+from embstore.policy import EvictionPolicy
+
+from ._tracked import SlotLog, Tracked, as_ids
+
+__all__ = ["FIFOEviction"]
+
+
+@final
+class FIFOEviction(EvictionPolicy):
+    """Evict the ids inserted longest ago (ids inserted in one call leave in id order).
+
+    Args:
+        seed: kept for the common interface; FIFO uses no randomness.
+    """
+
+    name: ClassVar[str] = "fifo"
+
+    def __init__(self, *, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self._t = Tracked({"stamp": (np.int64, 0)})
+        self._log = SlotLog()
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def record_access(self, ids: np.ndarray, now: float) -> None:
+        # docstring inherited; FIFO ignores accesses by definition
+        return None
+
+    def record_insert(self, ids: np.ndarray, now: float) -> None:
+        # docstring inherited
+        if not len(ids):
+            return
+        ids = np.sort(as_ids(ids))
+        slots = self._t.insert(ids)
+        self._log.push(slots, self._t.cols["stamp"], self._t.alive)
+
+    def record_remove(self, ids: np.ndarray) -> None:
+        # docstring inherited
+        self._t.remove(ids)
+
+    def choose_victims(self, n: int, now: float) -> np.ndarray:
+        # docstring inherited
+        n = min(int(n), len(self))
+        if n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        slots, _, pos = self._log.peek_live(n, self._t.cols["stamp"], self._t.alive)
+        self._log.advance(pos)
+        return self._t.remove_slots(slots)
+
+    def config(self) -> dict[str, Any]:
+        # docstring inherited
+        return {"seed": self.seed}
