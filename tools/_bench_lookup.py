@@ -1,0 +1,76 @@
+"""Batched lookups of Zipf ids from a DRAM table against numpy's fastest gather."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import embstore
+from embstore.workload import ZipfIds
+
+from ._benchutil import add_size_arguments, interleaved_medians, print_table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `embstore bench lookup`."""
+    add_size_arguments(parser, rows=10_000_000)
+
+
+def build_table(args: argparse.Namespace) -> tuple[embstore.EmbeddingStore, np.ndarray, ZipfIds]:
+    """A DRAM store and a plain array holding the same rows, in id-rank order."""
+    if args.quick:
+        args.rows, args.batch, args.repeats = 20_000, 4096, 5
+    zipf = ZipfIds(args.rows, args.zipf, seed=args.seed)
+    dense = np.random.default_rng(args.seed).standard_normal((args.rows, args.dim),
+                                                              dtype=np.float32)
+    store = embstore.open(None, tables=[embstore.TableSpec("t", dim=args.dim)])
+    step = 1 << 20
+    t0 = time.perf_counter()
+    for start in range(0, args.rows, step):
+        store.update("t", zipf.ids[start:start + step], dense[start:start + step])
+    print(f"loaded {args.rows:,} rows x {args.dim} in {time.perf_counter() - t0:.1f} s")
+    return store, dense, zipf
+
+
+def report_memory(store: embstore.EmbeddingStore, args: argparse.Namespace) -> None:
+    """Print the DRAM tier's bytes per row beyond the payload."""
+    tier = store.tier_statistics("t")[0]
+    payload = args.dim * 4
+    per_row = tier.bytes / tier.rows
+    print(f"memory: {per_row:,.1f} bytes/row held for a {payload}-byte payload: "
+          f"{per_row - payload:.1f} bytes/row overhead (index + unfilled slab rows)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time store.lookup against np.take on the same Zipf batches; print the ratio."""
+    store, dense, zipf = build_table(args)
+    report_memory(store, args)
+    ranks = [zipf.ranks(args.batch) for _ in range(args.repeats)]
+    ids = [zipf.ids[r] for r in ranks]
+    out = np.empty((args.batch, args.dim), dtype=np.float32)
+    check = store.lookup("t", ids[0])
+    if not np.array_equal(check, dense[ranks[0]]):
+        print("error: the store returned rows that differ from the plain array")
+        return 1
+
+    def numpy_take(i: int) -> None:
+        np.take(dense, ranks[i], axis=0, out=out, mode="clip")
+
+    def numpy_fancy(i: int) -> None:
+        dense[ranks[i]]
+
+    def store_lookup(i: int) -> None:
+        store.lookup("t", ids[i])
+
+    med = interleaved_medians({"take": numpy_take, "fancy": numpy_fancy,
+                               "store": store_lookup}, args.repeats)
+    base = args.batch / med["take"]
+    print_table(
+        f"lookup: {args.batch:,} Zipf({args.zipf}) ids from {args.rows:,} x {args.dim} float32",
+        [("numpy np.take(out=, mode='clip') [baseline]", base, 1.0),
+         ("numpy fancy indexing", args.batch / med["fancy"], med["take"] / med["fancy"]),
+         ("embstore lookup, DRAM tier", args.batch / med["store"], med["take"] / med["store"])])
+    store.close()
+    return 0
