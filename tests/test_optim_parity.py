@@ -14,7 +14,7 @@ Two torch references, because no single one has the store's semantics for every 
   intermittent rows by design.
 
 Both references get their gradient from nn.Embedding's backward, which sums the gradients of
-duplicate ids; embstore sums them itself (stable sort by id, then np.add.reduceat). torch has no
+duplicate ids; embstore sums them itself, in position order. torch has no
 row-wise Adagrad, so `TorchRowWiseAdagrad` below writes FBGEMM's rule in torch ops.
 """
 
@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import pytest
 
+import embstore
 import embstore.optim as optim
 from embstore.errors import ConfigError, DtypeMismatchError
 
@@ -116,11 +117,15 @@ def _initial_weights() -> np.ndarray:
 
 
 def sum_duplicates(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct ids (sorted) and their summed gradients, in a fixed order."""
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-    return sorted_ids[starts], np.add.reduceat(grads[order], starts, axis=0)
+    """Distinct ids (sorted) and their gradients summed in position order, as the store does.
+
+    np.add.at is unbuffered and adds in index order; np.add.reduceat would not do here: along
+    axis 0 it associates a group's rows in an order of numpy's choosing.
+    """
+    uids, inverse = np.unique(ids, return_inverse=True)
+    summed = np.zeros((len(uids), grads.shape[1]), dtype=grads.dtype)
+    np.add.at(summed, inverse, grads)
+    return uids, summed
 
 
 def _run_embstore(opt: optim.Optimizer, batches) -> np.ndarray:
@@ -134,6 +139,18 @@ def _run_embstore(opt: optim.Optimizer, batches) -> np.ndarray:
         opt.step(rows[:, :DIM], rows[:, DIM:], summed)
         payload[uids] = rows
     return payload
+
+
+def _run_store(opt: optim.Optimizer, batches, tiers: list | None = None) -> np.ndarray:
+    """Train through `store.apply_gradients`, which sums duplicates itself. Returns the
+    payload read back with `lookup` and `lookup_state`."""
+    all_ids = np.arange(ROWS, dtype=np.int64)
+    spec = embstore.TableSpec("t", dim=DIM, optimizer=opt)
+    with embstore.open(None, tables=[spec], tiers=tiers) as store:
+        store.update("t", all_ids, _initial_weights())
+        for ids, grads in batches:
+            store.apply_gradients("t", ids, grads)
+        return np.concatenate([store.lookup("t", all_ids), store.lookup_state("t", all_ids)], 1)
 
 
 def _run_dense_torch(opt: optim.Optimizer, batches) -> np.ndarray:
@@ -213,6 +230,22 @@ def test_step_matches_dense_torch_on_rows_touched_every_step(opt, batches) -> No
     ours = _run_embstore(opt, batches)
     _assert_close(ours[CORE], _run_dense_torch(opt, batches)[CORE])
     assert not np.allclose(ours[CORE, :DIM], _initial_weights()[CORE])  # training moved them
+
+
+@pytest.mark.parametrize("opt", CASES, ids=repr)
+def test_store_apply_gradients_matches_torch_and_the_direct_step(opt, batches) -> None:
+    through_store = _run_store(opt, batches)
+    _assert_close(through_store, _run_per_row_torch(opt, batches))
+    # The store sums duplicates in position order, as sum_duplicates does: equal bits.
+    assert through_store.tobytes() == _run_embstore(opt, batches).tobytes()
+
+
+@pytest.mark.parametrize("opt", [optim.RowWiseAdagrad(0.1, weight_decay=0.05),
+                                 optim.Adam(0.01, amsgrad=True)], ids=repr)
+def test_store_result_does_not_depend_on_the_tier_chain(opt, batches) -> None:
+    # A 5-row LRU cache over DRAM evicts and reloads rows (and their state) between steps.
+    tiers = [embstore.TierSpec("dram", capacity=5), embstore.TierSpec("dram")]
+    assert _run_store(opt, batches, tiers).tobytes() == _run_store(opt, batches).tobytes()
 
 
 @pytest.mark.parametrize("opt", CASES, ids=repr)
