@@ -221,9 +221,10 @@ class Adam(Optimizer):
     dense torch.optim.Adam counts steps per tensor; both agree on rows updated at every step).
     ``t`` is stored as a float of the table dtype, not as int32 bits: a float32 count is exact
     up to 2**24 updates of one row and then stays at 2**24, which is what torch's own float32
-    step tensor does, and by then ``1 - beta**t`` is 1.0 in float32 for any beta2 < 0.999999,
-    so the update is unchanged. Unlike int32 bits, a float count survives any float handling
-    of stored rows (finiteness checks, dtype casts, denormal flushing).
+    step tensor does; by then both bias corrections round to 1.0 in float32 for betas up to
+    0.999999, so the update is the same as with the true count. Unlike int32 bits (subnormal
+    or NaN patterns as floats), a float count survives any float handling of stored rows
+    (finiteness checks, dtype casts, denormal flushing).
 
     Args:
         lr: learning rate, > 0.

@@ -265,6 +265,14 @@ def test_step_does_not_write_caller_gradients(opt, batches) -> None:
     assert np.array_equal(summed, kept)
 
 
+@pytest.mark.parametrize("opt", CASES, ids=repr)
+def test_step_on_an_empty_batch_changes_nothing(opt) -> None:
+    width = opt.state_width(DIM)
+    payload = np.zeros((0, DIM + width), dtype=np.float32)
+    opt.step(payload[:, :DIM], payload[:, DIM:], np.zeros((0, DIM), dtype=np.float32))
+    assert payload.shape == (0, DIM + width)
+
+
 def test_adam_step_count_is_exact_and_saturates_at_2_pow_24_like_torch() -> None:
     opt = optim.Adam(0.01)
     rng = np.random.default_rng(3)
