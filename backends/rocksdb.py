@@ -239,10 +239,8 @@ class RocksDBBackend(Backend):
         return f"{self._dir} (RocksDB column family {self._cf_name!r})"
 
     def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        n = len(ids)
-        out = np.zeros((n, self.spec.dim), dtype=self.spec.dtype)
-        if n == 0:
-            return out, np.zeros(0, dtype=bool)
+        if len(ids) == 0:
+            return np.zeros((0, self.spec.dim), dtype=self.spec.dtype), np.zeros(0, dtype=bool)
         # Distinct ids in key order: duplicates are read once and neighbours share blocks.
         uniq, inverse = np.unique(ids, return_inverse=True)
         get = self._get_one
@@ -250,12 +248,21 @@ class RocksDBBackend(Backend):
             values = [get(k) for k in encode_keys(uniq)]
         except Exception as exc:
             _fail(exc, f"reading table {self.spec.table!r} in {self._where()}")
+        return self._assemble(uniq, inverse, values)
+
+    def _assemble(self, uniq: np.ndarray, inverse: np.ndarray,
+                  values: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows and found mask of a batch from the values of its distinct ids (None: absent)."""
+        where = self._where()
+        if None not in values:
+            # Every id stored (the common case): one gather from the checked buffer.
+            rows_u = decode_values(uniq, values, self._rec, table=self.spec.table, file=where)
+            return rows_u[inverse], np.ones(len(inverse), dtype=bool)
         found_u = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
-        present = [v for v in values if v is not None]
         rows_u = np.zeros((len(uniq), self.spec.dim), dtype=self.spec.dtype)
-        if present:
-            rows_u[found_u] = decode_values(uniq[found_u], present, self._rec,
-                                            table=self.spec.table, file=self._where())
+        if found_u.any():
+            rows_u[found_u] = decode_values(uniq[found_u], [v for v in values if v is not None],
+                                            self._rec, table=self.spec.table, file=where)
         return rows_u[inverse], found_u[inverse]
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -370,6 +377,21 @@ class RocksDBBackend(Backend):
         stats["options"] = dict(self._settings)
         stats["estimated_keys"] = self._cf.property_int_value("rocksdb.estimate-num-keys")
         return stats
+
+    def compact(self) -> None:
+        """Compact the table's column family into its bottom level, dropping overwritten rows.
+
+        Blocks until done; reads and writes may run meanwhile but are slower.
+
+        Raises:
+            StoreClosedError: after close().
+            ReadOnlyError: opened read-only.
+        """
+        self._check_writable()
+        try:
+            self._cf.compact_range(None, None)
+        except Exception as exc:
+            _fail(exc, f"compacting table {self.spec.table!r} in {self._where()}")
 
     def _flush(self) -> None:
         try:
