@@ -1,0 +1,647 @@
+"""The pmem backend: a file of fixed-size slot records, mapped byte-addressably.
+
+Each table is one file, `<path>/<table>.pmem`, mapped whole with libpmem's `pmem_map_file`
+(bound with cffi, see `embstore._libpmem`). Rows are read and written in place in the mapping,
+with no block layer in between; `flush()` makes writes durable with `pmem_persist` where the
+file is on persistent memory (a DAX file system) and with `msync` of the dirty pages
+elsewhere. Without libpmem, or with `EMBSTORE_PMEM_FORCE_MMAP=1`, the file is mapped with
+Python's `mmap` and synced with `msync`; `statistics()` says which (`libpmem`, `is_pmem`).
+
+Updates are out of place: a put writes a complete new record, with a higher sequence number,
+to a free slot; the slot of the previous version is retired (its seq word zeroed) only at the
+next flush, after the new version is durable. A delete retires the row's slot at flush the same
+way. Reopening scans every record (vectorised) and keeps, per id, the valid record with the
+highest seq. So a crash never loses a row acknowledged by a flush and never yields a torn row.
+
+File layout (little-endian). Header, one page:
+
+    offset  size  field
+    0       8     magic b"EMBSPMEM"
+    8       4     format version (1)
+    12      4     dim (elements per row)
+    16      8     dtype string, NUL-padded (numpy `dtype.str`, e.g. b"<f4")
+    24      4     record size in bytes (24 + row bytes, rounded up to 8)
+    28      4     payload offset within a record (24)
+    32      28    reserved (zero)
+    60      4     CRC-32C of bytes 0..60
+    512     32    state block A: gen u64, watermark u64, seq reserve u64, CRC-32C u32 of the
+                  first 24 bytes, 4 bytes zero
+    1024    32    state block B (same); the valid block with the higher gen is current
+    4096    ...   records, slot i at 4096 + i * record size; the slot count is
+                  (file size - 4096) // record size
+
+Record (one slot):
+
+    offset  size  field
+    0       8     id, int64
+    8       4     CRC-32C of the id's 8 bytes followed by record bytes 12..24+row bytes
+                  (`embstore.checksum.row_checksums(id, record[12:24 + row_bytes])`)
+    12      4     kind (1 = row)
+    16      8     seq, uint64; 0 marks a free slot
+    24      r     payload: dim elements of dtype (r = row bytes)
+    24+r    pad   zero up to the record size
+
+The watermark is the highest seq made durable by a flush, and every seq handed out is at most
+the durable seq reserve. A record with a nonzero seq whose CRC fails is a write cut short by a
+crash when its seq lies in (watermark, reserve], and is ignored; otherwise the record was
+damaged at rest and opening raises `CorruptStoreError`.
+
+Caveats:
+    - One writer per table file (an exclusive `flock`; read-only handles take a shared one).
+    - The mapping is advised MADV_RANDOM so that the page cache holds the file in 4 KiB pages:
+      msync writes whole cached folios, and a file cached in large folios (e.g. after `cp` or
+      `cat` of it) costs up to a folio per dirty row on the msync path until it is evicted.
+    - Slot numbers are int64, the table of ids is an `IdIndex` (at most 2**31 - 1 live ids).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any, ClassVar, final
+
+import numpy as np
+
+from embstore import _libpmem
+from embstore._kernels import _pmem_records
+from embstore.backend import Backend, BackendSpec
+from embstore.checksum import crc32c, row_checksums
+from embstore.errors import CapacityError, ConfigError, CorruptStoreError, StoreLockedError
+from embstore.index import IdIndex
+
+__all__ = ["PmemBackend"]
+
+ffi, lib = _pmem_records.ffi, _pmem_records.lib
+
+MAGIC = b"EMBSPMEM"
+VERSION = 1
+PAGE_SIZE = mmap.PAGESIZE
+DATA_OFFSET = 4096
+HEADER = struct.Struct("<8sII8sII28xI")
+HEADER_CRC_OFFSET = 60
+assert HEADER.size == 64
+STATE = struct.Struct("<QQQI4x")
+STATE_OFFSETS = (512, 1024)
+assert STATE.size == 32
+
+REC_ID = 0
+REC_CRC = 8
+REC_KIND = 12
+REC_SEQ = 16
+REC_PAYLOAD = 24
+KIND_ROW = 1
+CACHE_LINE = 64
+
+# per-slot states, in memory only
+_FREE, _LIVE, _DIRTY, _RETIRE = 0, 1, 2, 3
+
+
+def record_size(row_bytes: int) -> int:
+    """Bytes of one slot record holding `row_bytes` of payload."""
+    return (REC_PAYLOAD + row_bytes + 7) // 8 * 8
+
+
+def _merge_ranges(starts: np.ndarray, ends: np.ndarray, grain: int) -> tuple[np.ndarray,
+                                                                             np.ndarray]:
+    """Byte ranges [start, end) widened to `grain` and merged where they touch or overlap."""
+    lo = starts // grain
+    hi = (ends + grain - 1) // grain
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi)
+    first = np.ones(len(lo), dtype=bool)
+    first[1:] = lo[1:] > reach[:-1]
+    last = np.ones(len(lo), dtype=bool)
+    last[:-1] = first[1:]
+    return lo[first] * grain, reach[last] * grain
+
+
+class _MmapMapping:
+    """The fallback: the file mapped with Python's mmap, made durable with msync."""
+
+    is_pmem = False
+
+    def __init__(self, fd: int, length: int, *, writable: bool) -> None:
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        self._mm: mmap.mmap | None = mmap.mmap(fd, length, access=access)
+        self.length = length
+        self.address = int(np.frombuffer(self._mm, dtype=np.uint8).ctypes.data)
+
+    def buffer(self) -> Any:
+        return self._mm
+
+    def flush(self, offset: int, length: int) -> None:
+        assert self._mm is not None
+        start = offset // PAGE_SIZE * PAGE_SIZE  # msync wants a page-aligned start
+        self._mm.flush(start, min(offset + length, self.length) - start)
+
+    persist = flush
+
+    def drain(self) -> None:
+        """msync already waited."""
+
+    def unmap(self) -> None:
+        if self._mm is not None:
+            mm, self._mm = self._mm, None
+            self.address = 0
+            mm.close()
+
+
+@final
+class PmemBackend(Backend):
+    """Rows in a file of slot records mapped with libpmem (or mmap), durable on flush."""
+
+    name: ClassVar[str] = "pmem"
+    supports_persistence: ClassVar[bool] = True
+
+    def __init__(self, spec: BackendSpec, *, growth_factor: float = 2.0,
+                 seq_reserve: int = 1 << 20) -> None:
+        """Open or create `<spec.path>/<spec.table>.pmem`.
+
+        Args:
+            spec: path, dim, dtype, table; `capacity_bytes` sizes a new file (it grows).
+            growth_factor: the file grows to at least this multiple of its slots when full.
+            seq_reserve: seqs handed out per durable header update (see the module doc).
+
+        Raises:
+            ConfigError: no path, or an invalid option.
+            CorruptStoreError: the file is not a pmem table of this spec, or a record that a
+                flush made durable fails its checksum.
+            StoreLockedError: another handle writes the table (or reads it, for a writer).
+            CapacityError: the disk cannot hold the initial file.
+        """
+        super().__init__(spec)
+        if spec.path is None:
+            raise ConfigError("the pmem backend stores a file; give BackendSpec a path")
+        if growth_factor < 1.1:
+            raise ConfigError(f"growth_factor must be at least 1.1, got {growth_factor}")
+        if seq_reserve < 1:
+            raise ConfigError(f"seq_reserve must be positive, got {seq_reserve}")
+        self._growth = growth_factor
+        self._seq_reserve_step = seq_reserve
+        self._row_bytes = spec.row_bytes
+        self._rec = record_size(self._row_bytes)
+        self._file = Path(spec.path) / f"{spec.table}.pmem"
+        self._lib = None if _libpmem.force_mmap() else _libpmem.load()
+        self._map: _libpmem.PmemMapping | _MmapMapping | None = None
+        self._mem: np.ndarray | None = None  # uint8 view of the mapping; None once unmapped
+        self._fd = -1
+        self._capacity = 0
+        self._index = IdIndex()
+        self._file_slot = np.zeros(0, dtype=np.int64)  # IdIndex slot -> file slot
+        self._state = np.zeros(0, dtype=np.uint8)
+        self._free = np.zeros(0, dtype=np.int64)  # stack; the top (end) is used first
+        self._n_free = 0
+        self._touched: list[np.ndarray] = []
+        self._retire: list[np.ndarray] = []
+        self._gen = 0
+        self._watermark = 0
+        self._reserve = 0
+        self._next_seq = 1
+        self._torn_ignored = 0
+        self._stale_retired = 0
+        try:
+            self._open_file()
+        except BaseException:
+            self._release()
+            raise
+
+    # --- files and mapping ----------------------------------------------------------------
+
+    def _open_file(self) -> None:
+        if not self._file.exists():
+            if self.spec.read_only:
+                return  # nothing written yet: an empty, unmapped table
+            self.spec.path.mkdir(parents=True, exist_ok=True)
+            self._create()
+        flags = os.O_RDONLY if self.spec.read_only else os.O_RDWR
+        self._fd = os.open(self._file, flags | os.O_CLOEXEC)
+        try:
+            fcntl.flock(self._fd, (fcntl.LOCK_SH if self.spec.read_only else fcntl.LOCK_EX)
+                        | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreLockedError(
+                f"{self._file} is open in another handle or process; close it there first "
+                "(one writer or many readers per pmem table)"
+            ) from None
+        size = os.fstat(self._fd).st_size
+        if size < DATA_OFFSET:
+            raise CorruptStoreError(f"{self._file}: truncated header ({size} bytes)")
+        self._map_file(size)
+        self._check_header()
+        self._scan()
+
+    def _create(self) -> None:
+        """Write a new file under a temporary name and link it into place, so a crash during
+        creation leaves no half-written table behind."""
+        hint = self.spec.capacity_bytes
+        slots = max(1024, ((hint or 0) - DATA_OFFSET) // self._rec, (1 << 20) // self._rec)
+        head = bytearray(DATA_OFFSET)
+        HEADER.pack_into(head, 0, MAGIC, VERSION, self.spec.dim, self.spec.dtype.str.encode(),
+                         self._rec, REC_PAYLOAD, 0)
+        struct.pack_into("<I", head, HEADER_CRC_OFFSET, crc32c(bytes(head[:HEADER_CRC_OFFSET])))
+        self._pack_state(head, gen=1, watermark=0, reserve=0)
+        tmp = self._file.with_name(f"{self._file.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.pwrite(fd, bytes(head), 0)
+            self._fallocate(fd, DATA_OFFSET + slots * self._rec, DATA_OFFSET, tmp)
+            os.fsync(fd)
+            with contextlib.suppress(FileExistsError):  # another process created it first
+                os.link(tmp, self._file)
+        finally:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+        dir_fd = os.open(self._file.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _fallocate(self, fd: int, size: int, old_size: int, file: Path) -> None:
+        """Reserve disk blocks for `size` bytes, or raise CapacityError leaving `old_size`.
+
+        The blocks must exist before the mapping covers them: a store into a sparse page
+        that the disk cannot back kills the process with SIGBUS instead of raising.
+        """
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, old_size)
+            raise CapacityError(
+                f"table {self.spec.table!r}: cannot grow {file} from {old_size} to {size} "
+                f"bytes ({os.strerror(exc.errno or 0)})",
+                "free disk space or give the pmem tier a larger device; the table keeps "
+                "every row it had",
+            ) from exc
+
+    def _map_file(self, size: int) -> None:
+        if self._lib is not None:
+            self._map = _libpmem.PmemMapping(self._lib, str(self._file))
+        else:
+            self._map = _MmapMapping(self._fd, size, writable=not self.spec.read_only)
+        # 4 KiB page-cache pages keep msync to the pages actually dirtied (see Caveats)
+        lib.rec_madvise(ffi.cast("void *", self._map.address), self._map.length,
+                        mmap.MADV_RANDOM)
+        self._mem = np.frombuffer(self._map.buffer(), dtype=np.uint8)
+        if self.spec.read_only:
+            self._mem.flags.writeable = False
+        self._capacity = (self._map.length - DATA_OFFSET) // self._rec
+
+    def _unmap(self) -> None:
+        # drop every view before unmapping: the sentinel None makes any later use fail
+        # loudly instead of touching unmapped memory
+        self._mem = None
+        if self._map is not None:
+            m, self._map = self._map, None
+            m.unmap()
+
+    def _release(self) -> None:
+        try:
+            self._unmap()
+        finally:
+            if self._fd >= 0:
+                fd, self._fd = self._fd, -1
+                os.close(fd)
+
+    def _records(self) -> np.ndarray:
+        """The record array as uint8[capacity, record size] (a view of the mapping)."""
+        assert self._mem is not None
+        return self._mem[DATA_OFFSET : DATA_OFFSET + self._capacity * self._rec].reshape(
+            self._capacity, self._rec)
+
+    def _field(self, offset: int, dtype: str) -> np.ndarray:
+        """One header field of every record, as a strided view of the mapping."""
+        assert self._mem is not None
+        item = np.dtype(dtype)
+        return np.ndarray((self._capacity,), dtype=item, buffer=self._mem,
+                          offset=DATA_OFFSET + offset, strides=(self._rec,))
+
+    def _base(self) -> Any:
+        return ffi.cast("char *", self._map.address + DATA_OFFSET if self._map else 0)
+
+    # --- header ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _pack_state(buf: Any, *, gen: int, watermark: int, reserve: int) -> None:
+        block = bytearray(STATE.pack(gen, watermark, reserve, 0))
+        struct.pack_into("<I", block, 24, crc32c(bytes(block[:24])))
+        off = STATE_OFFSETS[gen % 2]
+        buf[off : off + STATE.size] = block
+
+    def _check_header(self) -> None:
+        assert self._mem is not None
+        head = self._mem[:DATA_OFFSET].tobytes()
+        magic, version, dim, dtype_s, rec, payload, crc = HEADER.unpack_from(head)
+        if magic != MAGIC:
+            raise CorruptStoreError(f"{self._file} is not a pmem table (bad magic {magic!r})")
+        if crc32c(head[:HEADER_CRC_OFFSET]) != crc:
+            raise CorruptStoreError(f"{self._file}: header checksum mismatch; the file is "
+                                    "damaged: restore the table from a checkpoint")
+        if version != VERSION:
+            raise CorruptStoreError(f"{self._file}: unsupported format version {version}")
+        dtype = np.dtype(dtype_s.rstrip(b"\0").decode())
+        if (dim, dtype) != (self.spec.dim, self.spec.dtype):
+            raise CorruptStoreError(
+                f"{self._file} holds rows of dim {dim} {dtype}, the table expects "
+                f"{self.spec.dim} {self.spec.dtype}: the file belongs to another table"
+            )
+        if rec != self._rec or payload != REC_PAYLOAD:
+            raise CorruptStoreError(f"{self._file}: record size {rec}/{payload}, expected "
+                                    f"{self._rec}/{REC_PAYLOAD}; the header is damaged")
+        best = None
+        for off in STATE_OFFSETS:
+            gen, wm, reserve, scrc = STATE.unpack_from(head, off)
+            if gen and crc32c(head[off : off + 24]) == scrc and (best is None or gen > best[0]):
+                best = (gen, wm, reserve)
+        if best is None:
+            raise CorruptStoreError(f"{self._file}: both header state blocks are damaged; "
+                                    "restore the table from a checkpoint")
+        self._gen, self._watermark, self._reserve = best
+
+    def _write_state(self) -> None:
+        """Persist (gen+1, watermark, reserve) into the older state block.
+
+        A crash mid-write damages only that block; the other still holds the previous state,
+        which is safe: an older watermark only makes fewer damaged records provable, and the
+        reserve is raised before any seq above the old one is written.
+        """
+        assert self._mem is not None and self._map is not None
+        self._gen += 1
+        self._pack_state(self._mem, gen=self._gen, watermark=self._watermark,
+                         reserve=self._reserve)
+        self._map.persist(STATE_OFFSETS[self._gen % 2], STATE.size)
+
+    # --- open-time scan -------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """Rebuild the index from every record, vectorised over the whole mapping."""
+        assert self._map is not None
+        n = self._capacity
+        self._state = np.zeros(n, dtype=np.uint8)
+        if n == 0:
+            return
+        lib.rec_madvise(ffi.cast("void *", self._map.address), self._map.length,
+                        mmap.MADV_WILLNEED)  # readahead in small pages for the scan
+        seq = self._field(REC_SEQ, "<u8").copy()
+        used = np.flatnonzero(seq)
+        top = int(used[-1]) + 1 if len(used) else 0
+        ids = self._field(REC_ID, "<i8")[:top].copy()
+        # copies, not views: an exception raised below must not keep the mapping exported
+        stored_crc = self._field(REC_CRC, "<u4")[:top].copy()
+        kind = self._field(REC_KIND, "<u4")[:top].copy()
+        calc = row_checksums(ids, self._records()[:top, REC_KIND : REC_PAYLOAD + self._row_bytes])
+        seq_top = seq[:top]
+        valid = (seq_top != 0) & (calc == stored_crc) & (kind == KIND_ROW)
+        bad = np.flatnonzero((seq_top != 0) & ~valid)
+        torn = bad[(seq_top[bad] > self._watermark) & (seq_top[bad] <= self._reserve)]
+        damaged = np.setdiff1d(bad, torn, assume_unique=True)
+        if len(damaged):
+            s = int(damaged[0])
+            raise CorruptStoreError(
+                f"table {self.spec.table!r}: the record of id {int(ids[s])} in slot {s} "
+                f"(byte offset {DATA_OFFSET + s * self._rec}) of {self._file} fails its "
+                f"checksum ({len(damaged)} damaged record(s)); the data is damaged: restore "
+                "the table from a checkpoint, or run `embstore fsck` to list every damaged row"
+            )
+        live = np.flatnonzero(valid)
+        order = np.lexsort((seq_top[live], ids[live]))  # by id, then seq
+        live = live[order]
+        live_ids = ids[live]
+        newest = np.ones(len(live), dtype=bool)
+        newest[:-1] = live_ids[1:] != live_ids[:-1]
+        winners, stale = live[newest], live[~newest]
+        if len(winners):
+            islots, _ = self._index.add(np.ascontiguousarray(live_ids[newest]))
+            self._file_slot = np.zeros(self._index.high_water, dtype=np.int64)
+            self._file_slot[islots] = winners
+        self._state[winners] = _LIVE
+        self._torn_ignored = len(torn)
+        self._stale_retired = len(stale)
+        max_seq = int(seq.max())
+        self._next_seq = max(max_seq, self._reserve, self._watermark) + 1
+        if not self.spec.read_only:
+            # retire superseded versions and cut-short writes before their slots are reused:
+            # otherwise a later crash during reuse could leave them looking valid or damaged
+            dead = np.concatenate([stale, torn]).astype(np.int64)
+            if len(dead):
+                lib.rec_zero_seq(self._base(), self._rec, REC_SEQ,
+                                 ffi.cast("int64_t *", dead.ctypes.data), len(dead))
+                self._persist_slots(dead, REC_SEQ, 8)
+            self._watermark = self._next_seq - 1
+            self._reserve = self._watermark + self._seq_reserve_step
+            self._write_state()
+        free = np.flatnonzero(self._state == _FREE)[::-1].astype(np.int64)
+        self._free, self._n_free = free, len(free)
+
+    # --- slots ----------------------------------------------------------------------------
+
+    def _push_free(self, slots: np.ndarray) -> None:
+        if not len(slots):
+            return
+        if self._n_free + len(slots) > len(self._free):
+            grown = np.empty(max(2 * len(self._free), self._n_free + len(slots)), np.int64)
+            grown[: self._n_free] = self._free[: self._n_free]
+            self._free = grown
+        self._free[self._n_free : self._n_free + len(slots)] = slots[::-1]
+        self._n_free += len(slots)
+
+    def _ensure_free(self, n: int) -> None:
+        """Grow the file until `n` slots are free; CapacityError leaves everything as it was."""
+        if n <= self._n_free:
+            return
+        old = self._capacity
+        new = max(int(old * self._growth), old + n - self._n_free, 1024)
+        old_size = DATA_OFFSET + old * self._rec
+        self._fallocate(self._fd, DATA_OFFSET + new * self._rec, old_size, self._file)
+        # the file is larger now; remap it (no view of the old mapping is kept anywhere)
+        self._unmap()
+        self._map_file(DATA_OFFSET + new * self._rec)
+        state = np.zeros(self._capacity, dtype=np.uint8)
+        state[:old] = self._state
+        self._state = state
+        fresh = np.arange(old, self._capacity, dtype=np.int64)
+        # fresh slots go under the existing free ones, lowest on top
+        free = np.empty(max(len(self._free), self._n_free + len(fresh)), np.int64)
+        free[: len(fresh)] = fresh[::-1]
+        free[len(fresh) : len(fresh) + self._n_free] = self._free[: self._n_free]
+        self._free, self._n_free = free, self._n_free + len(fresh)
+
+    def _alloc(self, n: int) -> np.ndarray:
+        out = self._free[self._n_free - n : self._n_free][::-1].copy()
+        self._n_free -= n
+        return out
+
+    def _take_seqs(self, n: int) -> np.ndarray:
+        first = self._next_seq
+        if first + n - 1 > self._reserve:
+            # durable before any record carries a seq above the old reserve (module doc)
+            self._reserve = first + n - 1 + self._seq_reserve_step
+            self._write_state()
+        self._next_seq += n
+        return np.arange(first, first + n, dtype=np.uint64)
+
+    def _supersede(self, slots: np.ndarray) -> None:
+        """Give up the records in `slots`: durable ones are retired at the next flush (after
+        what replaces them is durable); ones never flushed are freed now."""
+        state = self._state[slots]
+        durable = slots[state == _LIVE]
+        if len(durable):
+            self._state[durable] = _RETIRE
+            self._retire.append(durable)
+        volatile = np.ascontiguousarray(slots[state == _DIRTY])
+        if len(volatile):
+            lib.rec_zero_seq(self._base(), self._rec, REC_SEQ,
+                             ffi.cast("int64_t *", volatile.ctypes.data), len(volatile))
+            self._state[volatile] = _FREE
+            self._touched.append(volatile)  # the zeroed seq is persisted by the next flush
+            self._push_free(volatile)
+
+    def _persist_slots(self, slots: np.ndarray, offset: int, length: int) -> None:
+        """Make bytes [offset, offset+length) of each slot's record durable."""
+        if not len(slots) or self._map is None:
+            return
+        starts = DATA_OFFSET + slots.astype(np.int64) * self._rec + offset
+        grain = CACHE_LINE if self._map.is_pmem else PAGE_SIZE
+        lo, hi = _merge_ranges(starts, starts + length, grain)
+        for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
+            self._map.flush(a, min(b, self._map.length) - a)
+        self._map.drain()
+
+    # --- Backend --------------------------------------------------------------------------
+
+    def _lookup(self, ids: np.ndarray) -> np.ndarray:
+        islots = self._index.find(ids)
+        slots = np.full(len(ids), -1, dtype=np.int64)
+        hit = islots >= 0
+        slots[hit] = self._file_slot[islots[hit]]
+        return slots
+
+    def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(ids)
+        out = np.empty((n, self.spec.dim), dtype=self.spec.dtype)
+        found = np.zeros(n, dtype=bool)
+        if not n or not len(self._index):
+            out[:] = 0
+            return out, found
+        slots = self._lookup(ids)
+        first_bad = ffi.new("int64_t *")
+        bad = lib.rec_gather(self._base(), self._rec, REC_PAYLOAD, self._row_bytes,
+                             ffi.cast("int64_t *", ids.ctypes.data),
+                             ffi.cast("int64_t *", slots.ctypes.data), n,
+                             ffi.cast("char *", out.ctypes.data),
+                             ffi.cast("uint8_t *", found.ctypes.data), first_bad)
+        if bad:
+            j = int(first_bad[0])
+            s = int(slots[j])
+            raise CorruptStoreError(
+                f"table {self.spec.table!r}: row of id {int(ids[j])} in slot {s} (byte offset "
+                f"{DATA_OFFSET + s * self._rec}) of {self._file} fails its checksum ({bad} bad "
+                "row(s) in this batch); the data is damaged: restore the table from a "
+                "checkpoint, or run `embstore fsck` to list every damaged row"
+            )
+        return out, found
+
+    def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        n = len(ids)
+        self._ensure_free(n)  # the only step that can fail for lack of space: first
+        old = self._lookup(ids)
+        seqs = self._take_seqs(n)
+        slots = self._alloc(n)
+        rb = self._row_bytes
+        recs = np.zeros((n, self._rec), dtype=np.uint8)
+        recs[:, REC_ID : REC_ID + 8] = ids.view(np.uint8).reshape(n, 8)
+        recs[:, REC_KIND : REC_KIND + 4] = np.frombuffer(struct.pack("<I", KIND_ROW), np.uint8)
+        recs[:, REC_SEQ : REC_SEQ + 8] = seqs.view(np.uint8).reshape(n, 8)
+        recs[:, REC_PAYLOAD : REC_PAYLOAD + rb] = rows.view(np.uint8).reshape(n, rb)
+        crc = row_checksums(ids, recs[:, REC_KIND : REC_PAYLOAD + rb])
+        recs[:, REC_CRC : REC_CRC + 4] = crc.view(np.uint8).reshape(n, 4)
+        lib.rec_scatter(self._base(), self._rec, ffi.cast("int64_t *", slots.ctypes.data), n,
+                        ffi.cast("char *", recs.ctypes.data))
+        self._state[slots] = _DIRTY
+        self._touched.append(slots)
+        self._supersede(old[old >= 0])
+        islots, _ = self._index.add(ids)
+        if self._index.high_water > len(self._file_slot):
+            grown = np.zeros(max(2 * len(self._file_slot), self._index.high_water), np.int64)
+            grown[: len(self._file_slot)] = self._file_slot
+            self._file_slot = grown
+        self._file_slot[islots] = slots
+
+    def _delete(self, ids: np.ndarray) -> np.ndarray:
+        slots = self._lookup(ids)
+        present = slots >= 0
+        if present.any():
+            self._supersede(slots[present])
+            self._index.remove(np.ascontiguousarray(ids[present]))
+        return present
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        # docstring inherited
+        self._check_open()
+        return self._index.find(self._check_ids(ids)) >= 0
+
+    def _ids(self) -> np.ndarray:
+        return self._index.items()[0]
+
+    def _len(self) -> int:
+        return len(self._index)
+
+    def _flush(self) -> None:
+        """Persist new records, then retire what they replace, then the watermark.
+
+        The order is the crash guarantee: a retired slot's row is durable elsewhere first, so
+        a crash between the steps leaves two versions (the higher seq wins on open), never
+        none. Skipping the flush loses only writes since the previous one (atomicity per row,
+        durability at flush, in ACID terms).
+        """
+        if self._map is None or not (self._touched or self._retire):
+            return
+        touched = np.unique(np.concatenate(self._touched))
+        self._persist_slots(touched, 0, self._rec)
+        retire = (np.concatenate(self._retire) if self._retire
+                  else np.zeros(0, dtype=np.int64))
+        if len(retire):
+            lib.rec_zero_seq(self._base(), self._rec, REC_SEQ,
+                             ffi.cast("int64_t *", retire.ctypes.data), len(retire))
+            self._persist_slots(retire, REC_SEQ, 8)
+        self._watermark = self._next_seq - 1
+        self._write_state()
+        self._state[touched[self._state[touched] == _DIRTY]] = _LIVE
+        self._state[retire] = _FREE
+        self._push_free(retire)
+        self._touched.clear()
+        self._retire.clear()
+
+    def _close(self) -> None:
+        self._release()
+        self._index = IdIndex(16)
+        self._file_slot = np.zeros(0, dtype=np.int64)
+
+    def nbytes(self) -> int:
+        # docstring inherited
+        return DATA_OFFSET + self._capacity * self._rec + self._index.nbytes()
+
+    def statistics(self) -> dict[str, Any]:
+        # docstring inherited
+        stats = super().statistics()
+        stats.update(
+            libpmem=self._lib is not None,
+            is_pmem=bool(self._map is not None and self._map.is_pmem),
+            file=str(self._file),
+            record_bytes=self._rec,
+            capacity_rows=self._capacity,
+            file_bytes=DATA_OFFSET + self._capacity * self._rec if self._map else 0,
+            free_slots=self._n_free,
+            torn_records_ignored=self._torn_ignored,
+            stale_records_retired=self._stale_retired,
+        )
+        return stats
