@@ -216,6 +216,23 @@ class IdGroups:
         self.unique = unique[:groups]
         self.last = last[:groups]
 
+    def sum_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Sum the rows (array[N, D]) of each group, adding in position order.
+
+        Returns array[U, D]; bit-identical to ``np.add.at(zeros, inverse, rows)``.
+        """
+        rows = np.ascontiguousarray(rows)
+        out = np.zeros((len(self.unique), rows.shape[1]), dtype=rows.dtype)
+        kernel = {np.dtype(np.float32): (lib.scatter_add_f32, "float *"),
+                  np.dtype(np.float64): (lib.scatter_add_f64, "double *")}.get(rows.dtype)
+        if kernel is None:
+            np.add.at(out, self.inverse, rows)  # unbuffered: adds in position order too
+        elif len(rows):
+            fn, ctype = kernel
+            fn(_ptr("int64_t *", self.inverse), len(rows), rows.shape[1], _ptr(ctype, rows),
+               _ptr(ctype, out))
+        return out
+
     @property
     def has_duplicates(self) -> bool:
         """Whether any id occurs more than once."""

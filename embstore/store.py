@@ -71,8 +71,7 @@ class EmbeddingStore:
             for spec in specs:
                 self._tables[spec.name] = _Table(spec, self._build_chain(spec))
         except BaseException:
-            self._close_tables()
-            self._release_lock()
+            self._close_tables()  # the lock stays with `open`, which releases it
             raise
 
     # --- construction -----------------------------------------------------------------------
@@ -239,12 +238,12 @@ class EmbeddingStore:
             self._check_writable()
             groups = IdGroups(ids)
             if groups.has_duplicates:
-                summed = np.zeros((len(groups.unique), spec.dim), dtype=spec.dtype)
-                np.add.at(summed, groups.inverse, grads)  # unbuffered: adds in position order
-                ids, grads = groups.unique, summed
+                ids, grads = groups.unique, groups.sum_rows(grads)
             full, found = t.chain.get(ids)
             self._fill_absent(spec, ids, full, found, with_state=True)
-            spec.optimizer.step(full[:, : spec.dim], full[:, spec.dim :], grads)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                # overflow is checked below on the result, where it can be reported by row
+                spec.optimizer.step(full[:, : spec.dim], full[:, spec.dim :], grads)
             if not spec.allow_nonfinite and not np.isfinite(full).all():
                 bad = int(ids[np.flatnonzero(~np.isfinite(full).all(axis=1))[0]])
                 raise NonFiniteValueError(

@@ -1,0 +1,202 @@
+"""Every error path of the public API: the right class from embstore.errors, a message that
+says what to do, and no change to the store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore import TableSpec, TierSpec
+from embstore import errors as E
+
+
+def _store(**kw) -> embstore.EmbeddingStore:
+    return embstore.open(None, tables=[TableSpec("t", dim=3, **kw)])
+
+
+def _snapshot(store: embstore.EmbeddingStore) -> dict[int, list[float]]:
+    out = {}
+    for ids, weights, _ in store.items("t"):
+        out.update(zip(ids.tolist(), weights.tolist(), strict=True))
+    return out
+
+
+ROWS = np.ones((2, 3), np.float32)
+BAD_IDS = [
+    (np.array([1.0, 2.0]), "integers"),
+    (np.array([True, False]), "integers"),
+    (np.array([[1, 2]]), "1-D"),
+    (np.array([2**63], dtype=np.uint64), "does not fit"),
+    (np.array(["a", "b"]), "integers"),
+    (np.array([1, None], dtype=object), "integers"),
+    (5, "scalar"),
+]
+
+
+@pytest.mark.parametrize(("ids", "words"), BAD_IDS, ids=lambda v: str(v)[:20])
+def test_bad_ids_raise_invalid_ids_and_change_nothing(ids, words):
+    store = _store()
+    store.update("t", [1, 2], ROWS)
+    before = _snapshot(store)
+    for call in (lambda: store.lookup("t", ids), lambda: store.update("t", ids, ROWS),
+                 lambda: store.apply_gradients("t", ids, ROWS), lambda: store.delete("t", ids)):
+        with pytest.raises(E.InvalidIdsError, match=words):
+            call()
+    assert _snapshot(store) == before
+
+
+def test_ids_outside_num_embeddings_are_rejected():
+    store = _store(num_embeddings=10)
+    for ids in ([0, 10], [-1, 3]):
+        with pytest.raises(E.InvalidIdsError, match=r"outside \[0, 10\)"):
+            store.update("t", ids, ROWS)
+    assert store.num_rows("t") == 0
+    store.update("t", [0, 9], ROWS)
+    assert store.num_rows("t") == 2
+
+
+@pytest.mark.parametrize(("rows", "cls"), [
+    (np.ones((2, 3), np.float64), E.DtypeMismatchError),
+    (np.ones((2, 4), np.float32), E.DimensionMismatchError),
+    (np.ones((3, 3), np.float32), E.InvalidValuesError),
+    (np.ones(3, np.float32), E.DimensionMismatchError),
+    ([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]], E.InvalidValuesError),
+    (np.array([[1, np.nan, 1], [1, 1, 1]], np.float32), E.NonFiniteValueError),
+    (np.array([[1, 1, 1], [np.inf, 1, 1]], np.float32), E.NonFiniteValueError),
+])
+def test_bad_rows_and_gradients_raise_and_change_nothing(rows, cls):
+    store = _store()
+    store.update("t", [1, 2], ROWS)
+    before = _snapshot(store)
+    with pytest.raises(cls):
+        store.update("t", [1, 2], rows)
+    with pytest.raises(cls):
+        store.apply_gradients("t", [1, 2], rows)
+    assert _snapshot(store) == before
+
+
+def test_nonfinite_values_are_kept_where_the_table_allows_them():
+    store = _store(allow_nonfinite=True)
+    rows = np.array([[np.nan, np.inf, -np.inf]], np.float32)
+    store.update("t", [4], rows)
+    np.testing.assert_array_equal(store.lookup("t", [4]), rows)
+
+
+def test_an_optimizer_step_that_overflows_writes_nothing():
+    store = _store(optimizer=embstore.optim.SGD(lr=1e30))
+    store.update("t", [1], ROWS[:1])
+    with pytest.raises(E.NonFiniteValueError, match="nothing was written"):
+        store.apply_gradients("t", [1], np.full((1, 3), 1e30, np.float32))
+    np.testing.assert_array_equal(store.lookup("t", [1]), ROWS[:1])
+
+
+def test_unknown_table_names_the_known_ones():
+    store = _store()
+    with pytest.raises(E.UnknownTableError, match=r"\['t'\]"):
+        store.lookup("nope", [1])
+    with pytest.raises(LookupError):
+        store.update("nope", [1], ROWS[:1])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: TableSpec("t", dim=0),
+    lambda: TableSpec("t", dim=2.5),
+    lambda: TableSpec("bad/name", dim=2),
+    lambda: TableSpec("t", dim=2, dtype=np.int32),
+    lambda: TableSpec("t", dim=2, dtype="not-a-dtype"),
+    lambda: TableSpec("t", dim=2, num_embeddings=0),
+    lambda: TableSpec("t", dim=2, init=lambda ids: ids),
+    lambda: TierSpec("dram", capacity=0),
+    lambda: TierSpec("dram", capacity="12 parsecs"),
+    lambda: embstore.init.Uniform(1, 0),
+    lambda: embstore.init.Normal(0, -1),
+    lambda: embstore.optim.SGD(lr=-1),
+])
+def test_invalid_specs_raise_config_error(make):
+    with pytest.raises(E.ConfigError):
+        make()
+
+
+def test_unknown_backend_and_policy_names_are_config_errors(tmp_path):
+    with pytest.raises(E.UnknownNameError, match="registered"):
+        embstore.open(None, tables=[TableSpec("t", dim=2)], tiers=[TierSpec("tape")])
+    with pytest.raises(E.UnknownNameError):
+        embstore.open(None, tables=[TableSpec("t", dim=2)],
+                      tiers=[TierSpec("dram", capacity=4, eviction="nope"), TierSpec("dram")])
+    assert not list(tmp_path.iterdir())
+
+
+def test_duplicate_table_names_are_rejected():
+    with pytest.raises(E.ConfigError, match="unique"):
+        embstore.open(None, tables=[TableSpec("t", dim=2), TableSpec("t", dim=3)])
+
+
+def test_backend_needing_a_directory_in_a_memory_store_is_a_config_error():
+    with pytest.raises(E.ConfigError, match="needs a directory"):
+        embstore.open(None, tables=[TableSpec("t", dim=2)], tiers=[TierSpec("rocksdb")])
+
+
+def test_an_unavailable_backend_says_what_to_install(monkeypatch):
+    from embstore import registry
+
+    sources = dict(registry._sources("backends"))
+    sources["ghost"] = "embstore_no_such_dependency_xyz"
+    monkeypatch.setattr(registry, "_sources", lambda kind: sources)
+    with pytest.raises(E.BackendUnavailableError, match="pip install") as info:
+        registry.load_backend("ghost")
+    assert isinstance(info.value, ImportError)
+
+
+def test_missing_store_without_tables_is_store_not_found(tmp_path):
+    with pytest.raises(E.StoreNotFoundError, match="no embstore store"):
+        embstore.open(tmp_path / "missing")
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_file_or_a_foreign_directory_is_refused(tmp_path):
+    file = tmp_path / "file"
+    file.write_text("hello")
+    with pytest.raises(E.StoreNotFoundError, match="is a file"):
+        embstore.open(file, tables=[TableSpec("t", dim=2)])
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "data.bin").write_bytes(b"x")
+    with pytest.raises(E.StoreNotFoundError, match="not an embstore store"):
+        embstore.open(foreign, tables=[TableSpec("t", dim=2)])
+    assert sorted(p.name for p in foreign.iterdir()) == ["data.bin"]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"format": "other"}',
+                                     b'{"format": "embstore", "version": 99}'])
+def test_damaged_manifest_is_a_corrupt_store_error(tmp_path, content):
+    path = tmp_path / "s"
+    embstore.open(path, tables=[TableSpec("t", dim=2)]).close()
+    (path / "MANIFEST.json").write_bytes(content)
+    with pytest.raises(E.CorruptStoreError):
+        embstore.open(path)
+
+
+def test_damaged_dram_snapshot_is_detected_on_open(tmp_path):
+    from embstore.backends import dram
+
+    path = tmp_path / "s"
+    with embstore.open(path, tables=[TableSpec("t", dim=2)]) as store:
+        store.update("t", np.arange(10), np.ones((10, 2), np.float32))
+    snap = path / "tier0-dram" / "t.dram"
+    pristine = snap.read_bytes()
+    for offset in (0, dram.OFFSET_CRC_BODY, dram.OFFSET_IDS + 3, len(pristine) - 1):
+        data = bytearray(pristine)
+        data[offset] ^= 0x10
+        snap.write_bytes(bytes(data))
+        with pytest.raises(E.CorruptStoreError):
+            embstore.open(path)
+    snap.write_bytes(pristine[:-4])
+    with pytest.raises(E.CorruptStoreError, match="truncated"):
+        embstore.open(path)
+
+
+def test_every_error_class_derives_from_the_base():
+    for name in E.__all__:
+        cls = getattr(E, name)
+        assert issubclass(cls, E.EmbstoreError), name
