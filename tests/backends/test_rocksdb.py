@@ -1,0 +1,282 @@
+"""What only the rocksdb backend does: options, column families, ordered scans, corruption."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import rocksdict
+from embstore.backends.rocksdb import (
+    CF_PREFIX,
+    CRC_OFFSET,
+    CRC_SIZE,
+    PAYLOAD_OFFSET,
+    RocksDBBackend,
+)
+
+from embstore.backend import BackendSpec
+from embstore.errors import (
+    ConfigError,
+    CorruptStoreError,
+    StoreLockedError,
+    StoreNotFoundError,
+)
+
+DIM = 8
+
+
+def _open(path: Path, table: str = "t", **options) -> RocksDBBackend:
+    read_only = options.pop("read_only", False)
+    dim = options.pop("dim", DIM)
+    return RocksDBBackend.open(BackendSpec(path=path, dim=dim, table=table,
+                                           read_only=read_only), **options)
+
+
+def _rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)
+
+
+def _raw_cf(path: Path, table: str = "t"):
+    """The table's column family opened with rocksdict directly (the backend closed)."""
+    opts = rocksdict.Options(raw_mode=True)
+    cfs = rocksdict.Rdict.list_cf(str(path), opts)
+    db = rocksdict.Rdict(str(path), opts,
+                         column_families={n: rocksdict.Options(raw_mode=True)
+                                          for n in cfs if n != "default"})
+    return db, db.get_column_family(CF_PREFIX + table)
+
+
+def _key(i: int) -> bytes:
+    return int(np.uint64(np.int64(i).view(np.uint64) ^ np.uint64(1 << 63))).to_bytes(8, "big")
+
+
+# --- options ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [{"compression": "gzip"}, {"block_cache_bytes": 10},
+                                 {"row_cache_bytes": -1}, {"bloom_bits_per_key": 1.5},
+                                 {"write_buffer_bytes": True}, {"no_such_option": 1}])
+def test_invalid_options_raise_config_error(tmp_path, bad):
+    with pytest.raises((ConfigError, TypeError)):
+        _open(tmp_path / "tier", **bad)
+
+
+def test_no_path_raises_config_error():
+    with pytest.raises(ConfigError, match="path"):
+        RocksDBBackend.open(BackendSpec(path=None, dim=DIM))
+
+
+@pytest.mark.parametrize("options", [
+    {"compression": "lz4", "row_cache_bytes": 0, "bloom_bits_per_key": 0},
+    {"sync_writes": True, "block_size_bytes": 16384, "write_buffer_bytes": 1 << 20},
+])
+def test_other_options_store_and_reopen_the_rows(tmp_path, options):
+    ids = np.arange(-500, 500, dtype=np.int64) * 7919
+    with _open(tmp_path / "tier", **options) as b:
+        b.put(ids, _rows(1000))
+        assert b.statistics()["options"] == {
+            **{"block_cache_bytes": 128 << 20, "row_cache_bytes": 64 << 20,
+               "bloom_bits_per_key": 10, "compression": "none", "write_buffer_bytes": 64 << 20,
+               "block_size_bytes": 4096, "max_background_jobs": 2},
+            **{k: v for k, v in options.items() if k != "sync_writes"}}
+    with _open(tmp_path / "tier", **options) as b:
+        got, found = b.get(ids)
+        assert found.all()
+        np.testing.assert_array_equal(got, _rows(1000))
+
+
+def test_tables_of_one_directory_must_share_options(tmp_path):
+    with _open(tmp_path / "tier", table="a"), pytest.raises(ConfigError, match="options"):
+        _open(tmp_path / "tier", table="b", compression="lz4")
+
+
+def test_reopening_a_table_with_another_dim_raises_config_error(tmp_path):
+    with _open(tmp_path / "tier") as b:
+        b.put(np.arange(3, dtype=np.int64), _rows(3))
+    with pytest.raises(ConfigError, match="dim 8"):
+        _open(tmp_path / "tier", dim=DIM * 2)
+
+
+def test_read_only_open_of_a_missing_table_raises_not_found(tmp_path):
+    with pytest.raises(StoreNotFoundError):
+        _open(tmp_path / "none", read_only=True)
+    _open(tmp_path / "tier", table="a").close()
+    with pytest.raises(StoreNotFoundError, match="'b'"):
+        _open(tmp_path / "tier", table="b", read_only=True)
+
+
+def test_a_writer_cannot_join_a_read_only_directory(tmp_path):
+    _open(tmp_path / "tier", table="a").close()
+    with _open(tmp_path / "tier", table="a", read_only=True), \
+            pytest.raises(StoreLockedError, match="read-only"):
+        _open(tmp_path / "tier", table="b")
+
+
+def test_a_reader_shares_the_writers_handle_and_sees_its_writes(tmp_path):
+    with _open(tmp_path / "tier") as w, _open(tmp_path / "tier", read_only=True) as r:
+        w.put(np.arange(4, dtype=np.int64), _rows(4))
+        got, found = r.get(np.arange(4, dtype=np.int64))
+        assert found.all()
+        np.testing.assert_array_equal(got, _rows(4))
+        assert len(r) == 4
+
+
+def test_a_directory_open_in_another_process_raises_store_locked(tmp_path):
+    path = tmp_path / "tier"
+    _open(path).close()
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from embstore.backend import BackendSpec
+            from embstore.backends.rocksdb import RocksDBBackend
+            b = RocksDBBackend.open(BackendSpec(path={str(path)!r}, dim={DIM}, table="t"))
+            print("ready", flush=True)
+            sys.stdin.read()
+            b.close()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with pytest.raises(StoreLockedError, match="another process"):
+            _open(path)
+    finally:
+        child.communicate("", timeout=30)
+    _open(path).close()  # the lock went with the child
+
+
+# --- shared handle ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_two_tables_in_one_directory_close_in_either_order(tmp_path, first):
+    path = tmp_path / "tier"
+    tables = {"a": _open(path, table="a"), "b": _open(path, table="b")}
+    ids = np.arange(10, dtype=np.int64)
+    tables["a"].put(ids, _rows(10, seed=1))
+    tables["b"].put(ids, _rows(10, seed=2))
+    tables[first].close()
+    other = tables["b" if first == "a" else "a"]
+    other.put(ids[:2].copy(), _rows(2, seed=3))  # the database is still open for it
+    got, found = other.get(ids)
+    assert found.all()
+    other.close()
+    # Both closed: the directory's handle is gone, so other options are accepted now, and
+    # every table reopens with its rows.
+    expected = {"a": _rows(10, seed=1), "b": _rows(10, seed=2)}
+    expected["b" if first == "a" else "a"][:2] = _rows(2, seed=3)
+    with _open(path, table="a", compression="lz4") as a, \
+            _open(path, table="b", compression="lz4") as b:
+        np.testing.assert_array_equal(a.get(ids)[0], expected["a"])
+        np.testing.assert_array_equal(b.get(ids)[0], expected["b"])
+    # And the database itself is closed: rocksdict can open the directory.
+    db, cf = _raw_cf(path, "a")
+    del cf
+    db.close()
+
+
+# --- scans and counts ---------------------------------------------------------------------
+
+def test_ids_and_items_come_in_numeric_order(tmp_path):
+    ids = np.random.default_rng(0).choice(np.arange(-(10**12), 10**12, 7919), size=2000,
+                                          replace=False).astype(np.int64)
+    ids[:3] = [-(2**63), 2**63 - 1, 0]
+    rows = _rows(2000)
+    with _open(tmp_path / "tier") as b:
+        b.put(ids, rows)
+        np.testing.assert_array_equal(b.ids(), np.sort(ids))
+        batches = list(b.items(batch_rows=333))
+        assert [len(i) for i, _ in batches] == [333] * 6 + [2]
+        got_ids = np.concatenate([i for i, _ in batches])
+        np.testing.assert_array_equal(got_ids, np.sort(ids))
+        order = np.argsort(ids)
+        np.testing.assert_array_equal(np.concatenate([r for _, r in batches]), rows[order])
+
+
+def test_len_follows_puts_and_deletes(tmp_path):
+    with _open(tmp_path / "tier", table="a") as a, _open(tmp_path / "tier", table="b") as b:
+        a.put(np.arange(100, dtype=np.int64), _rows(100))
+        assert len(a) == 100
+        b.put(np.arange(5, dtype=np.int64), _rows(5))  # a write elsewhere keeps a's count
+        assert len(a) == 100 and len(b) == 5
+        a.put(np.arange(50, 150, dtype=np.int64), _rows(100))
+        assert len(a) == 150
+        a.delete(np.arange(0, 150, 2, dtype=np.int64))
+        assert len(a) == 75
+
+
+def test_compact_keeps_every_row(tmp_path):
+    ids = np.arange(1000, dtype=np.int64)
+    with _open(tmp_path / "tier") as b:
+        b.put(ids, _rows(1000, seed=1))
+        b.put(ids[::2].copy(), _rows(500, seed=2))
+        b.compact()
+        got, found = b.get(ids)
+        assert found.all()
+        np.testing.assert_array_equal(got[::2], _rows(500, seed=2))
+        np.testing.assert_array_equal(got[1::2], _rows(1000, seed=1)[1::2])
+
+
+# --- corruption ---------------------------------------------------------------------------
+
+def _write_compacted(path: Path, ids: np.ndarray, rows: np.ndarray) -> None:
+    with _open(path, row_cache_bytes=0) as b:
+        b.put(ids, rows)
+        b.compact()  # the rows move from the write-ahead log into an SST file
+
+
+def test_a_damaged_sst_value_raises_on_get_and_on_scan(tmp_path):
+    path = tmp_path / "tier"
+    ids = np.arange(3000, dtype=np.int64)
+    rows = _rows(3000, seed=5)
+    _write_compacted(path, ids, rows)
+    target = rows[1234].tobytes()
+    hits = [(f, data.find(target)) for f in path.glob("*.sst")
+            if (data := f.read_bytes()).find(target) >= 0]
+    assert len(hits) == 1, "the row should be stored uncompressed in exactly one SST file"
+    sst, pos = hits[0]
+    with open(sst, "r+b") as fh:
+        fh.seek(pos + 5)
+        byte = fh.read(1)
+        fh.seek(pos + 5)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    with _open(path) as b:
+        with pytest.raises(CorruptStoreError, match="restore"):
+            b.get(ids[1234:1235].copy())
+        with pytest.raises(CorruptStoreError):
+            for _ in b.items(batch_rows=100):
+                pass
+        with pytest.raises(CorruptStoreError):
+            b.ids()
+        # Rows in undamaged blocks still read.
+        got, found = b.get(ids[:10].copy())
+        assert found.all()
+        np.testing.assert_array_equal(got, rows[:10])
+
+
+@pytest.mark.parametrize("field", ["crc", "payload", "other_id", "length"])
+def test_a_value_that_fails_its_row_checksum_raises_naming_table_id_and_file(tmp_path, field):
+    path = tmp_path / "tier"
+    ids = np.arange(100, dtype=np.int64)
+    _write_compacted(path, ids, _rows(100))
+    db, cf = _raw_cf(path)
+    value = bytearray(cf[_key(42)])
+    assert len(value) == PAYLOAD_OFFSET + DIM * 4
+    if field == "crc":
+        value[CRC_OFFSET + CRC_SIZE - 1] ^= 0x01
+    elif field == "payload":
+        value[PAYLOAD_OFFSET + 7] ^= 0x80
+    elif field == "other_id":
+        value = bytearray(cf[_key(43)])  # a valid value, under the wrong key
+    else:
+        value = value[:-1]
+    cf[_key(42)] = bytes(value)
+    del cf
+    db.close()
+    with _open(path) as b:
+        with pytest.raises(CorruptStoreError, match=rf"'t'.*id 42.*{path.name}"):
+            b.get(np.array([41, 42], dtype=np.int64))
+        with pytest.raises(CorruptStoreError, match="id 42"):
+            list(b.items(batch_rows=10))
+        got, found = b.get(np.array([41, 43], dtype=np.int64))
+        assert found.all()
