@@ -142,14 +142,17 @@ class TableSpec:
         if not isinstance(self.init, init_mod.Initializer):
             raise ConfigError(f"table {self.name!r}: init must be an embstore.init initializer")
         if not isinstance(self.optimizer, optim_mod.Optimizer):
-            raise ConfigError(f"table {self.name!r}: optimizer must be an embstore.optim optimizer")
+            raise ConfigError(
+                f"table {self.name!r}: optimizer must be an embstore.optim optimizer")
         n = self.num_embeddings
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
-            raise ConfigError(f"table {self.name!r}: num_embeddings must be None or >= 1, got {n!r}")
+            raise ConfigError(
+                f"table {self.name!r}: num_embeddings must be None or >= 1, got {n!r}")
         if self.tiers is not None:
             tiers = tuple(self.tiers)
             if not tiers or not all(isinstance(t, TierSpec) for t in tiers):
-                raise ConfigError(f"table {self.name!r}: tiers must be a non-empty list of TierSpec")
+                raise ConfigError(
+                    f"table {self.name!r}: tiers must be a non-empty list of TierSpec")
             object.__setattr__(self, "tiers", tiers)
 
     @property

@@ -8,6 +8,7 @@ as it was. Calls are serialised by a lock, so one store may be shared between th
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import shutil
@@ -101,7 +102,8 @@ class EmbeddingStore:
                 capacity = ts.capacity_rows(row_bytes)
                 bspec = BackendSpec(path=path, dim=width, dtype=dtype, table=spec.name,
                                     read_only=self._read_only and is_bottom,
-                                    capacity_bytes=None if capacity is None else capacity * row_bytes)
+                                    capacity_bytes=None if capacity is None
+                                    else capacity * row_bytes)
                 backend = cls.open(bspec, **ts.options)
                 if not is_bottom and len(backend):
                     backend.delete(backend.ids())  # a cache medium that kept rows: start empty
@@ -296,6 +298,28 @@ class EmbeddingStore:
             return {name: {"updates_dropped": t.updates_dropped,
                            "tiers": t.chain.statistics()}
                     for name, t in self._tables.items()}
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-serialisable description: path, default tiers, and per table its spec, rows,
+        and per tier the counters plus the medium's own facts (e.g. libpmem in use)."""
+        with self._mutex:
+            if self._closed:
+                raise StoreClosedError("the store is closed; open it again")
+            tables = {}
+            for name, t in self._tables.items():
+                tiers = []
+                for tier in t.chain.tiers:
+                    entry = dataclasses.asdict(tier.statistics())
+                    entry["eviction"] = tier.spec.eviction
+                    entry["admission"] = tier.spec.admission
+                    entry["medium"] = tier.backend.statistics()
+                    tiers.append(entry)
+                tables[name] = {"spec": t.spec.to_json(), "rows": len(t.chain),
+                                "bytes": sum(tt["bytes"] for tt in tiers),
+                                "updates_dropped": t.updates_dropped, "tiers": tiers}
+            return {"path": None if self._path is None else str(self._path),
+                    "read_only": self._read_only,
+                    "tiers": [ts.to_json() for ts in self._default_tiers], "tables": tables}
 
     def tier_statistics(self, table: str) -> list[TierStatistics]:
         """One `TierStatistics` per tier of `table`, top first."""

@@ -6,8 +6,8 @@ import argparse
 
 import numpy as np
 
-from ._benchutil import add_size_arguments, interleaved_medians, print_table
 from ._bench_lookup import build_table
+from ._benchutil import add_size_arguments, interleaved_medians, print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,321 @@
+"""Replay an id trace through eviction x admission policies and compare with Belady's MIN.
+
+The model is the one a tier runs: a cache of `capacity` ids is looked up one batch at a time.
+Each distinct id of a batch that is not resident at the start of the batch is one miss (one
+fetch from below; the other accesses of that id in the batch are served by the same fetch),
+every other access is a hit, so `hit_ratio = 1 - misses / accesses`. After the lookups the
+eviction policy sees the resident accesses, the admission policy sees the missed accesses, and
+admitted ids are inserted, evicting `choose_victims` when the cache would overflow.
+
+Belady's MIN is computed for the same batched model: the cache after batch b may hold any
+`capacity` ids among those it held and those batch b touched, and keeping the ones whose next
+use comes soonest is optimal (the usual exchange argument, checked against brute force in the
+tests). That makes it an upper bound for every policy pair above. Next uses come from one
+stable sort of (id, batch) records, and each batch is one `argpartition`, so MIN costs
+O(total distinct-per-batch + batches x capacity) numpy work. The infinite cache misses only
+each id's first batch.
+
+Example::
+
+    batches = embstore.traces.synthesize(batches=20, seed=1)
+    report = simulate_trace(batches, ["lru", "s3fifo"], ["always", "frequency"], [0.05])
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import registry
+from .errors import ConfigError
+from .policy import AdmissionPolicy, EvictionPolicy
+
+__all__ = [
+    "SimResult",
+    "Trace",
+    "belady",
+    "infinite",
+    "load_trace",
+    "parse_capacities",
+    "parse_policy",
+    "run_policies",
+    "simulate_trace",
+]
+
+_NEVER = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of one replay."""
+
+    eviction: str
+    """Eviction policy spec, or "belady" / "infinite" for the references."""
+    admission: str
+    """Admission policy spec ("-" for the references)."""
+    capacity: int
+    """Cache size in ids."""
+    accesses: int
+    """Ids looked up, duplicates included."""
+    misses: int
+    """Distinct ids per batch not resident at the start of their batch."""
+    seconds: float
+    """Wall time of the replay."""
+
+    @property
+    def hit_ratio(self) -> float:
+        """1 - misses / accesses."""
+        return 1.0 - self.misses / self.accesses if self.accesses else 0.0
+
+    @property
+    def miss_ratio(self) -> float:
+        """misses / accesses."""
+        return self.misses / self.accesses if self.accesses else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Fields plus the ratios, JSON-ready."""
+        return {**asdict(self), "hit_ratio": self.hit_ratio, "miss_ratio": self.miss_ratio}
+
+
+class Trace:
+    """A trace as batches of int64 ids, with each id's dense index precomputed.
+
+    Args:
+        batches: the batches, in order (each a 1-D integer array; empty ones are allowed).
+    """
+
+    def __init__(self, batches: Sequence[np.ndarray]) -> None:
+        self.batches = [np.ascontiguousarray(b, dtype=np.int64).reshape(-1) for b in batches]
+        flat = np.concatenate(self.batches) if self.batches else np.zeros(0, np.int64)
+        # dense ids 0..distinct-1 let the simulator keep residency in one bool array
+        self.ids, dense = np.unique(flat, return_inverse=True)
+        bounds = np.cumsum([0] + [len(b) for b in self.batches])
+        self.dense = [dense[bounds[i]:bounds[i + 1]] for i in range(len(self.batches))]
+        self.accesses = int(len(flat))
+
+    @property
+    def distinct(self) -> int:
+        """Distinct ids in the whole trace."""
+        return int(len(self.ids))
+
+
+def load_trace(spec: str, batch_size: int = 4096) -> Trace:
+    """Read a trace: a .npy (2-D: one batch per row; 1-D: cut into `batch_size`), a .npz
+    with `ids` and `offsets` (batch b is ids[offsets[b]:offsets[b+1]]), or
+    ``synth:key=value,...`` for `embstore.traces.synthesize(**kwargs)`.
+
+    Raises:
+        ConfigError: the file or spec cannot be read as a trace.
+    """
+    if spec.startswith("synth"):
+        from .traces import synthesize
+
+        _, _, args = spec.partition(":")
+        kwargs: dict[str, Any] = {}
+        for item in filter(None, args.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ConfigError(f"trace spec {spec!r}: expected key=value, got {item!r}")
+            kwargs[key.strip().replace("-", "_")] = _number(value.strip())
+        try:
+            return Trace(list(synthesize(**kwargs)))
+        except TypeError as exc:
+            raise ConfigError(
+                f"trace spec {spec!r}: {exc}; see embstore.traces.synthesize") from exc
+    path = Path(spec)
+    if not path.exists():
+        raise ConfigError(f"trace {spec!r} does not exist; give a .npy/.npz file or "
+                          "synth:seed=1,batches=50")
+    data = np.load(path)
+    if isinstance(data, np.lib.npyio.NpzFile):
+        if "ids" not in data or "offsets" not in data:
+            raise ConfigError(f"trace {spec!r}: a .npz trace needs arrays 'ids' and 'offsets', "
+                              f"found {sorted(data.files)}")
+        ids, offsets = data["ids"], data["offsets"]
+        return Trace([ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)])
+    if not np.issubdtype(data.dtype, np.integer):
+        raise ConfigError(f"trace {spec!r} holds {data.dtype} values, expected integer ids")
+    if data.ndim == 2:
+        return Trace(list(data))
+    if data.ndim == 1:
+        return Trace([data[i:i + batch_size] for i in range(0, len(data), batch_size)])
+    raise ConfigError(f"trace {spec!r} has {data.ndim} dimensions, expected 1 or 2")
+
+
+def _number(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return None if text == "None" else text
+
+
+def parse_capacities(text: str | Sequence[float], distinct: int) -> list[int]:
+    """Cache sizes in ids: values below 1 are fractions of `distinct`, others are counts.
+
+    Raises:
+        ConfigError: a value is not positive.
+    """
+    values = [float(v) for v in text.split(",")] if isinstance(text, str) else list(text)
+    out = []
+    for v in values:
+        if v <= 0:
+            raise ConfigError(f"capacity {v!r} must be > 0 (a fraction < 1 or a count)")
+        out.append(max(1, round(v * distinct)) if v < 1 else int(v))
+    return out
+
+
+def parse_policy(spec: str, kind: str, seed: int = 0) -> EvictionPolicy | AdmissionPolicy:
+    """Build a policy from ``name`` or ``name:key=value:key=value``.
+
+    Raises:
+        ConfigError: unknown name, wrong family or bad setting.
+    """
+    name, *items = spec.split(":")
+    cls = registry.load_policy(name)
+    if cls.kind != kind:
+        raise ConfigError(f"policy {name!r} is an {cls.kind} policy, expected {kind}")
+    kwargs: dict[str, Any] = {"seed": seed}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"policy spec {spec!r}: expected key=value, got {item!r}")
+        kwargs[key] = _number(value)
+    try:
+        return cls(**kwargs)  # type: ignore[no-any-return]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"policy spec {spec!r}: {exc}") from exc
+
+
+def run_policies(trace: Trace, eviction: EvictionPolicy, admission: AdmissionPolicy,
+                 capacity: int) -> SimResult:
+    """Replay `trace` through a cache of `capacity` ids run by the two policies.
+
+    Raises:
+        ConfigError: `capacity` is not positive.
+    """
+    if capacity < 1:
+        raise ConfigError(f"capacity must be >= 1 id, got {capacity}")
+    start = time.perf_counter()
+    resident = np.zeros(trace.distinct, dtype=bool)
+    size = 0
+    misses = 0
+    for now, (ids, dense) in enumerate(zip(trace.batches, trace.dense, strict=True)):
+        if not len(ids):
+            continue
+        hit = resident[dense]
+        missed_ids = ids[~hit]
+        misses += len(np.unique(dense[~hit]))
+        eviction.record_access(ids[hit], now)
+        admitted = np.unique(missed_ids[admission.admit(missed_ids, now)])[:capacity]
+        over = size + len(admitted) - capacity
+        if over > 0:
+            victims = eviction.choose_victims(over, now)
+            resident[np.searchsorted(trace.ids, victims)] = False
+            size -= len(victims)
+        eviction.record_insert(admitted, now)
+        resident[np.searchsorted(trace.ids, admitted)] = True
+        size += len(admitted)
+        expired = eviction.expired(now)
+        if len(expired):
+            resident[np.searchsorted(trace.ids, expired)] = False
+            size -= len(expired)
+    return SimResult(_spec(eviction), _spec(admission), capacity, trace.accesses, misses,
+                     time.perf_counter() - start)
+
+
+def _spec(policy: EvictionPolicy | AdmissionPolicy) -> str:
+    default = type(policy)(seed=policy.seed).config()
+    extra = [f"{k}={v}" for k, v in policy.config().items() if k != "seed" and default[k] != v]
+    return ":".join([policy.name, *extra])
+
+
+def _batch_records(trace: Trace) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per batch: its distinct dense ids and the batch of each one's next use (_NEVER if none)."""
+    uniq = [np.unique(d) for d in trace.dense]
+    counts = np.array([len(u) for u in uniq], dtype=np.int64)
+    did = np.concatenate(uniq) if uniq else np.zeros(0, np.int64)
+    bid = np.repeat(np.arange(len(uniq), dtype=np.int64), counts)
+    # records are already in batch order, so a stable sort by id leaves each id's uses in time order
+    order = np.argsort(did, kind="stable")
+    nxt = np.full(len(did), _NEVER, dtype=np.int64)
+    same = did[order[1:]] == did[order[:-1]]
+    nxt[order[:-1][same]] = bid[order[1:][same]]
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    return uniq, [nxt[bounds[i]:bounds[i + 1]] for i in range(len(uniq))]
+
+
+def belady(trace: Trace, capacity: int) -> SimResult:
+    """Belady's MIN for the batched model: the fewest misses any policy pair can reach.
+
+    Raises:
+        ConfigError: `capacity` is not positive.
+    """
+    if capacity < 1:
+        raise ConfigError(f"capacity must be >= 1 id, got {capacity}")
+    start = time.perf_counter()
+    uniq, nexts = _batch_records(trace)
+    cache_next = np.zeros(0, dtype=np.int64)  # only the next uses matter, not which ids
+    misses = 0
+    for b, (u, nxt) in enumerate(zip(uniq, nexts, strict=True)):
+        used = cache_next == b
+        misses += len(u) - int(np.count_nonzero(used))
+        cand = np.concatenate([cache_next[~used], nxt])
+        cand = cand[cand != _NEVER]  # never used again: keeping it cannot help
+        if len(cand) > capacity:
+            cand = cand[np.argpartition(cand, capacity - 1)[:capacity]]
+        cache_next = cand
+    return SimResult("belady", "-", capacity, trace.accesses, misses,
+                     time.perf_counter() - start)
+
+
+def infinite(trace: Trace) -> SimResult:
+    """An unbounded cache: only each id's first batch misses."""
+    return SimResult("infinite", "-", trace.distinct, trace.accesses, trace.distinct, 0.0)
+
+
+def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str],
+                   admissions: Sequence[str], capacities: Sequence[float],
+                   seed: int = 0) -> dict[str, Any]:
+    """Every eviction x admission pair at every capacity, with Belady and the infinite cache.
+
+    Args:
+        trace: a `Trace` or a sequence of id batches.
+        evictions: eviction policy specs (``name[:key=value...]``).
+        admissions: admission policy specs.
+        capacities: fractions (< 1) of the distinct ids, or counts.
+        seed: seed handed to every policy.
+
+    Returns:
+        {"accesses", "distinct", "batches", "infinite": result dict, "capacities": [
+        {"capacity", "belady": result dict, "policies": [result dicts]}]}.
+
+    Raises:
+        ConfigError: a bad policy spec or capacity.
+    """
+    if not isinstance(trace, Trace):
+        trace = Trace(trace)
+    report: dict[str, Any] = {
+        "accesses": trace.accesses, "distinct": trace.distinct, "batches": len(trace.batches),
+        "infinite": infinite(trace).as_dict(), "capacities": [],
+    }
+    for capacity in parse_capacities(capacities, trace.distinct):
+        best = belady(trace, capacity)
+        rows = []
+        for ev in evictions:
+            for ad in admissions:
+                result = run_policies(trace, parse_policy(ev, "eviction", seed),  # type: ignore[arg-type]
+                                      parse_policy(ad, "admission", seed), capacity)  # type: ignore[arg-type]
+                row = result.as_dict()
+                row["miss_vs_belady"] = (result.misses / best.misses if best.misses
+                                         else float("inf") if result.misses else 1.0)
+                rows.append(row)
+        report["capacities"].append(
+            {"capacity": capacity, "belady": best.as_dict(), "policies": rows})
+    return report

@@ -1,0 +1,277 @@
+"""Embedding-access traces: production reuse statistics, their histograms, a calibrated generator.
+
+Meta's dlrm_datasets publish, for each batch of their production-like embedding traces, two
+histograms over log2 bins of per-batch reuse (`load_locality_stats`): the share of the rows a
+batch touches whose access count falls in each bin, and the share of the accesses that go to
+rows in each bin. `reuse_histograms` computes the same two from a batch of ids.
+
+`synthesize` draws batches from a few tables, each a mix of heavy-hitter rows and a Zipf tail,
+with parameters (`PROFILES`) fitted by `calibrate` so that a batch's two histograms match the
+mean production ones of 2021 or 2022. The histograms depend on the lookups per batch (a row's
+count grows with it), so a profile is calibrated at its `lookups`; at other sizes the shape
+shifts. Caveats: the statistics describe reuse within a batch only, so how popularity moves
+between batches (`drift`) is not calibrated; and the published batches are ~500x larger than
+ours, so the top bins are matched by fewer, hotter rows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = [
+    "BIN_LABELS",
+    "PROFILES",
+    "LocalityStats",
+    "SynthParams",
+    "calibrate",
+    "load_locality_stats",
+    "mean_histograms",
+    "reuse_histograms",
+    "synthesize",
+    "total_variation",
+]
+
+N_BINS = 17
+BIN_LABELS = ["(0, 1]"] + [f"({1 << (j - 1)}, {1 << j}]" for j in range(1, 16)] + ["(32768+"]
+_TABLE_SHIFT = 40  # id = table << 40 | row key: tables never share ids
+
+
+@dataclass(frozen=True)
+class LocalityStats:
+    """One block of a dlrm_datasets `locality_stats.txt`: the reuse of one batch."""
+
+    name: str
+    """Trace file the block describes, e.g. ``fbgemm_t856_bs65536_0.pt``."""
+    tables: int
+    """Embedding tables in the trace."""
+    batch_size: int
+    """Samples per batch."""
+    indices: int
+    """Lookups in the batch, all tables together."""
+    unique: int
+    """Distinct (table, row) pairs touched by the batch."""
+    rows_hist: np.ndarray
+    """float64[17]: share of touched rows whose access count is in each log2 bin."""
+    access_hist: np.ndarray
+    """float64[17]: share of lookups going to rows whose count is in each bin."""
+
+
+def load_locality_stats(path: str | Path) -> list[LocalityStats]:
+    """Parse a dlrm_datasets ``locality_stats.txt`` into one `LocalityStats` per block.
+
+    Blocks are separated by blank lines. The per-bin values are printed with three decimals,
+    so each histogram is renormalised to sum to 1.
+
+    Raises:
+        ConfigError: the file is missing or a block lacks a field.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read locality stats {str(path)!r}: {exc}") from exc
+    out = []
+    for block in re.split(r"\n\s*\n", text.strip()):
+        lines = block.strip().splitlines()
+        name = lines[0].strip()
+        m = re.search(r"_t(\d+)_bs(\d+)", name)
+        fields = {k: re.search(rf"{k}:\s*([\d.]+)", block) for k in
+                  ("Avg # of indices", "Avg # of unique cols")}
+        bins = re.findall(r"^\((?:\d+, \d+\]|32768\+):\s*([\d.]+)\s*$", block, flags=re.M)
+        if m is None or None in fields.values() or len(bins) != 2 * N_BINS:
+            raise ConfigError(f"{str(path)!r}: block {name!r} is not a locality-stats block "
+                              f"(expected a name, averages and two {N_BINS}-bin histograms)")
+        values = np.array(bins, dtype=np.float64).reshape(2, N_BINS)
+        values /= values.sum(axis=1, keepdims=True)
+        out.append(LocalityStats(
+            name=name, tables=int(m.group(1)), batch_size=int(m.group(2)),
+            indices=int(float(fields["Avg # of indices"].group(1))),  # type: ignore[union-attr]
+            unique=int(float(fields["Avg # of unique cols"].group(1))),  # type: ignore[union-attr]
+            rows_hist=values[0], access_hist=values[1]))
+    return out
+
+
+def mean_histograms(stats: list[LocalityStats]) -> tuple[np.ndarray, np.ndarray]:
+    """Mean rows and access histograms of the numbered batches (``..._<k>.pt``).
+
+    The unnumbered 2021 block covers a different, larger trace, so it is left out when
+    numbered ones exist.
+    """
+    numbered = [s for s in stats if re.search(r"_\d+\.pt$", s.name)] or stats
+    return (np.mean([s.rows_hist for s in numbered], axis=0),
+            np.mean([s.access_hist for s in numbered], axis=0))
+
+
+def reuse_histograms(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The two locality histograms of one batch of ids (float64[17] each).
+
+    Bin j >= 1 holds counts in (2**(j-1), 2**j], bin 0 count 1, bin 16 counts above 32768.
+    """
+    _, counts = np.unique(np.asarray(ids).reshape(-1), return_counts=True)
+    if not len(counts):
+        return np.zeros(N_BINS), np.zeros(N_BINS)
+    # frexp's exponent of c - 1 is its bit length: 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3
+    bins = np.minimum(np.frexp((counts - 1).astype(np.float64))[1], N_BINS - 1)
+    rows = np.bincount(bins, minlength=N_BINS) / len(counts)
+    access = np.bincount(bins, weights=counts, minlength=N_BINS) / counts.sum()
+    return rows.astype(np.float64), access
+
+
+def total_variation(p: np.ndarray, q: np.ndarray) -> float:
+    """Total variation distance between two histograms: half the L1 distance."""
+    return 0.5 * float(np.abs(np.asarray(p) - np.asarray(q)).sum())
+
+
+@dataclass(frozen=True)
+class SynthParams:
+    """Shape of the synthetic tables; `calibrate` fits all but the last two.
+
+    Production models mix tables of every size: a table of a few rows read by most samples
+    gives a handful of heavy hitters with huge per-batch counts, a table of millions of rows a
+    long tail read once or twice. So table t of `tables` has a row count spread log-evenly from
+    `rows_min` to `rows_max`, draws a share of the batch's lookups proportional to
+    rows**`share_exp`, and picks its rows by Zipf-Mandelbrot, weight (rank + `head` x rows)
+    ** -alpha, with alpha spread evenly from `alpha_large` (largest table) to `alpha_small`
+    (smallest). A positive `head` flattens the top ranks, as for features whose popular
+    values are all about equally common.
+    """
+
+    rows_min: float
+    """Rows of the smallest table (rounded, at least 1)."""
+    rows_max: float
+    """Rows of the largest table."""
+    alpha_large: float
+    """Zipf exponent of the largest table."""
+    alpha_small: float
+    """Zipf exponent of the smallest table."""
+    share_exp: float
+    """Lookup share of a table grows as rows**share_exp."""
+    head: float = 0.0
+    """Flat head of each table's popularity, as a share of its rows (0: plain Zipf)."""
+    tables: int = 16
+    """Tables in a batch."""
+    lookups: int = 1 << 20
+    """Lookups per batch, all tables together (the scale the profile is calibrated at)."""
+
+    def table_rows(self) -> np.ndarray:
+        """Rows of each table, int64[tables], largest first."""
+        rows = np.geomspace(self.rows_max, max(self.rows_min, 1.0), self.tables)
+        return np.maximum(np.round(rows), 1).astype(np.int64)
+
+    def table_lookups(self) -> np.ndarray:
+        """Lookups of each table per batch, int64[tables], summing to `lookups`."""
+        share = self.table_rows().astype(np.float64) ** self.share_exp
+        exact = share / share.sum() * self.lookups
+        out = np.floor(exact).astype(np.int64)
+        out[np.argsort(out - exact)[: self.lookups - out.sum()]] += 1
+        return out
+
+
+# Fitted by `calibrate(target, seed=0)` on the mean histograms of the numbered batches of each
+# year; tests/test_traces.py checks the match against the shipped stats files.
+PROFILES: dict[str, SynthParams] = {
+    "2021": SynthParams(rows_min=1, rows_max=300_000, alpha_large=0.6, alpha_small=1.0,
+                        share_exp=0.2),
+    "2022": SynthParams(rows_min=1, rows_max=300_000, alpha_large=0.6, alpha_small=1.0,
+                        share_exp=0.2),
+}
+
+
+def _table_cdfs(params: SynthParams) -> list[np.ndarray]:
+    cdfs = []
+    alphas = np.linspace(params.alpha_large, params.alpha_small, params.tables)
+    for rows, alpha in zip(params.table_rows(), alphas, strict=True):
+        ranks = np.arange(1, rows + 1, dtype=np.float64)
+        cdf = np.cumsum((ranks + params.head * rows) ** -alpha)
+        cdfs.append(cdf / cdf[-1])
+    return cdfs
+
+
+def _row_keys(ranks: np.ndarray, epochs: np.ndarray, rows: int) -> np.ndarray:
+    # an odd multiplier is a bijection mod 2**40: popular rows get scattered, distinct keys
+    raw = ranks.astype(np.uint64) + np.uint64(rows) * epochs[ranks].astype(np.uint64)
+    return ((raw * np.uint64(0x9E3779B97F4B)) & np.uint64((1 << _TABLE_SHIFT) - 1)).astype(
+        np.int64)
+
+
+def synthesize(batches: int = 20, seed: int = 0, profile: str = "2021",
+               lookups: int | None = None, drift: float = 0.0,
+               params: SynthParams | None = None) -> Iterator[np.ndarray]:
+    """Yield `batches` batches of int64 ids (table in the bits above 40, row key below).
+
+    Args:
+        batches: number of batches.
+        seed: seeds the numpy Generator; the same arguments give the same trace.
+        profile: key of `PROFILES` ("2021" or "2022").
+        lookups: lookups per batch; None keeps the profile's (the calibrated scale).
+        drift: share of each table's rows whose key is replaced after every batch (new
+            features taking over a rank); 0 keeps popularity fixed. Not calibrated.
+        params: explicit parameters instead of a profile.
+
+    Raises:
+        ConfigError: unknown profile or bad value.
+    """
+    if params is None:
+        if profile not in PROFILES:
+            raise ConfigError(f"unknown trace profile {profile!r}; known: {sorted(PROFILES)}")
+        params = PROFILES[str(profile)]
+    if lookups is not None:
+        params = replace(params, lookups=int(lookups))
+    if not 0 <= drift <= 1 or batches < 0 or params.lookups < params.tables:
+        raise ConfigError(f"synthesize: need 0 <= drift <= 1, batches >= 0 and lookups >= "
+                          f"tables, got drift={drift}, batches={batches}, "
+                          f"lookups={params.lookups}")
+    rng = np.random.default_rng(seed)
+    cdfs = _table_cdfs(params)
+    per_table = params.table_lookups()
+    table_rows = params.table_rows()
+    epochs = [np.zeros(r, dtype=np.int64) for r in table_rows]
+    for _ in range(batches):
+        parts = []
+        for t, cdf in enumerate(cdfs):
+            ranks = np.searchsorted(cdf, rng.random(per_table[t]), side="right")
+            ranks = np.minimum(ranks, table_rows[t] - 1)
+            parts.append((t << _TABLE_SHIFT) | _row_keys(ranks, epochs[t], int(table_rows[t])))
+        yield np.concatenate(parts)
+        if drift:
+            for e in epochs:
+                e[rng.random(len(e)) < drift] += 1
+
+
+def calibrate(rows_target: np.ndarray, access_target: np.ndarray, seed: int = 0,
+              start: SynthParams | None = None, rounds: int = 3) -> tuple[SynthParams, float]:
+    """Fit the generator to target histograms by coordinate search.
+
+    The loss is the larger of the two total-variation distances of one synthetic batch
+    (fixed seed, so the search is deterministic). Each round tries, for each parameter in
+    turn, a few multiplicative steps around the current value and keeps the best.
+
+    Returns:
+        The fitted parameters and their loss.
+    """
+    params = start or PROFILES["2021"]
+
+    def loss(p: SynthParams) -> float:
+        batch = next(synthesize(1, seed=seed, params=p))
+        r, a = reuse_histograms(batch)
+        return max(total_variation(r, rows_target), total_variation(a, access_target))
+
+    best = loss(params)
+    steps = {"rows_max": 0.5, "rows_min": 0.5, "alpha_large": 0.15, "alpha_small": 0.15,
+             "share_exp": 0.3, "head": 0.5}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            for factor in (1 - step, 1 + step, 1 - step / 2, 1 + step / 2):
+                value = asdict(params)[key] * factor
+                trial = replace(params, **{key: value})
+                score = loss(trial)
+                if score < best:
+                    params, best = trial, score
+    return params, best

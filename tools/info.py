@@ -1,0 +1,56 @@
+"""`embstore info PATH`: the tables, tiers, rows and bytes of a store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import embstore
+
+__all__ = ["register", "run"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `info` subcommand."""
+    p = sub.add_parser("info", help="describe a store: tables, tiers, rows, bytes")
+    p.add_argument("path", help="the store's directory")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=run)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _print_text(info: dict[str, Any]) -> None:
+    print(f"store {info['path']}")
+    for name, t in info["tables"].items():
+        spec = t["spec"]
+        print(f"table {name}: dim {spec['dim']} {spec['dtype']}, optimizer "
+              f"{spec['optimizer']['name']}, init {spec['init']['name']}; "
+              f"{t['rows']:,} rows, {_size(t['bytes'])}")
+        for tier in t["tiers"]:
+            rows = tier["capacity_rows"]
+            cap = "unbounded" if rows is None else f"{rows:,} rows"
+            extra = {k: v for k, v in tier["medium"].items()
+                     if k not in ("backend", "rows", "bytes")}
+            policy = f", eviction {tier['eviction']}" if tier["eviction"] else ""
+            print(f"  tier {tier['level']} {tier['backend']} ({cap}{policy}): "
+                  f"{tier['rows']:,} rows, {_size(tier['bytes'])}"
+                  + (f"; {', '.join(f'{k}={v}' for k, v in extra.items())}" if extra else ""))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Open the store read-only and print its description."""
+    with embstore.open(args.path, read_only=True) as store:
+        info = store.describe()
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        _print_text(info)
+    return 0
