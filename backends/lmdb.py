@@ -119,6 +119,7 @@ class LMDBBackend(Backend):
             # Made here, not by lmdb.open: LMDB would give the directory FILE_MODE, no x bit.
             self._dir.mkdir(parents=True, exist_ok=True)
         self._key = _HANDLES.key(self._dir)
+        self._stale_readers_cleared = 0  # set by _open_env when this instance opens the env
         self._env: Any = _HANDLES.acquire(self._key, self._settings, spec.read_only,
                                           self._open_env)
         try:
@@ -145,7 +146,7 @@ class LMDBBackend(Backend):
         except lmdb.Error as exc:
             _fail(exc, f"opening LMDB environment {self._dir}")
         # Reader slots of dead processes pin old pages and would stop the file from reusing them.
-        env.reader_check()
+        self._stale_readers_cleared = env.reader_check()
         return env
 
     def _open_table(self) -> Any:
@@ -329,6 +330,7 @@ class LMDBBackend(Backend):
         info = self._env.info()
         stats["path"] = str(self._file)
         stats["map_size"] = info["map_size"]
+        stats["stale_readers_cleared"] = self._stale_readers_cleared
         stats["options"] = dict(self._settings)
         return stats
 

@@ -1,0 +1,274 @@
+"""What only the lmdb backend does: options, map growth, file modes, scans, corruption, readers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from embstore.backends.lmdb import (
+    CRC_OFFSET,
+    CRC_SIZE,
+    FILE_MODE,
+    PAYLOAD_OFFSET,
+    LMDBBackend,
+)
+
+from embstore.backend import BackendSpec
+from embstore.errors import (
+    CapacityError,
+    ConfigError,
+    CorruptStoreError,
+    StoreLockedError,
+    StoreNotFoundError,
+)
+
+DIM = 8
+ROW_BYTES = DIM * 4
+
+
+def _open(path: Path, table: str = "t", **options) -> LMDBBackend:
+    read_only = options.pop("read_only", False)
+    dim = options.pop("dim", DIM)
+    return LMDBBackend.open(BackendSpec(path=path, dim=dim, table=table, read_only=read_only),
+                            **options)
+
+
+def _rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)
+
+
+# --- options, files -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [{"map_size_bytes": 1000}, {"max_tables": 1},
+                                 {"max_map_size_bytes": 1 << 16, "map_size_bytes": 1 << 20},
+                                 {"max_readers": 0}, {"no_such_option": 1}])
+def test_invalid_options_raise_config_error(tmp_path, bad):
+    with pytest.raises((ConfigError, TypeError)):
+        _open(tmp_path / "tier", **bad)
+
+
+def test_files_are_created_with_mode_0600(tmp_path):
+    with _open(tmp_path / "tier") as b:
+        b.put(np.arange(3, dtype=np.int64), _rows(3))
+    for name in ("data.mdb", "lock.mdb"):
+        assert stat.S_IMODE(os.stat(tmp_path / "tier" / name).st_mode) == FILE_MODE == 0o600
+
+
+def test_the_map_grows_past_its_initial_size(tmp_path):
+    ids = np.arange(20_000, dtype=np.int64) * 31
+    rows = _rows(20_000)
+    with _open(tmp_path / "tier", map_size_bytes=1 << 16) as b:
+        for start in range(0, 20_000, 5000):
+            b.put(ids[start:start + 5000], rows[start:start + 5000])
+        assert b.statistics()["map_size"] > 1 << 20  # 20,000 rows of 44 bytes do not fit 64 KiB
+        assert len(b) == 20_000
+    with _open(tmp_path / "tier", map_size_bytes=1 << 16) as b:
+        got, found = b.get(ids)
+        assert found.all()
+        np.testing.assert_array_equal(got, rows)
+
+
+def test_a_write_past_the_maximum_map_size_raises_and_writes_nothing(tmp_path):
+    with _open(tmp_path / "tier", map_size_bytes=1 << 16, max_map_size_bytes=1 << 17) as b:
+        b.put(np.arange(10, dtype=np.int64), _rows(10))
+        with pytest.raises(CapacityError, match="max_map_size_bytes"):
+            b.put(np.arange(10, 20_010, dtype=np.int64), _rows(20_000))
+        assert len(b) == 10
+        got, found = b.get(np.arange(10, dtype=np.int64))
+        assert found.all()
+        np.testing.assert_array_equal(got, _rows(10))
+
+
+def test_tables_of_one_directory_must_share_options(tmp_path):
+    with _open(tmp_path / "tier", table="a"), pytest.raises(ConfigError, match="options"):
+        _open(tmp_path / "tier", table="b", sync_commits=False)
+
+
+def test_reopening_a_table_with_another_dim_raises_config_error(tmp_path):
+    with _open(tmp_path / "tier") as b:
+        b.put(np.arange(3, dtype=np.int64), _rows(3))
+    with pytest.raises(ConfigError, match="dim 8"):
+        _open(tmp_path / "tier", dim=DIM * 2)
+
+
+def test_read_only_open_of_a_missing_table_raises_not_found(tmp_path):
+    with pytest.raises(StoreNotFoundError):
+        _open(tmp_path / "none", read_only=True)
+    _open(tmp_path / "tier", table="a").close()
+    with pytest.raises(StoreNotFoundError, match="'b'"):
+        _open(tmp_path / "tier", table="b", read_only=True)
+
+
+def test_a_writer_cannot_join_a_read_only_directory(tmp_path):
+    _open(tmp_path / "tier", table="a").close()
+    with _open(tmp_path / "tier", table="a", read_only=True), \
+            pytest.raises(StoreLockedError, match="read-only"):
+        _open(tmp_path / "tier", table="b")
+
+
+def test_sync_commits_off_still_persists_on_flush(tmp_path):
+    ids = np.arange(100, dtype=np.int64)
+    with _open(tmp_path / "tier", sync_commits=False) as b:
+        b.put(ids, _rows(100))
+        b.flush()
+    with _open(tmp_path / "tier") as b:
+        np.testing.assert_array_equal(b.get(ids)[0], _rows(100))
+
+
+# --- shared environment -------------------------------------------------------------------
+
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_two_tables_in_one_directory_close_in_either_order(tmp_path, first):
+    path = tmp_path / "tier"
+    tables = {"a": _open(path, table="a"), "b": _open(path, table="b")}
+    ids = np.arange(10, dtype=np.int64)
+    tables["a"].put(ids, _rows(10, seed=1))
+    tables["b"].put(ids, _rows(10, seed=2))
+    tables[first].close()
+    other = tables["b" if first == "a" else "a"]
+    other.put(ids[:2].copy(), _rows(2, seed=3))  # the environment is still open for it
+    assert other.get(ids)[1].all()
+    other.close()
+    expected = {"a": _rows(10, seed=1), "b": _rows(10, seed=2)}
+    expected["b" if first == "a" else "a"][:2] = _rows(2, seed=3)
+    # Both closed: the handle is gone, so other options are accepted now.
+    with _open(path, table="a", sync_commits=False) as a, \
+            _open(path, table="b", sync_commits=False) as b:
+        np.testing.assert_array_equal(a.get(ids)[0], expected["a"])
+        np.testing.assert_array_equal(b.get(ids)[0], expected["b"])
+
+
+def test_stale_reader_slots_are_cleared_on_open(tmp_path):
+    path = tmp_path / "tier"
+    _open(path).close()
+    script = textwrap.dedent("""
+        import sys, lmdb
+        env = lmdb.open(sys.argv[1], max_dbs=64)
+        txn = env.begin() if sys.argv[2] == "reader" else None
+        print("ready", flush=True)
+        sys.stdin.read()
+    """)
+    # The holder keeps the environment open, so the reader table survives the reader's death.
+    holder, reader = (subprocess.Popen([sys.executable, "-c", script, str(path), role],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for role in ("holder", "reader"))
+    try:
+        for child in (holder, reader):
+            assert child.stdout.readline().strip() == "ready"
+        reader.send_signal(signal.SIGKILL)
+        reader.wait(timeout=30)
+        with _open(path) as b:
+            assert b.statistics()["stale_readers_cleared"] == 1
+    finally:
+        holder.communicate("", timeout=30)
+        reader.stdout.close()
+        reader.stdin.close()
+
+
+# --- scans --------------------------------------------------------------------------------
+
+def test_ids_and_items_come_in_numeric_order(tmp_path):
+    ids = np.random.default_rng(0).choice(np.arange(-(10**12), 10**12, 7919), size=2000,
+                                          replace=False).astype(np.int64)
+    ids[:3] = [-(2**63), 2**63 - 1, 0]
+    rows = _rows(2000)
+    with _open(tmp_path / "tier") as b:
+        b.put(ids, rows)
+        np.testing.assert_array_equal(b.ids(), np.sort(ids))
+        batches = list(b.items(batch_rows=333))
+        assert [len(i) for i, _ in batches] == [333] * 6 + [2]
+        np.testing.assert_array_equal(np.concatenate([i for i, _ in batches]), np.sort(ids))
+        np.testing.assert_array_equal(np.concatenate([r for _, r in batches]),
+                                      rows[np.argsort(ids)])
+
+
+def test_a_scan_sees_writes_between_its_batches(tmp_path):
+    with _open(tmp_path / "tier") as b:
+        b.put(np.arange(10, dtype=np.int64), _rows(10))
+        scan = b.items(batch_rows=4)
+        first_ids, _ = next(scan)
+        b.put(np.array([100], dtype=np.int64), _rows(1))  # no transaction is held open
+        rest = np.concatenate([i for i, _ in scan])
+        assert first_ids.tolist() == [0, 1, 2, 3]
+        assert rest.tolist() == [4, 5, 6, 7, 8, 9, 100]
+
+
+# --- corruption ---------------------------------------------------------------------------
+
+def _value_offsets(data_file: Path, row: np.ndarray) -> list[int]:
+    """File offsets of every copy of the value holding `row`.
+
+    A page split leaves stale copies of moved rows in the free space of live pages, and freed
+    pages keep old rows; only one copy is live, and the tests damage them all alike.
+    """
+    data = data_file.read_bytes()
+    target = row.tobytes()
+    found = []
+    pos = data.find(target)
+    while pos >= 0:
+        found.append(pos - PAYLOAD_OFFSET)
+        pos = data.find(target, pos + 1)
+    assert found, "row not found in the data file"
+    return found
+
+
+def _flip(path: Path, offsets: list[int], bit: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for offset in offsets:
+            byte = os.pread(fd, 1, offset)[0]
+            os.pwrite(fd, bytes([byte ^ (1 << bit)]), offset)
+    finally:
+        os.close(fd)
+
+
+def test_every_single_bit_flip_in_a_value_is_detected(tmp_path):
+    path = tmp_path / "tier"
+    ids = np.arange(500, dtype=np.int64) * 1_000_003
+    rows = _rows(500, seed=3)
+    rng = np.random.default_rng(0)
+    with _open(path) as b:
+        b.put(ids, rows)
+        b.flush()
+        data_file = path / "data.mdb"
+        flips: list[tuple[int, list[int], int]] = []
+        # Every bit of one value (checksum and payload), then random bits of other values.
+        value_bytes = PAYLOAD_OFFSET + ROW_BYTES
+        starts = _value_offsets(data_file, rows[123])
+        flips += [(123, [s + i for s in starts], bit)
+                  for i in range(value_bytes) for bit in range(8)]
+        for r in rng.choice(500, size=40, replace=False):
+            starts = _value_offsets(data_file, rows[r])
+            flips += [(r, [s + int(i) for s in starts], int(rng.integers(8)))
+                      for i in rng.integers(value_bytes, size=8)]
+        starts = _value_offsets(data_file, rows[7])
+        flips += [(7, [s + CRC_OFFSET + i for s in starts], 0) for i in range(CRC_SIZE)]
+        wrong = detected = 0
+        for r, offsets, bit in flips:
+            # The map is shared with the file: the flip is what the next read sees.
+            _flip(data_file, offsets, bit)
+            try:
+                got, found = b.get(ids[[r, (r + 1) % 500]])
+            except CorruptStoreError as exc:
+                detected += 1
+                assert f"id {ids[r]}" in str(exc) and "data.mdb" in str(exc)
+            else:
+                wrong += int(not (found.all() and np.array_equal(got[0], rows[r])))
+            finally:
+                _flip(data_file, offsets, bit)
+        assert wrong == 0
+        assert detected == len(flips) == value_bytes * 8 + 40 * 8 + CRC_SIZE
+        # Restored: every row reads back again, and a flip also stops a scan.
+        np.testing.assert_array_equal(b.get(ids)[0], rows)
+        offsets = [s + PAYLOAD_OFFSET + 3 for s in _value_offsets(data_file, rows[250])]
+        _flip(data_file, offsets, 5)
+        with pytest.raises(CorruptStoreError, match=f"id {ids[250]}"):
+            list(b.items(batch_rows=64))
+        _flip(data_file, offsets, 5)
