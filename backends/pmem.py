@@ -532,16 +532,17 @@ class PmemBackend(Backend):
         if not n or not len(self._index):
             out[:] = 0
             return out, found
-        slots = self._lookup(ids)
+        keys, vals, mask = self._index.pointers()
         first_bad = ffi.new("int64_t *")
         bad = lib.rec_gather(self._base(), self._rec, REC_PAYLOAD, self._row_bytes,
-                             ffi.cast("int64_t *", ids.ctypes.data),
-                             ffi.cast("int64_t *", slots.ctypes.data), n,
+                             keys, vals, mask,
+                             ffi.cast("int64_t *", self._file_slot.ctypes.data),
+                             ffi.cast("int64_t *", ids.ctypes.data), n,
                              ffi.cast("char *", out.ctypes.data),
                              ffi.cast("uint8_t *", found.ctypes.data), first_bad)
         if bad:
             j = int(first_bad[0])
-            s = int(slots[j])
+            s = int(self._lookup(ids[j : j + 1])[0])
             raise CorruptStoreError(
                 f"table {self.spec.table!r}: row of id {int(ids[j])} in slot {s} (byte offset "
                 f"{DATA_OFFSET + s * self._rec}) of {self._file} fails its checksum ({bad} bad "

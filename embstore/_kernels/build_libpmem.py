@@ -4,8 +4,9 @@
   holds only the declarations below; `embstore._libpmem` dlopens Debian's `libpmem.so.1` at
   run time, so neither libpmem's headers nor the library are needed to build or install.
 - `records_ffibuilder`: API mode, the record kernels of `pmem_records.c` (gather + CRC-32C
-  verification in one pass, scatter, madvise). It is compiled together with `checksum.c` so
-  the CRC is the very function `embstore.checksum` uses, without a second copy of it.
+  verification in one pass, scatter, madvise). It is compiled together with `checksum.c` and
+  `dram_index.c`, so the CRC and the id hash are the very code `embstore.checksum` and
+  `IdIndex` use, without a second copy that could drift from them.
 """
 
 from pathlib import Path
@@ -36,8 +37,9 @@ ffibuilder.set_source("embstore._kernels._libpmem_ffi", None)
 
 RECORDS_CDEF = """
 int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset,
-                   int64_t row_bytes, const int64_t *ids, const int64_t *slots, int64_t n,
-                   char *out, uint8_t *found, int64_t *first_bad);
+                   int64_t row_bytes, const int64_t *keys, const int32_t *vals, uint64_t mask,
+                   const int64_t *file_slot, const int64_t *ids, int64_t n, char *out,
+                   uint8_t *found, int64_t *first_bad);
 void rec_scatter(char *base, int64_t record_size, const int64_t *slots, int64_t n,
                  const char *records);
 void rec_zero_seq(char *base, int64_t record_size, int64_t seq_offset,
@@ -49,7 +51,8 @@ records_ffibuilder = FFI()
 records_ffibuilder.cdef(RECORDS_CDEF)
 records_ffibuilder.set_source(
     "embstore._kernels._pmem_records",
-    (HERE / "checksum.c").read_text() + "\n" + (HERE / "pmem_records.c").read_text(),
+    "\n".join((HERE / name).read_text()
+              for name in ("checksum.c", "dram_index.c", "pmem_records.c")),
     extra_compile_args=["-O3", "-std=gnu99"],
 )
 

@@ -11,7 +11,8 @@
  * In numpy that is a gather of whole records into a temporary, a CRC pass and a second copy
  * of the payloads; one pass here touches each record once and prefetches records a few ids
  * ahead, which is what lets a verified read keep up with an unverified numpy gather.
- * crc_fn/pick() come from checksum.c, compiled into the same module.
+ * crc_fn/pick() come from checksum.c and mix64/find_one from dram_index.c, compiled into the
+ * same module, so the CRC and the hash are exactly those of embstore.checksum and IdIndex.
  */
 #include <stdint.h>
 #include <string.h>
@@ -20,52 +21,141 @@
 #define REC_SEQ_OFFSET 16
 #define REC_CRC_OFFSET 8
 #define REC_KIND_OFFSET 12
-#define PREFETCH_AHEAD 12
 
 static inline void prefetch_record(const char *rec, int64_t record_size) {
     for (int64_t off = 0; off < record_size; off += 64) __builtin_prefetch(rec + off, 0, 0);
     __builtin_prefetch(rec + record_size - 1, 0, 0);
 }
 
-/* Copy the payload of slots[j] (or zeros where slots[j] < 0) to out[j], verifying that the
- * record holds ids[j] and that its CRC matches. Returns the number of bad records; the index
- * of the first one goes to *first_bad (-1 if none). Bad records are never copied out. */
-int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset,
-                   int64_t row_bytes, const int64_t *ids, const int64_t *slots, int64_t n,
-                   char *out, uint8_t *found, int64_t *first_bad) {
-    crc_fn f = pick();
-    int64_t bad = 0;
-    *first_bad = -1;
-    int64_t run = payload_offset + row_bytes - REC_KIND_OFFSET;
-    for (int64_t j = 0; j < n && j < PREFETCH_AHEAD; j++)
-        if (slots[j] >= 0) prefetch_record(base + slots[j] * record_size, record_size);
-    for (int64_t j = 0; j < n; j++) {
-        if (j + PREFETCH_AHEAD < n && slots[j + PREFETCH_AHEAD] >= 0)
-            prefetch_record(base + slots[j + PREFETCH_AHEAD] * record_size, record_size);
-        char *dst = out + j * row_bytes;
-        int64_t s = slots[j];
-        if (s < 0) {
-            memset(dst, 0, (size_t)row_bytes);
-            found[j] = 0;
-            continue;
+/* CRC-32C of (id ++ run) for GROUP records at once. One CRC is a chain of dependent crc32
+ * instructions (3 cycles each); interleaving independent records keeps the unit busy every
+ * cycle, which is what makes verification cheaper than the memory traffic it rides on. */
+#define GROUP 4
+#if defined(__x86_64__)
+__attribute__((target("sse4.2")))
+static void crc_group_hw(const unsigned char *const *rec, int64_t run_offset, int64_t run,
+                         uint32_t *out) {
+    uint64_t c[GROUP];
+    for (int g = 0; g < GROUP; g++) {
+        uint64_t w; memcpy(&w, rec[g], 8);
+        c[g] = __builtin_ia32_crc32di(0xFFFFFFFFu, w);
+    }
+    int64_t i = 0;
+    for (; i + 8 <= run; i += 8) {
+        for (int g = 0; g < GROUP; g++) {
+            uint64_t w; memcpy(&w, rec[g] + run_offset + i, 8);
+            c[g] = __builtin_ia32_crc32di(c[g], w);
         }
-        const char *rec = base + s * record_size;
+    }
+    for (int g = 0; g < GROUP; g++) {
+        uint32_t c32 = (uint32_t)c[g];
+        for (int64_t k = i; k < run; k++) c32 = __builtin_ia32_crc32qi(c32, rec[g][run_offset + k]);
+        out[g] = c32 ^ 0xFFFFFFFFu;
+    }
+}
+#endif
+
+static void crc_group(crc_fn f, const unsigned char *const *rec, int64_t count,
+                      int64_t run_offset, int64_t run, uint32_t *out) {
+#if defined(__x86_64__)
+    if (count == GROUP && f == crc_hw) { crc_group_hw(rec, run_offset, run, out); return; }
+#endif
+    for (int64_t g = 0; g < count; g++) {
+        uint32_t c = f(0xFFFFFFFFu, rec[g], 8);
+        out[g] = f(c, rec[g] + run_offset, run) ^ 0xFFFFFFFFu;
+    }
+}
+
+/* Check the records of a group (id and CRC) and copy out the good payloads. */
+static int64_t finish_group(crc_fn f, const unsigned char *const *rec, const int64_t *pos,
+                            int64_t count, int64_t payload_offset, int64_t row_bytes,
+                            const int64_t *ids, char *out, uint8_t *found, int64_t *first_bad) {
+    uint32_t crc[GROUP];
+    int64_t bad = 0;
+    crc_group(f, rec, count, REC_KIND_OFFSET, payload_offset + row_bytes - REC_KIND_OFFSET, crc);
+    for (int64_t g = 0; g < count; g++) {
+        int64_t j = pos[g];
+        char *dst = out + j * row_bytes;
         int64_t stored_id;
         uint32_t stored_crc;
-        memcpy(&stored_id, rec, 8);
-        memcpy(&stored_crc, rec + REC_CRC_OFFSET, 4);
-        uint32_t c = f(0xFFFFFFFFu, (const unsigned char *)rec, 8);
-        c = f(c, (const unsigned char *)(rec + REC_KIND_OFFSET), run) ^ 0xFFFFFFFFu;
-        if (stored_id != ids[j] || c != stored_crc) {
-            if (bad == 0) *first_bad = j;
+        memcpy(&stored_id, rec[g], 8);
+        memcpy(&stored_crc, rec[g] + REC_CRC_OFFSET, 4);
+        if (stored_id != ids[j] || crc[g] != stored_crc) {
+            if (*first_bad < 0 || j < *first_bad) *first_bad = j;
             bad++;
             memset(dst, 0, (size_t)row_bytes);
             found[j] = 0;
+        } else {
+            memcpy(dst, rec[g] + payload_offset, (size_t)row_bytes);
+            found[j] = 1;
+        }
+    }
+    return bad;
+}
+
+/* For each j, the row of ids[j]: the id index (IdIndex's hash table, probed with
+ * dram_index.c's find_one, compiled into this module) gives an index slot, file_slot[] maps
+ * it to a record slot. Copies the payload to out[j], or zeros where the id is absent,
+ * verifying that the record holds ids[j] and that its CRC matches. Returns the number of bad
+ * records, the index of the first one in *first_bad (-1 if none); bad records are never
+ * copied out.
+ *
+ * Each id costs three dependent cache misses (hash bucket, file_slot entry, record). The loop
+ * is a software pipeline: at step t it prefetches the bucket of id t, probes id t-D and
+ * prefetches its file_slot entry, reads the slot of id t-2D and prefetches its record, and
+ * verifies and copies id t-3D, so the misses of many ids are in flight together. */
+#define STAGE 8
+#define RING 64
+int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset,
+                   int64_t row_bytes, const int64_t *keys, const int32_t *vals, uint64_t mask,
+                   const int64_t *file_slot, const int64_t *ids, int64_t n, char *out,
+                   uint8_t *found, int64_t *first_bad) {
+    crc_fn f = pick();
+    int64_t bad = 0;
+    int32_t islot[RING];
+    int64_t slot[RING];
+    const unsigned char *rec[GROUP];
+    int64_t pos[GROUP];
+    int64_t count = 0;
+    *first_bad = -1;
+    for (int64_t t = 0; t < n + 3 * STAGE; t++) {
+        if (t < n) {
+            uint64_t h = mix64((uint64_t)ids[t]) & mask;
+            __builtin_prefetch(&vals[h], 0, 0);
+            __builtin_prefetch(&keys[h], 0, 0);
+        }
+        int64_t b = t - STAGE;
+        if (b >= 0 && b < n) {
+            int32_t i = (int32_t)find_one(keys, vals, mask, ids[b]);
+            islot[b % RING] = i;
+            if (i >= 0) __builtin_prefetch(&file_slot[i], 0, 0);
+        }
+        int64_t c = t - 2 * STAGE;
+        if (c >= 0 && c < n) {
+            int32_t i = islot[c % RING];
+            int64_t s = i < 0 ? -1 : file_slot[i];
+            slot[c % RING] = s;
+            if (s >= 0) prefetch_record(base + s * record_size, record_size);
+        }
+        int64_t j = t - 3 * STAGE;
+        if (j < 0) continue;
+        int64_t s = slot[j % RING];
+        if (s < 0) {
+            memset(out + j * row_bytes, 0, (size_t)row_bytes);
+            found[j] = 0;
             continue;
         }
-        memcpy(dst, rec + payload_offset, (size_t)row_bytes);
-        found[j] = 1;
+        rec[count] = (const unsigned char *)(base + s * record_size);
+        pos[count++] = j;
+        if (count == GROUP) {
+            bad += finish_group(f, rec, pos, count, payload_offset, row_bytes, ids, out, found,
+                                first_bad);
+            count = 0;
+        }
     }
+    if (count)
+        bad += finish_group(f, rec, pos, count, payload_offset, row_bytes, ids, out, found,
+                            first_bad);
     return bad;
 }
 
