@@ -140,7 +140,8 @@ class SynthParams:
     rows**`share_exp`, and picks its rows by Zipf-Mandelbrot, weight (rank + `head` x rows)
     ** -alpha, with alpha spread evenly from `alpha_large` (largest table) to `alpha_small`
     (smallest). A positive `head` flattens the top ranks, as for features whose popular
-    values are all about equally common.
+    values are all about equally common. On top, `hot` heavy-hitter rows (one more table,
+    read uniformly, like a default id most samples carry) take `hot_share` of the lookups.
     """
 
     rows_min: float
@@ -155,20 +156,29 @@ class SynthParams:
     """Lookup share of a table grows as rows**share_exp."""
     head: float = 0.0
     """Flat head of each table's popularity, as a share of its rows (0: plain Zipf)."""
+    hot_share: float = 0.0
+    """Share of all lookups that go to the heavy hitters."""
+    hot: int = 0
+    """Heavy-hitter rows (0: none)."""
     tables: int = 16
     """Tables in a batch."""
     lookups: int = 1 << 20
     """Lookups per batch, all tables together (the scale the profile is calibrated at)."""
 
     def table_rows(self) -> np.ndarray:
-        """Rows of each table, int64[tables], largest first."""
+        """Rows of each table, largest first, then the heavy-hitter table if `hot`."""
         rows = np.geomspace(self.rows_max, max(self.rows_min, 1.0), self.tables)
-        return np.maximum(np.round(rows), 1).astype(np.int64)
+        rows = np.maximum(np.round(rows), 1).astype(np.int64)
+        return np.append(rows, self.hot) if self.hot else rows
 
     def table_lookups(self) -> np.ndarray:
-        """Lookups of each table per batch, int64[tables], summing to `lookups`."""
-        share = self.table_rows().astype(np.float64) ** self.share_exp
-        exact = share / share.sum() * self.lookups
+        """Lookups of each table per batch (order of `table_rows`), summing to `lookups`."""
+        share = np.geomspace(self.rows_max, max(self.rows_min, 1.0), self.tables)
+        share = share ** self.share_exp
+        share *= (1.0 - self.hot_share if self.hot else 1.0) / share.sum()
+        if self.hot:
+            share = np.append(share, self.hot_share)
+        exact = share * self.lookups
         out = np.floor(exact).astype(np.int64)
         out[np.argsort(out - exact)[: self.lookups - out.sum()]] += 1
         return out
@@ -177,16 +187,18 @@ class SynthParams:
 # Fitted by `calibrate(target, seed=0)` on the mean histograms of the numbered batches of each
 # year; tests/test_traces.py checks the match against the shipped stats files.
 PROFILES: dict[str, SynthParams] = {
-    "2021": SynthParams(rows_min=1, rows_max=300_000, alpha_large=0.6, alpha_small=1.0,
-                        share_exp=0.2),
-    "2022": SynthParams(rows_min=1, rows_max=300_000, alpha_large=0.6, alpha_small=1.0,
-                        share_exp=0.2),
+    "2021": SynthParams(rows_min=2.95, rows_max=120_000, alpha_large=0.611, alpha_small=1.065,
+                        share_exp=0.107, head=0.005625, hot_share=0.032, hot=1),
+    "2022": SynthParams(rows_min=1.38, rows_max=66_250, alpha_large=1.516, alpha_small=1.124,
+                        share_exp=0.187, head=0.0587, hot_share=0.075, hot=2),
 }
 
 
 def _table_cdfs(params: SynthParams) -> list[np.ndarray]:
     cdfs = []
     alphas = np.linspace(params.alpha_large, params.alpha_small, params.tables)
+    if params.hot:
+        alphas = np.append(alphas, 0.0)  # heavy hitters are read uniformly
     for rows, alpha in zip(params.table_rows(), alphas, strict=True):
         ranks = np.arange(1, rows + 1, dtype=np.float64)
         cdf = np.cumsum((ranks + params.head * rows) ** -alpha)
@@ -239,7 +251,8 @@ def synthesize(batches: int = 20, seed: int = 0, profile: str = "2021",
             ranks = np.searchsorted(cdf, rng.random(per_table[t]), side="right")
             ranks = np.minimum(ranks, table_rows[t] - 1)
             parts.append((t << _TABLE_SHIFT) | _row_keys(ranks, epochs[t], int(table_rows[t])))
-        yield np.concatenate(parts)
+        # samples interleave tables in a real batch; a consumer may cut batches into pieces
+        yield rng.permutation(np.concatenate(parts))
         if drift:
             for e in epochs:
                 e[rng.random(len(e)) < drift] += 1
@@ -265,12 +278,14 @@ def calibrate(rows_target: np.ndarray, access_target: np.ndarray, seed: int = 0,
 
     best = loss(params)
     steps = {"rows_max": 0.5, "rows_min": 0.5, "alpha_large": 0.15, "alpha_small": 0.15,
-             "share_exp": 0.3, "head": 0.5}
+             "share_exp": 0.3, "head": 0.5, "hot_share": 0.3}
     for _ in range(rounds):
         for key, step in steps.items():
             for factor in (1 - step, 1 + step, 1 - step / 2, 1 + step / 2):
                 value = asdict(params)[key] * factor
                 trial = replace(params, **{key: value})
+                if not 0 <= trial.hot_share < 1:
+                    continue
                 score = loss(trial)
                 if score < best:
                     params, best = trial, score

@@ -110,7 +110,7 @@ def test_same_seed_and_calls_give_same_victims(eviction: EvictionPolicy) -> None
     twin = type(eviction)(**eviction.config())
     a, b = run_workload(eviction, seed=2), run_workload(twin, seed=2)
     assert len(a) == len(b) > 0
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_eviction_config_round_trips(eviction: EvictionPolicy) -> None:

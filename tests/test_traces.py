@@ -1,0 +1,103 @@
+"""Production locality statistics, the reuse histograms and the calibrated trace generator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embstore import traces
+from embstore.errors import ConfigError
+
+STATS = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "dlrm_datasets"
+# Calibration tolerance: total-variation distance between a synthetic batch's histogram and the
+# mean production one, per histogram (rows and accesses) and per year.
+TV_TOLERANCE = 0.1
+
+
+def stats_file(year: str) -> Path:
+    path = STATS / year / "locality_stats.txt"
+    if not path.exists():
+        pytest.skip(f"production locality stats not found at {path} (shared/traces sits "
+                    "beside the repository clone)")
+    return path
+
+
+@pytest.mark.parametrize(("year", "blocks", "tables", "batch"),
+                         [("2021", 17, 856, 65536), ("2022", 16, 788, 131072)])
+def test_locality_stats_parse(year: str, blocks: int, tables: int, batch: int) -> None:
+    stats = traces.load_locality_stats(stats_file(year))
+    assert len(stats) == blocks
+    for s in stats:
+        assert (s.tables, s.batch_size) == (tables, batch)
+        assert s.unique < s.indices
+        for hist in (s.rows_hist, s.access_hist):
+            assert hist.shape == (17,) and abs(hist.sum() - 1) < 1e-9 and (hist >= 0).all()
+        # more than half the touched rows are read at most twice, yet they get few lookups
+        assert s.rows_hist[:2].sum() > 0.45 and s.access_hist[:2].sum() < 0.15
+    if year == "2021":
+        first = stats[0]
+        assert (first.indices, first.unique) == (887017990, 128435723)
+        assert first.rows_hist[0] == pytest.approx(0.473, abs=2e-3)
+
+
+def test_locality_stats_reject_other_text(tmp_path: Path) -> None:
+    bad = tmp_path / "stats.txt"
+    bad.write_text("fbgemm_t2_bs4.pt\nnothing here\n")
+    with pytest.raises(ConfigError, match="not a locality-stats block"):
+        traces.load_locality_stats(bad)
+
+
+def test_reuse_histograms_bin_by_log2_count() -> None:
+    ids = np.array([7] + [8] * 2 + [9] * 3 + [10] * 4 + [11] * 5 + [12] * 40000)
+    rows, access = traces.reuse_histograms(ids)
+    # counts 1, 2, 3, 4, 5, 40000 fall in bins 0, 1, 2, 2, 3, 16
+    assert rows.tolist() == pytest.approx([1/6, 1/6, 2/6, 1/6] + [0] * 12 + [1/6])
+    total = len(ids)
+    assert access[2] == pytest.approx(7 / total) and access[16] == pytest.approx(40000 / total)
+    assert traces.total_variation(rows, rows) == 0.0
+
+
+@pytest.mark.parametrize("year", ["2021", "2022"])
+def test_synthetic_batch_matches_production_histograms(year: str) -> None:
+    rows_target, access_target = traces.mean_histograms(
+        traces.load_locality_stats(stats_file(year)))
+    batch = next(traces.synthesize(1, seed=12345, profile=year))  # not the fitting seed
+    assert len(batch) == traces.PROFILES[year].lookups
+    rows, access = traces.reuse_histograms(batch)
+    assert traces.total_variation(rows, rows_target) < TV_TOLERANCE
+    assert traces.total_variation(access, access_target) < TV_TOLERANCE
+    # and the reference check has teeth: a plain Zipf batch of the same size is far off
+    zipf = np.random.default_rng(0).zipf(1.3, size=len(batch))
+    z_rows, z_access = traces.reuse_histograms(zipf)
+    assert max(traces.total_variation(z_rows, rows_target),
+               traces.total_variation(z_access, access_target)) > 2 * TV_TOLERANCE
+
+
+def test_synthesize_is_deterministic_and_drift_renews_ids() -> None:
+    a = list(traces.synthesize(3, seed=4, lookups=1 << 14))
+    b = list(traces.synthesize(3, seed=4, lookups=1 << 14))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    still = list(traces.synthesize(6, seed=4, lookups=1 << 14))
+    moving = list(traces.synthesize(6, seed=4, lookups=1 << 14, drift=0.3))
+
+    def overlap(batches: list[np.ndarray]) -> float:
+        return len(np.intersect1d(batches[0], batches[-1])) / len(np.unique(batches[-1]))
+
+    assert overlap(moving) < overlap(still) - 0.1
+    with pytest.raises(ConfigError, match="unknown trace profile"):
+        next(traces.synthesize(1, profile="1999"))
+
+
+def test_calibrate_does_not_worsen_the_fit() -> None:
+    rows_target, access_target = traces.mean_histograms(
+        traces.load_locality_stats(stats_file("2022")))
+    start = traces.SynthParams(rows_min=4, rows_max=8000, alpha_large=1.0, alpha_small=1.0,
+                               share_exp=0.0, lookups=1 << 15)
+    batch = next(traces.synthesize(1, seed=0, params=start))
+    before = max(traces.total_variation(h, t) for h, t in
+                 zip(traces.reuse_histograms(batch), (rows_target, access_target), strict=True))
+    fitted, after = traces.calibrate(rows_target, access_target, start=start, rounds=1)
+    assert after < before
+    assert fitted != start
