@@ -84,6 +84,7 @@ class _Raw:
     """The raw library holding the same rows: ways to read a batch, one way to write one."""
 
     readers: dict[str, Fetch]
+    write_way = "one write batch"
 
     def compact(self) -> None:
         """Bring the store to a steady state after loading (no background work pending)."""
@@ -173,6 +174,8 @@ class _RawRocksDB(_Raw):
 class _RawLMDB(_Raw):
     """The lmdb package with the lmdb backend's default options, one named database."""
 
+    write_way = "putmulti, one transaction"
+
     def __init__(self, path: Path, dim: int) -> None:
         import lmdb
 
@@ -211,6 +214,8 @@ class _RawLMDB(_Raw):
 
 class _RawMemmap(_Raw):
     """A numpy memmap of the dense table, row i at rank i: the floor for a mapped file."""
+
+    write_way = "memmap scatter (no msync)"
 
     def __init__(self, path: Path, rows: int, dim: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
@@ -301,7 +306,7 @@ def _bench_one(name: str, root: Path, zipf: ZipfIds,
         med = interleaved_medians({"backend": put, "raw": raw_write}, args.repeats)
         mean_rows = float(np.mean([len(r) for r in write_ranks]))
         out.append((name, f"write ({mean_rows:,.0f} distinct ids)", mean_rows / med["backend"],
-                    mean_rows / med["raw"], "one batch/transaction"))
+                    mean_rows / med["raw"], raw.write_way))
 
         per_row = _flush_bytes(backend, zipf, args)
         note = "n/a (no /proc/self/io)" if per_row is None else f"{per_row:,.0f} bytes/row"
