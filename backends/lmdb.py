@@ -49,6 +49,7 @@ from ._keys import (
     PAYLOAD_OFFSET,
     VALUE_LAYOUT,
     SharedHandles,
+    check_options,
     decode_keys,
     decode_values,
     encode_keys,
@@ -128,6 +129,12 @@ class LMDBBackend(Backend):
             _HANDLES.release(self._key, _close_env)
             raise
 
+    @classmethod
+    def open(cls, spec: BackendSpec, **options: Any) -> LMDBBackend:
+        # docstring inherited
+        check_options(cls, options)
+        return cls(spec, **options)
+
     # --- opening --------------------------------------------------------------------------
 
     def _open_env(self) -> Any:
@@ -170,7 +177,11 @@ class LMDBBackend(Backend):
                     f"{self.spec.dim} dtype {self.spec.dtype.str}; open it with its own spec"
                 )
         try:
-            db = self._env.open_db(name, create=create)
+            if create:
+                # In a write transaction of ours, so that a full map grows instead of failing.
+                db = self._write_txn(lambda txn: self._env.open_db(name, txn=txn, create=True))
+            else:
+                db = self._env.open_db(name, create=False)
         except lmdb.NotFoundError as exc:
             raise StoreNotFoundError(
                 f"table {self.spec.table!r} does not exist in LMDB environment {self._dir}"
@@ -270,6 +281,8 @@ class LMDBBackend(Backend):
         """
         after: bytes | None = None
         while True:
+            self._check_open()
+
             def read(txn: Any, after: bytes | None = after) -> tuple[list[bytes], list[Any]]:
                 cur = txn.cursor(db=self._db)
                 keys: list[bytes] = []
@@ -306,7 +319,6 @@ class LMDBBackend(Backend):
 
     def _items(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for keys, vals in self._scan(batch_rows, values=True):
-            self._check_open()
             ids = decode_keys(keys)
             rows = decode_values(ids, vals, self._rec, table=self.spec.table, file=self._file)
             yield ids, rows.copy()

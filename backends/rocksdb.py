@@ -47,6 +47,7 @@ from ._keys import (
     PAYLOAD_OFFSET,
     VALUE_LAYOUT,
     SharedHandles,
+    check_options,
     decode_keys,
     decode_values,
     encode_keys,
@@ -67,6 +68,26 @@ _COMPRESSION: Final = {
 }
 
 _HANDLES: SharedHandles[rocksdict.Rdict] = SharedHandles("rocksdb")
+
+
+def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool = False) -> Any:
+    """rocksdict options of a column family (or, with `db`, of the database) from settings."""
+    s = dict(settings)
+    opts = rocksdict.Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.set_compression_type(_COMPRESSION[s["compression"]]())
+    opts.set_write_buffer_size(s["write_buffer_bytes"])
+    table = rocksdict.BlockBasedOptions()
+    table.set_block_cache(cache)  # one cache for every column family of the directory
+    table.set_block_size(s["block_size_bytes"])
+    if s["bloom_bits_per_key"]:
+        table.set_bloom_filter(s["bloom_bits_per_key"], False)
+    opts.set_block_based_table_factory(table)
+    if db:
+        opts.set_max_background_jobs(s["max_background_jobs"])
+        if s["row_cache_bytes"]:
+            opts.set_row_cache(rocksdict.Cache(s["row_cache_bytes"]))
+    return opts
 
 
 def _fail(exc: Exception, what: str) -> NoReturn:
@@ -156,24 +177,13 @@ class RocksDBBackend(Backend):
             raise
         self._get_one = self._cf.get
 
-    # --- opening --------------------------------------------------------------------------
+    @classmethod
+    def open(cls, spec: BackendSpec, **options: Any) -> RocksDBBackend:
+        # docstring inherited
+        check_options(cls, options)
+        return cls(spec, **options)
 
-    def _options(self, cache: Any) -> Any:
-        s = dict(self._settings)
-        opts = rocksdict.Options(raw_mode=True)
-        opts.create_if_missing(True)
-        opts.set_compression_type(_COMPRESSION[s["compression"]]())
-        opts.set_write_buffer_size(s["write_buffer_bytes"])
-        opts.set_max_background_jobs(s["max_background_jobs"])
-        table = rocksdict.BlockBasedOptions()
-        table.set_block_cache(cache)
-        table.set_block_size(s["block_size_bytes"])
-        if s["bloom_bits_per_key"]:
-            table.set_bloom_filter(s["bloom_bits_per_key"], False)
-        opts.set_block_based_table_factory(table)
-        if s["row_cache_bytes"]:
-            opts.set_row_cache(rocksdict.Cache(s["row_cache_bytes"]))
-        return opts
+    # --- opening --------------------------------------------------------------------------
 
     def _open_db(self) -> _Shared:
         # Called once per directory and process, by the first table opened there.
@@ -189,9 +199,9 @@ class RocksDBBackend(Backend):
                   else rocksdict.AccessType.read_write())
         try:
             # RocksDB must open every existing column family; each gets the tier's options.
-            db = rocksdict.Rdict(path, self._options(cache),
-                                 column_families={n: self._options(cache) for n in cfs
-                                                  if n != "default"} or None,
+            db = rocksdict.Rdict(path, _make_options(self._settings, cache, db=True),
+                                 column_families={n: _make_options(self._settings, cache)
+                                                  for n in cfs if n != "default"} or None,
                                  access_type=access)
         except Exception as exc:
             if "lock" in str(exc).lower():
@@ -200,7 +210,8 @@ class RocksDBBackend(Backend):
                     "close the store that uses it first"
                 ) from exc
             _fail(exc, f"opening RocksDB directory {self._dir}")
-        return _Shared(db, lambda: self._options(cache), set(cfs))
+        settings = self._settings
+        return _Shared(db, lambda: _make_options(settings, cache), set(cfs))
 
     def _open_table(self, shared: _Shared) -> tuple[Any, Any]:
         meta_key = META_PREFIX + self.spec.table.encode()
@@ -304,6 +315,7 @@ class RocksDBBackend(Backend):
         """
         after: bytes | None = None
         while True:
+            self._check_open()
             keys: list[bytes] = []
             vals: list[bytes] = []
             try:
@@ -346,7 +358,6 @@ class RocksDBBackend(Backend):
 
     def _items(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for keys, vals in self._scan(batch_rows, values=True):
-            self._check_open()
             ids = decode_keys(keys)
             rows = decode_values(ids, vals, self._rec, table=self.spec.table, file=self._where())
             yield ids, rows.copy()
