@@ -37,14 +37,18 @@ Record (one slot):
     8       4     CRC-32C of the id's 8 bytes followed by record bytes 12..24+row bytes
                   (`embstore.checksum.row_checksums(id, record[12:24 + row_bytes])`)
     12      4     kind (1 = row)
-    16      8     seq, uint64; 0 marks a free slot
+    16      8     seq word, uint64: counter << 8 | CRC-8 (poly 0x07) of the counter's 7 low
+                  bytes; 0 marks a free slot (`seq_words` encodes, `seq_counters` decodes)
     24      r     payload: dim elements of dtype (r = row bytes)
     24+r    pad   zero up to the record size
 
-The watermark is the highest seq made durable by a flush, and every seq handed out is at most
-the durable seq reserve. A record with a nonzero seq whose CRC fails is a write cut short by a
-crash when its seq lies in (watermark, reserve], and is ignored; otherwise the record was
-damaged at rest and opening raises `CorruptStoreError`.
+The watermark is the highest seq counter made durable by a flush, and every counter handed out
+is at most the durable reserve. A record with a nonzero seq word whose CRC fails is a write cut
+short by a crash when its seq word is intact (its CRC-8 holds; the word is stored with one
+8-byte store) and its counter lies in (watermark, reserve]: it is ignored. Otherwise the record
+was damaged at rest and opening raises `CorruptStoreError`. So any single-byte change of a
+stored record is reported: of id, kind, CRC or payload by the record CRC (also on every read),
+of the seq word by the record CRC plus its own CRC-8.
 
 Caveats:
     - One writer per table file (an exclusive `flock`; read-only handles take a shared one).
@@ -96,6 +100,37 @@ REC_SEQ = 16
 REC_PAYLOAD = 24
 KIND_ROW = 1
 CACHE_LINE = 64
+
+_CRC8 = np.zeros(256, dtype=np.uint8)
+for _b in range(256):
+    _c = _b
+    for _ in range(8):
+        _c = ((_c << 1) ^ 0x07) & 0xFF if _c & 0x80 else (_c << 1) & 0xFF
+    _CRC8[_b] = _c
+del _b, _c
+
+
+def _crc8(counters: np.ndarray) -> np.ndarray:
+    crc = np.zeros(len(counters), dtype=np.uint8)
+    for k in range(7):
+        crc = _CRC8[crc ^ ((counters >> np.uint64(8 * k)) & np.uint64(0xFF)).astype(np.uint8)]
+    return crc
+
+
+def seq_words(counters: np.ndarray) -> np.ndarray:
+    """uint64 seq words for counters (uint64, each in [1, 2**56)): counter << 8 | CRC-8."""
+    counters = np.asarray(counters, dtype=np.uint64)
+    return (counters << np.uint64(8)) | _crc8(counters).astype(np.uint64)
+
+
+def seq_counters(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(counters, intact) of uint64 seq words; intact is False where the CRC-8 fails."""
+    words = np.asarray(words, dtype=np.uint64)
+    counters = words >> np.uint64(8)
+    return counters, _crc8(counters) == (words & np.uint64(0xFF)).astype(np.uint8)
+
+
+SEGMENT_SLOTS = 1024  # allocation unit: see PmemBackend._alloc
 
 # per-slot states, in memory only
 _FREE, _LIVE, _DIRTY, _RETIRE = 0, 1, 2, 3
@@ -195,8 +230,8 @@ class PmemBackend(Backend):
         self._index = IdIndex()
         self._file_slot = np.zeros(0, dtype=np.int64)  # IdIndex slot -> file slot
         self._state = np.zeros(0, dtype=np.uint8)
-        self._free = np.zeros(0, dtype=np.int64)  # stack; the top (end) is used first
-        self._n_free = 0
+        self._seg_free = np.zeros(0, dtype=np.int64)  # free slots per segment
+        self._free_count = 0
         self._touched: list[np.ndarray] = []
         self._retire: list[np.ndarray] = []
         self._gen = 0
@@ -240,7 +275,10 @@ class PmemBackend(Backend):
         """Write a new file under a temporary name and link it into place, so a crash during
         creation leaves no half-written table behind."""
         hint = self.spec.capacity_bytes
-        slots = max(1024, ((hint or 0) - DATA_OFFSET) // self._rec, (1 << 20) // self._rec)
+        if hint is not None:
+            slots = max(64, (hint - DATA_OFFSET) // self._rec)
+        else:
+            slots = max(1024, (1 << 20) // self._rec)  # 1 MiB; it grows geometrically
         head = bytearray(DATA_OFFSET)
         HEADER.pack_into(head, 0, MAGIC, VERSION, self.spec.dim, self.spec.dtype.str.encode(),
                          self._rec, REC_PAYLOAD, 0)
@@ -391,18 +429,19 @@ class PmemBackend(Backend):
             return
         lib.rec_madvise(ffi.cast("void *", self._map.address), self._map.length,
                         mmap.MADV_WILLNEED)  # readahead in small pages for the scan
-        seq = self._field(REC_SEQ, "<u8").copy()
-        used = np.flatnonzero(seq)
+        seq_word = self._field(REC_SEQ, "<u8").copy()
+        used = np.flatnonzero(seq_word)
         top = int(used[-1]) + 1 if len(used) else 0
         ids = self._field(REC_ID, "<i8")[:top].copy()
         # copies, not views: an exception raised below must not keep the mapping exported
         stored_crc = self._field(REC_CRC, "<u4")[:top].copy()
         kind = self._field(REC_KIND, "<u4")[:top].copy()
         calc = row_checksums(ids, self._records()[:top, REC_KIND : REC_PAYLOAD + self._row_bytes])
-        seq_top = seq[:top]
-        valid = (seq_top != 0) & (calc == stored_crc) & (kind == KIND_ROW)
-        bad = np.flatnonzero((seq_top != 0) & ~valid)
-        torn = bad[(seq_top[bad] > self._watermark) & (seq_top[bad] <= self._reserve)]
+        seq_top, intact = seq_counters(seq_word[:top])
+        valid = (seq_word[:top] != 0) & (calc == stored_crc) & (kind == KIND_ROW)
+        bad = np.flatnonzero((seq_word[:top] != 0) & ~valid)
+        torn = bad[intact[bad] & (seq_top[bad] > self._watermark)
+                   & (seq_top[bad] <= self._reserve)]
         damaged = np.setdiff1d(bad, torn, assume_unique=True)
         if len(damaged):
             s = int(damaged[0])
@@ -426,7 +465,7 @@ class PmemBackend(Backend):
         self._state[winners] = _LIVE
         self._torn_ignored = len(torn)
         self._stale_retired = len(stale)
-        max_seq = int(seq.max())
+        max_seq = int(seq_top[live].max()) if len(live) else 0
         self._next_seq = max(max_seq, self._reserve, self._watermark) + 1
         if not self.spec.read_only:
             # retire superseded versions and cut-short writes before their slots are reused:
@@ -439,27 +478,38 @@ class PmemBackend(Backend):
             self._watermark = self._next_seq - 1
             self._reserve = self._watermark + self._seq_reserve_step
             self._write_state()
-        free = np.flatnonzero(self._state == _FREE)[::-1].astype(np.int64)
-        self._free, self._n_free = free, len(free)
+        self._count_segments()
 
     # --- slots ----------------------------------------------------------------------------
+    #
+    # New records go to the free slots of the segment (SEGMENT_SLOTS consecutive slots) with
+    # the most free slots, in ascending order, so a batch of new rows is packed into as few
+    # pages as the free space allows. On the msync path every page a flush touches is 4 KiB
+    # of I/O: a flush of scattered updates then costs about one page per row for retiring
+    # the old versions plus a fraction of a page for the new ones, where reusing the freed
+    # slot nearest at hand would cost two pages per row. (Putting the new version in the
+    # old one's page would need that page written twice, to keep the new version durable
+    # before the old one is retired.)
+
+    def _count_segments(self) -> None:
+        n_seg = -(-self._capacity // SEGMENT_SLOTS)
+        padded = np.ones(n_seg * SEGMENT_SLOTS, dtype=bool)  # slots past the end: not free
+        padded[: self._capacity] = self._state != _FREE
+        self._seg_free = SEGMENT_SLOTS - padded.reshape(n_seg, SEGMENT_SLOTS).sum(axis=1)
+        self._free_count = int(self._seg_free.sum())
 
     def _push_free(self, slots: np.ndarray) -> None:
-        if not len(slots):
-            return
-        if self._n_free + len(slots) > len(self._free):
-            grown = np.empty(max(2 * len(self._free), self._n_free + len(slots)), np.int64)
-            grown[: self._n_free] = self._free[: self._n_free]
-            self._free = grown
-        self._free[self._n_free : self._n_free + len(slots)] = slots[::-1]
-        self._n_free += len(slots)
+        """Count `slots` (already marked free) back into their segments."""
+        if len(slots):
+            np.add.at(self._seg_free, slots // SEGMENT_SLOTS, 1)
+            self._free_count += len(slots)
 
     def _ensure_free(self, n: int) -> None:
         """Grow the file until `n` slots are free; CapacityError leaves everything as it was."""
-        if n <= self._n_free:
+        if n <= self._free_count:
             return
         old = self._capacity
-        new = max(int(old * self._growth), old + n - self._n_free, 1024)
+        new = max(int(old * self._growth), old + n - self._free_count, 64)
         old_size = DATA_OFFSET + old * self._rec
         self._fallocate(self._fd, DATA_OFFSET + new * self._rec, old_size, self._file)
         # the file is larger now; remap it (no view of the old mapping is kept anywhere)
@@ -468,16 +518,23 @@ class PmemBackend(Backend):
         state = np.zeros(self._capacity, dtype=np.uint8)
         state[:old] = self._state
         self._state = state
-        fresh = np.arange(old, self._capacity, dtype=np.int64)
-        # fresh slots go under the existing free ones, lowest on top
-        free = np.empty(max(len(self._free), self._n_free + len(fresh)), np.int64)
-        free[: len(fresh)] = fresh[::-1]
-        free[len(fresh) : len(fresh) + self._n_free] = self._free[: self._n_free]
-        self._free, self._n_free = free, self._n_free + len(fresh)
+        self._count_segments()
 
     def _alloc(self, n: int) -> np.ndarray:
-        out = self._free[self._n_free - n : self._n_free][::-1].copy()
-        self._n_free -= n
+        """`n` distinct free slots, densest free segments first; marks them dirty."""
+        out = np.empty(n, dtype=np.int64)
+        got = 0
+        while got < n:
+            seg = int(np.argmax(self._seg_free))
+            lo = seg * SEGMENT_SLOTS
+            free = np.flatnonzero(self._state[lo : lo + SEGMENT_SLOTS] == _FREE)[: n - got]
+            if not len(free):
+                raise AssertionError("free slot counts out of step with the slot states")
+            out[got : got + len(free)] = free + lo
+            self._seg_free[seg] -= len(free)
+            got += len(free)
+        self._state[out] = _DIRTY
+        self._free_count -= n
         return out
 
     def _take_seqs(self, n: int) -> np.ndarray:
@@ -487,7 +544,7 @@ class PmemBackend(Backend):
             self._reserve = first + n - 1 + self._seq_reserve_step
             self._write_state()
         self._next_seq += n
-        return np.arange(first, first + n, dtype=np.uint64)
+        return seq_words(np.arange(first, first + n, dtype=np.uint64))
 
     def _supersede(self, slots: np.ndarray) -> None:
         """Give up the records in `slots`: durable ones are retired at the next flush (after
@@ -606,7 +663,8 @@ class PmemBackend(Backend):
         """
         if self._map is None or not (self._touched or self._retire):
             return
-        touched = np.unique(np.concatenate(self._touched))
+        touched = (np.unique(np.concatenate(self._touched)) if self._touched
+                   else np.zeros(0, dtype=np.int64))
         self._persist_slots(touched, 0, self._rec)
         retire = (np.concatenate(self._retire) if self._retire
                   else np.zeros(0, dtype=np.int64))
@@ -641,7 +699,7 @@ class PmemBackend(Backend):
             record_bytes=self._rec,
             capacity_rows=self._capacity,
             file_bytes=DATA_OFFSET + self._capacity * self._rec if self._map else 0,
-            free_slots=self._n_free,
+            free_slots=self._free_count,
             torn_records_ignored=self._torn_ignored,
             stale_records_retired=self._stale_retired,
         )
