@@ -1,11 +1,13 @@
 """Replay an id trace through eviction x admission policies and compare with Belady's MIN.
 
-The model is the one a tier runs: a cache of `capacity` ids is looked up one batch at a time.
-Each distinct id of a batch that is not resident at the start of the batch is one miss (one
-fetch from below; the other accesses of that id in the batch are served by the same fetch),
-every other access is a hit, so `hit_ratio = 1 - misses / accesses`. After the lookups the
-eviction policy sees the resident accesses, the admission policy sees the missed accesses, and
-admitted ids are inserted, evicting `choose_victims` when the cache would overflow.
+The model is the one a tier runs: a cache of `capacity` ids is looked up one batch at a time,
+and the store dedupes a batch before it reaches a tier, so a batch makes one *lookup* per
+distinct id. A lookup of an id not resident at the start of the batch is a miss (one fetch
+from below), so `miss_ratio = misses / lookups`; `access_miss_ratio = misses / accesses`
+charges the same fetches to every access, duplicates included. After the lookups the
+eviction policy sees the batch (it ignores the ids it does not track), the admission policy
+sees the missed accesses, the admitted ids are inserted, and when the cache is over capacity
+`choose_victims` picks what to drop (possibly a newcomer, which then acts as a bypass).
 
 Belady's MIN is computed for the same batched model: the cache after batch b may hold any
 `capacity` ids among those it held and those batch b touched, and keeping the ones whose next
@@ -61,25 +63,33 @@ class SimResult:
     capacity: int
     """Cache size in ids."""
     accesses: int
-    """Ids looked up, duplicates included."""
+    """Ids in the trace, duplicates included."""
+    lookups: int
+    """Distinct ids per batch, summed over the batches: what the tier is asked for."""
     misses: int
-    """Distinct ids per batch not resident at the start of their batch."""
+    """Lookups of ids not resident at the start of their batch."""
     seconds: float
     """Wall time of the replay."""
 
     @property
-    def hit_ratio(self) -> float:
-        """1 - misses / accesses."""
-        return 1.0 - self.misses / self.accesses if self.accesses else 0.0
+    def miss_ratio(self) -> float:
+        """misses / lookups."""
+        return self.misses / self.lookups if self.lookups else 0.0
 
     @property
-    def miss_ratio(self) -> float:
-        """misses / accesses."""
+    def hit_ratio(self) -> float:
+        """1 - misses / lookups."""
+        return 1.0 - self.miss_ratio
+
+    @property
+    def access_miss_ratio(self) -> float:
+        """misses / accesses: fetches per access, duplicates included."""
         return self.misses / self.accesses if self.accesses else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Fields plus the ratios, JSON-ready."""
-        return {**asdict(self), "hit_ratio": self.hit_ratio, "miss_ratio": self.miss_ratio}
+        return {**asdict(self), "hit_ratio": self.hit_ratio, "miss_ratio": self.miss_ratio,
+                "access_miss_ratio": self.access_miss_ratio}
 
 
 class Trace:
@@ -96,7 +106,9 @@ class Trace:
         self.ids, dense = np.unique(flat, return_inverse=True)
         bounds = np.cumsum([0] + [len(b) for b in self.batches])
         self.dense = [dense[bounds[i]:bounds[i + 1]] for i in range(len(self.batches))]
+        self.unique = [np.unique(d) for d in self.dense]
         self.accesses = int(len(flat))
+        self.lookups = int(sum(len(u) for u in self.unique))
 
     @property
     def distinct(self) -> int:
@@ -211,23 +223,28 @@ def run_policies(trace: Trace, eviction: EvictionPolicy, admission: AdmissionPol
             continue
         hit = resident[dense]
         missed_ids = ids[~hit]
-        misses += len(np.unique(dense[~hit]))
-        eviction.record_access(ids[hit], now)
-        admitted = np.unique(missed_ids[admission.admit(missed_ids, now)])[:capacity]
-        over = size + len(admitted) - capacity
-        if over > 0:
-            victims = eviction.choose_victims(over, now)
-            resident[np.searchsorted(trace.ids, victims)] = False
-            size -= len(victims)
+        misses += int(np.count_nonzero(~resident[trace.unique[now]]))
+        # the whole batch: untracked ids are ignored, or learnt from by policies with history
+        eviction.record_access(ids, now)
+        admitted, counts = np.unique(missed_ids[admission.admit(missed_ids, now)],
+                                     return_counts=True)
+        if len(admitted) > capacity:
+            # a batch wider than the cache: keep its most-read ids (ties: lowest id)
+            admitted = np.sort(admitted[np.argsort(-counts, kind="stable")[:capacity]])
+        # insert, then evict what overflows, as a tier does: the policy may pick a newcomer
         eviction.record_insert(admitted, now)
         resident[np.searchsorted(trace.ids, admitted)] = True
         size += len(admitted)
+        if size > capacity:
+            victims = eviction.choose_victims(size - capacity, now)
+            resident[np.searchsorted(trace.ids, victims)] = False
+            size -= len(victims)
         expired = eviction.expired(now)
         if len(expired):
             resident[np.searchsorted(trace.ids, expired)] = False
             size -= len(expired)
-    return SimResult(_spec(eviction), _spec(admission), capacity, trace.accesses, misses,
-                     time.perf_counter() - start)
+    return SimResult(_spec(eviction), _spec(admission), capacity, trace.accesses,
+                     trace.lookups, misses, time.perf_counter() - start)
 
 
 def _spec(policy: EvictionPolicy | AdmissionPolicy) -> str:
@@ -238,7 +255,7 @@ def _spec(policy: EvictionPolicy | AdmissionPolicy) -> str:
 
 def _batch_records(trace: Trace) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per batch: its distinct dense ids and the batch of each one's next use (_NEVER if none)."""
-    uniq = [np.unique(d) for d in trace.dense]
+    uniq = trace.unique
     counts = np.array([len(u) for u in uniq], dtype=np.int64)
     did = np.concatenate(uniq) if uniq else np.zeros(0, np.int64)
     bid = np.repeat(np.arange(len(uniq), dtype=np.int64), counts)
@@ -271,13 +288,14 @@ def belady(trace: Trace, capacity: int) -> SimResult:
         if len(cand) > capacity:
             cand = cand[np.argpartition(cand, capacity - 1)[:capacity]]
         cache_next = cand
-    return SimResult("belady", "-", capacity, trace.accesses, misses,
+    return SimResult("belady", "-", capacity, trace.accesses, trace.lookups, misses,
                      time.perf_counter() - start)
 
 
 def infinite(trace: Trace) -> SimResult:
     """An unbounded cache: only each id's first batch misses."""
-    return SimResult("infinite", "-", trace.distinct, trace.accesses, trace.distinct, 0.0)
+    return SimResult("infinite", "-", trace.distinct, trace.accesses, trace.lookups,
+                     trace.distinct, 0.0)
 
 
 def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str],
@@ -293,7 +311,7 @@ def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str]
         seed: seed handed to every policy.
 
     Returns:
-        {"accesses", "distinct", "batches", "infinite": result dict, "capacities": [
+        {"accesses", "lookups", "distinct", "batches", "infinite": result dict, "capacities": [
         {"capacity", "belady": result dict, "policies": [result dicts]}]}.
 
     Raises:
@@ -302,7 +320,8 @@ def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str]
     if not isinstance(trace, Trace):
         trace = Trace(trace)
     report: dict[str, Any] = {
-        "accesses": trace.accesses, "distinct": trace.distinct, "batches": len(trace.batches),
+        "accesses": trace.accesses, "lookups": trace.lookups, "distinct": trace.distinct,
+        "batches": len(trace.batches),
         "infinite": infinite(trace).as_dict(), "capacities": [],
     }
     for capacity in parse_capacities(capacities, trace.distinct):

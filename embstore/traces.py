@@ -231,9 +231,10 @@ def synthesize(batches: int = 20, seed: int = 0, profile: str = "2021",
         ConfigError: unknown profile or bad value.
     """
     if params is None:
+        profile = str(profile)  # "synth:profile=2021" parses the year as a number
         if profile not in PROFILES:
             raise ConfigError(f"unknown trace profile {profile!r}; known: {sorted(PROFILES)}")
-        params = PROFILES[str(profile)]
+        params = PROFILES[profile]
     if lookups is not None:
         params = replace(params, lookups=int(lookups))
     if not 0 <= drift <= 1 or batches < 0 or params.lookups < params.tables:

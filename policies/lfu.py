@@ -9,9 +9,12 @@ import numpy as np
 
 from embstore.policy import EvictionPolicy
 
+from ._hashing import positions
 from ._tracked import Tracked, as_ids, smallest
 
 __all__ = ["LFUEviction"]
+
+_HISTORY_ROWS = 4
 
 
 @final
@@ -25,10 +28,19 @@ class LFUEviction(EvictionPolicy):
     id. A choice costs one O(tracked) partition: LFU order changes on every access, and a
     heap or bucket list per id would mean Python objects or per-id loops.
 
+    Plain LFU forgets an id's count when it is evicted, so a popular id that was pushed out
+    once comes back at count 1 and is the next victim. With `history_width` set, a count-min
+    sketch (4 rows of that many counters, aged with the counts) remembers the counts of
+    evicted ids (cell-wise max) and the reads of untracked ids passed to `record_access`
+    (added), and an inserted id starts from its remembered count: LFU over all ids seen,
+    not only over the resident ones. The default, 2**18 counters per row, costs 4 MiB.
+
     Args:
         aging_period: time between agings, in units of `now`; None disables aging.
         aging_factor: multiplier applied to every count each period, in (0, 1].
-        seed: kept for the common interface; LFU uses no randomness.
+        history_width: counters per row of the evicted-count sketch, a power of two; None
+            keeps no history (plain in-cache LFU).
+        seed: seeds the history sketch's hashes.
 
     Raises:
         ValueError: a setting is out of range.
@@ -36,13 +48,19 @@ class LFUEviction(EvictionPolicy):
 
     name: ClassVar[str] = "lfu"
 
-    def __init__(self, *, aging_period: float | None = 100.0, aging_factor: float = 0.5,
-                 seed: int = 0) -> None:
+    def __init__(self, *, aging_period: float | None = 1000.0, aging_factor: float = 0.5,
+                 history_width: int | None = 1 << 18, seed: int = 0) -> None:
         if aging_period is not None and not aging_period > 0:
             raise ValueError(f"LFUEviction aging_period must be > 0 or None, got {aging_period!r}")
         if not 0 < aging_factor <= 1:
             raise ValueError(f"LFUEviction aging_factor must be in (0, 1], got {aging_factor!r}")
+        if history_width is not None and (history_width < 1 or history_width & (history_width - 1)):
+            raise ValueError("LFUEviction history_width must be a power of two or None, got "
+                             f"{history_width!r}")
         super().__init__(seed=seed)
+        self.history_width = None if history_width is None else int(history_width)
+        self._history = (None if history_width is None
+                         else np.zeros((_HISTORY_ROWS, history_width), dtype=np.float32))
         self.aging_period = None if aging_period is None else float(aging_period)
         self.aging_factor = float(aging_factor)
         self._t = Tracked({"count": (np.float64, 0.0), "seen": (np.int64, 0)})
@@ -58,13 +76,28 @@ class LFUEviction(EvictionPolicy):
         epoch = math.floor(now / self.aging_period)
         if self._epoch is not None and epoch > self._epoch:
             hw = self._t.index.high_water
-            self._t.cols["count"][:hw] *= self.aging_factor ** (epoch - self._epoch)
+            scale = self.aging_factor ** (epoch - self._epoch)
+            self._t.cols["count"][:hw] *= scale
+            if self._history is not None:
+                self._history *= scale
         self._epoch = epoch if self._epoch is None else max(epoch, self._epoch)
 
     def record_access(self, ids: np.ndarray, now: float) -> None:
         # docstring inherited
         self._age(now)
-        slots = self._t.find(ids)
+        if self._history is not None and len(ids):
+            # with history, reads of untracked ids count too: they are remembered for when
+            # the id is inserted (the interface lets a policy learn from them, not track them)
+            ids = as_ids(ids)
+            found = self._t.index.find(ids)
+            absent, counts = np.unique(ids[found < 0], return_counts=True)
+            if len(absent):
+                flat, _ = self._history_cells(absent)
+                np.add.at(self._history.reshape(-1), flat.ravel(),
+                          np.tile(counts.astype(np.float32), _HISTORY_ROWS))
+            slots = found[found >= 0]
+        else:
+            slots = self._t.find(ids)
         if not len(slots):
             return
         self._calls += 1
@@ -78,8 +111,11 @@ class LFUEviction(EvictionPolicy):
         if not len(ids):
             return
         self._calls += 1
-        slots = self._t.insert(as_ids(ids))
+        ids = as_ids(ids)
+        slots = self._t.insert(ids)
         self._t.cols["count"][slots] = 1.0
+        if self._history is not None:
+            self._t.cols["count"][slots] += self._history_cells(ids)[1].min(axis=0)
         self._t.cols["seen"][slots] = self._calls
 
     def record_remove(self, ids: np.ndarray) -> None:
@@ -94,9 +130,22 @@ class LFUEviction(EvictionPolicy):
             return np.zeros(0, dtype=np.int64)
         live = np.flatnonzero(self._t.alive[: self._t.index.high_water])
         chosen = smallest(live, self._t.cols["count"], self._t.cols["seen"], self._t.ids, n)
+        if self._history is not None:
+            # remember the victims' counts; max keeps each cell an upper bound of its ids
+            flat, _ = self._history_cells(self._t.ids[chosen])
+            np.maximum.at(self._history.reshape(-1), flat.ravel(),
+                          np.tile(self._t.cols["count"][chosen].astype(np.float32),
+                                  _HISTORY_ROWS))
         return self._t.remove_slots(chosen)
+
+    def _history_cells(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Flat sketch indices (int64[rows, N]) of `ids` and the values stored there."""
+        assert self._history is not None and self.history_width is not None
+        pos = positions(ids, self.seed, _HISTORY_ROWS, self.history_width.bit_length() - 1)
+        flat = pos + (np.arange(_HISTORY_ROWS, dtype=np.int64) * self.history_width)[:, None]
+        return flat, self._history.reshape(-1)[flat]
 
     def config(self) -> dict[str, Any]:
         # docstring inherited
         return {"aging_period": self.aging_period, "aging_factor": self.aging_factor,
-                "seed": self.seed}
+                "history_width": self.history_width, "seed": self.seed}

@@ -166,3 +166,18 @@ def test_probability_admits_about_p_of_the_ids() -> None:
 
 def test_always_admits_everything() -> None:
     assert registry.load_policy("always")().admit(ids_of(1, 1, 2), 0).all()
+
+
+def test_lfu_history_restores_an_evicted_ids_count() -> None:
+    lfu = registry.load_policy("lfu")(aging_period=None, history_width=1 << 10)
+    plain = registry.load_policy("lfu")(aging_period=None, history_width=None)
+    for p in (lfu, plain):
+        p.record_insert(ids_of(1, 2), 0)
+        p.record_access(np.full(9, 1, dtype=np.int64), 1)  # 1 is popular
+        p.record_access(ids_of(2, 2), 1)
+        assert sorted(p.choose_victims(2, 2).tolist()) == [1, 2]  # 1 leaves with count 10
+        p.record_access(np.full(4, 3, dtype=np.int64), 3)  # reads of untracked 3
+        p.record_insert(ids_of(1, 2, 3, 4), 4)
+    # with history: 1 resumes at 11, 2 at 4, 3 at 5, 4 at 1; without, all start at 1
+    assert sorted(lfu.choose_victims(3, 5).tolist()) == [2, 3, 4]
+    assert plain.choose_victims(1, 5).tolist() == [1]

@@ -1,0 +1,161 @@
+"""The trace simulator: Belady's MIN is exact and an upper bound, references, trace loading, CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from embstore.tools.cli import main
+
+from embstore import registry
+from embstore.errors import ConfigError
+from embstore.simulate import (
+    Trace,
+    belady,
+    infinite,
+    load_trace,
+    parse_capacities,
+    parse_policy,
+    run_policies,
+    simulate_trace,
+)
+
+
+def random_trace(seed: int, batches: int = 30, width: int = 12, ids: int = 40) -> Trace:
+    rng = np.random.default_rng(seed)
+    # a skewed draw so that caching matters; batch widths vary, empty batches included
+    weights = 1.0 / np.arange(1, ids + 1)
+    weights /= weights.sum()
+    return Trace([rng.choice(ids, size=rng.integers(0, width + 1), p=weights) * 7 - 50
+                  for _ in range(batches)])
+
+
+def brute_force_min_misses(batches: list[list[int]], capacity: int) -> int:
+    """Fewest misses over every cache content the batched model allows, by exhaustive DP."""
+    states = {frozenset(): 0}  # cache content -> fewest misses so far
+    for batch in batches:
+        touched = set(batch)
+        nxt: dict[frozenset[int], int] = {}
+        for cache, misses in states.items():
+            misses += len(touched - cache)
+            pool = sorted(cache | touched)
+            for k in range(min(capacity, len(pool)) + 1):
+                for keep in itertools.combinations(pool, k):
+                    key = frozenset(keep)
+                    if nxt.get(key, 1 << 30) > misses:
+                        nxt[key] = misses
+        states = nxt
+    return min(states.values())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_belady_matches_brute_force_on_tiny_traces(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    batches = [rng.integers(0, 5, size=rng.integers(0, 4)).tolist() for _ in range(6)]
+    for capacity in (1, 2, 3):
+        result = belady(Trace([np.array(b, dtype=np.int64) for b in batches]), capacity)
+        assert result.misses == brute_force_min_misses(batches, capacity), (batches, capacity)
+
+
+@pytest.mark.parametrize("eviction", registry.policy_names("eviction"))
+def test_belady_beats_every_policy_pair_on_random_traces(eviction: str) -> None:
+    for seed in range(3):
+        trace = random_trace(seed)
+        for capacity in (3, 10):
+            best = belady(trace, capacity)
+            for admission in registry.policy_names("admission"):
+                result = run_policies(trace, parse_policy(eviction, "eviction", seed),
+                                      parse_policy(admission, "admission", seed), capacity)
+                assert result.misses >= best.misses, (eviction, admission, seed, capacity)
+                assert result.hit_ratio <= best.hit_ratio
+
+
+def test_infinite_cache_misses_each_id_once() -> None:
+    trace = random_trace(5)
+    result = infinite(trace)
+    assert result.misses == trace.distinct
+    assert result.hit_ratio == pytest.approx(1 - trace.distinct / trace.lookups)
+    # a cache that holds everything does as well as the infinite one, whatever the policy
+    assert belady(trace, trace.distinct).misses == trace.distinct
+    lru = run_policies(trace, parse_policy("lru", "eviction"),
+                       parse_policy("always", "admission"), trace.distinct)
+    assert lru.misses == trace.distinct
+
+
+def test_lru_replay_counts_misses_per_distinct_id_per_batch() -> None:
+    # capacity 2: [1 1 2] -> 2 misses; [3] -> miss, evicts 1; [1 2] -> 1 misses, 2 hits,
+    # then 3 is evicted; [3 3 3] -> 1 miss
+    trace = Trace([np.array(b) for b in ([1, 1, 2], [3], [1, 2], [3, 3, 3])])
+    result = run_policies(trace, parse_policy("lru", "eviction"),
+                          parse_policy("always", "admission"), 2)
+    assert (result.accesses, result.lookups, result.misses) == (9, 6, 5)
+    assert result.miss_ratio == pytest.approx(5 / 6)
+    assert belady(trace, 2).misses == 4  # keep 3 out after batch 1: [1 2] both hit
+
+
+def test_parse_capacities_takes_fractions_and_counts() -> None:
+    assert parse_capacities("0.01,0.5,3", 1000) == [10, 500, 3]
+    assert parse_capacities([0.0001], 1000) == [1]
+    with pytest.raises(ConfigError, match="must be > 0"):
+        parse_capacities("0,0.1", 1000)
+
+
+def test_parse_policy_reads_settings_and_checks_the_family() -> None:
+    lfu = parse_policy("lfu:aging_period=None:history_width=1024", "eviction", seed=3)
+    assert lfu.config() == {"aging_period": None, "aging_factor": 0.5,
+                            "history_width": 1024, "seed": 3}
+    with pytest.raises(ConfigError, match="admission policy"):
+        parse_policy("frequency", "eviction")
+    with pytest.raises(ConfigError, match="threshold"):
+        parse_policy("frequency:threshold=0", "admission")
+
+
+def test_load_trace_reads_npy_npz_and_synth(tmp_path: Path) -> None:
+    ids = np.arange(10, dtype=np.int64)
+    np.save(tmp_path / "flat.npy", ids)
+    np.save(tmp_path / "rows.npy", ids.reshape(2, 5))
+    np.savez(tmp_path / "var.npz", ids=ids, offsets=np.array([0, 3, 3, 10]))
+    assert [len(b) for b in load_trace(str(tmp_path / "flat.npy"), batch_size=4).batches] \
+        == [4, 4, 2]
+    assert [len(b) for b in load_trace(str(tmp_path / "rows.npy")).batches] == [5, 5]
+    assert [len(b) for b in load_trace(str(tmp_path / "var.npz")).batches] == [3, 0, 7]
+    synth = load_trace("synth:seed=2,batches=3,lookups=1000,profile=2022")
+    assert [len(b) for b in synth.batches] == [1000] * 3
+    np.save(tmp_path / "floats.npy", np.zeros(3))
+    with pytest.raises(ConfigError, match="integer ids"):
+        load_trace(str(tmp_path / "floats.npy"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_trace(str(tmp_path / "missing.npy"))
+    with pytest.raises(ConfigError, match="synthesize"):
+        load_trace("synth:nonsense=1")
+
+
+def test_simulate_report_compares_every_pair_with_belady() -> None:
+    trace = random_trace(9, batches=60)
+    report = simulate_trace(trace, ["lru", "fifo"], ["always", "second_hit"], [0.2, 5])
+    assert [c["capacity"] for c in report["capacities"]] == [round(0.2 * trace.distinct), 5]
+    for cap in report["capacities"]:
+        assert len(cap["policies"]) == 4
+        for row in cap["policies"]:
+            assert row["miss_vs_belady"] >= 1.0
+            assert row["misses"] == pytest.approx(row["miss_vs_belady"] * cap["belady"]["misses"])
+
+
+def test_cli_simulate_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "t.npy"
+    assert main(["trace", "synth", str(out), "--batches", "4", "--batch-size", "2000",
+                 "--seed", "3"]) == 0
+    assert np.load(out).shape == (4, 2000)
+    capsys.readouterr()
+    assert main(["simulate", str(out), "--policy", "lru,s3fifo", "--admission",
+                 "always,frequency", "--capacity", "0.05,100", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["batches"] == 4 and len(report["capacities"]) == 2
+    assert main(["simulate", str(out), "--policy", "lru"]) == 0
+    assert "belady (MIN)" in capsys.readouterr().out
+    assert main(["trace", "stats", str(out)]) == 0
+    assert "(32768+" in capsys.readouterr().out
+    assert main(["simulate", str(out), "--policy", "nosuch"]) == 2
