@@ -12,8 +12,10 @@ Caveats:
 """
 
 from . import errors, init, optim
+from .checkpoint import restore
 from .spec import TableSpec, TierSpec
 from .store import EmbeddingStore, open
 
-__all__ = ["EmbeddingStore", "TableSpec", "TierSpec", "errors", "init", "open", "optim"]
+__all__ = ["EmbeddingStore", "TableSpec", "TierSpec", "errors", "init", "open", "optim",
+           "restore"]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ import fcntl
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 from . import registry
 from ._validate import as_ids, as_rows
 from .backend import BackendSpec
+from .checkpoint import CopyState, take_checkpoint
 from .errors import (
     ConfigError,
     NonFiniteValueError,
@@ -32,7 +34,7 @@ from .errors import (
     UnknownTableError,
 )
 from .hierarchy import TableChain, Tier, TierStatistics
-from .index import IdGroups
+from .index import IdGroups, IdIndex
 from .manifest import MANIFEST_NAME, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
@@ -68,6 +70,11 @@ class EmbeddingStore:
         self._mutex = threading.RLock()
         self._tables: dict[str, _Table] = {}
         self._closed = False
+        # checkpoints: ids written since the last one (None until one is taken) and the copy
+        # in progress, which saves rows before they are overwritten
+        self._changes: dict[str, IdIndex] | None = None
+        self._copy: CopyState | None = None
+        self._last_checkpoint: Path | None = None
         try:
             for spec in specs:
                 self._tables[spec.name] = _Table(spec, self._build_chain(spec))
@@ -132,6 +139,19 @@ class EmbeddingStore:
     def _check_writable(self) -> None:
         if self._read_only:
             raise ReadOnlyError("the store was opened read-only; reopen it with read_only=False")
+
+    def _table_names_check(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed; open it again with embstore.open(path)")
+
+    def _before_write(self, name: str, t: _Table, ids: np.ndarray) -> None:
+        """Record distinct `ids` as changed and save their pre-images for a running checkpoint."""
+        if self._changes is not None:
+            self._changes[name].add(ids)
+        if self._copy is not None:
+            # an id not yet copied nor saved was not written since T0, and T0 began with a
+            # flush: the bottom tier holds its T0 value
+            self._copy.capture(name, ids, t.chain.tiers[-1].backend.get)
 
     def _fill_absent(self, spec: TableSpec, ids: np.ndarray, rows: np.ndarray,
                      found: np.ndarray, *, with_state: bool) -> None:
@@ -218,6 +238,7 @@ class EmbeddingStore:
                 self._fill_absent(t.spec, ids, full, found, with_state=True)
                 full[:, : t.spec.dim] = rows
                 rows = full
+            self._before_write(table, t, ids)
             t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, rows)))
 
     def apply_gradients(self, table: str, ids: Any, grads: Any) -> None:
@@ -252,6 +273,7 @@ class EmbeddingStore:
                     f"table {spec.name!r}: the optimizer step made row {bad} non-finite "
                     "(exploding gradients or learning rate?); nothing was written"
                 )
+            self._before_write(table, t, ids)
             t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, full)))
 
     def delete(self, table: str, ids: Any) -> int:
@@ -261,6 +283,7 @@ class EmbeddingStore:
             ids = as_ids(ids, t.spec)
             self._check_writable()
             unique = IdGroups(ids).unique
+            self._before_write(table, t, unique)
             return int(np.count_nonzero(t.chain.delete(unique)))
 
     def num_rows(self, table: str) -> int:
@@ -275,6 +298,30 @@ class EmbeddingStore:
             dim = t.spec.dim
             for ids, rows in t.chain.items(batch_rows):
                 yield ids, rows[:, :dim], rows[:, dim:]
+
+    def checkpoint(self, dest: str | os.PathLike[str], *, step: int | None = None,
+                   incremental: bool = False,
+                   progress: Callable[[str, int, int], None] | None = None) -> Path:
+        """Write a consistent copy of every table (weights, optimizer state, manifest, `step`).
+
+        A full checkpoint is a store that `embstore.open(dest)` opens. With `incremental=True`
+        only rows changed since this handle's previous checkpoint are written, with a link to
+        it; `embstore.restore(dest, new_path)` materialises the chain. The store is locked only
+        for the flush and per copied batch, so lookups and writes from other threads go on;
+        the checkpoint still shows every table as it was when the call began.
+
+        Args:
+            dest: a new directory (never overwritten).
+            step: the training step to record.
+            incremental: write only the changes since the previous checkpoint.
+            progress: called as progress(table, rows_done, rows_total) after each batch.
+
+        Raises:
+            StoreExistsError: `dest` exists.
+            ConfigError: incremental without an earlier checkpoint from this handle.
+        """
+        return take_checkpoint(self, Path(dest), step=step, incremental=incremental,
+                               progress=progress)
 
     def flush(self) -> None:
         """Make every acknowledged write durable in the persistent tiers.
@@ -448,6 +495,11 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
     try:
         if exists:
             doc = read_manifest(directory)
+            if (doc.get("checkpoint") or {}).get("kind") == "incremental":
+                raise ConfigError(
+                    f"{directory} is an incremental checkpoint (only changed rows); materialise "
+                    "it with embstore.restore(src, new_path) and open that"
+                )
             stored_tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
             if tier_specs is not None and tier_specs != stored_tiers:
                 raise ConfigError(

@@ -1,0 +1,192 @@
+"""Checkpoints: full ones open as stores, chains of incrementals restore to the same tables,
+copies are consistent while other threads read and write, and a crash mid-checkpoint leaves
+the earlier ones intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore import TableSpec, TierSpec
+from embstore import errors as E
+
+OPT = embstore.optim.RowWiseAdagrad(lr=0.1)
+TIERS = [TierSpec("dram", capacity=20, eviction="lru"), TierSpec("lmdb")]
+
+
+def _spec(name: str = "t") -> TableSpec:
+    return TableSpec(name, dim=4, init=embstore.init.Uniform(seed=1), optimizer=OPT)
+
+
+def _contents(store: embstore.EmbeddingStore) -> dict[str, dict[int, bytes]]:
+    out: dict[str, dict[int, bytes]] = {}
+    for name in store.tables:
+        rows = {}
+        for ids, weights, state in store.items(name):
+            for i, w, s in zip(ids.tolist(), weights, state, strict=True):
+                rows[i] = w.tobytes() + s.tobytes()
+        out[name] = rows
+    return out
+
+
+def _train(store: embstore.EmbeddingStore, seed: int, n: int = 200) -> None:
+    rng = np.random.default_rng(seed)
+    for name in store.tables:
+        ids = rng.integers(0, 300, n)
+        store.apply_gradients(name, ids, rng.standard_normal((n, 4)).astype(np.float32))
+        store.delete(name, rng.integers(0, 300, 10))
+
+
+def test_full_checkpoint_opens_as_a_store_with_weights_state_and_step(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[_spec("a"), _spec("b")], tiers=TIERS) as store:
+        _train(store, 0)
+        expected = _contents(store)
+        store.checkpoint(tmp_path / "ck", step=1234)
+        _train(store, 1)  # later training does not leak into the checkpoint
+    doc = json.loads((tmp_path / "ck" / "MANIFEST.json").read_text())
+    assert doc["checkpoint"] == {"step": 1234, "kind": "full", "parent": None}
+    with embstore.open(tmp_path / "ck", read_only=True) as ck:
+        assert _contents(ck) == expected
+        assert ck.table_spec("a") == _spec("a")
+
+
+def test_a_chain_of_incrementals_restores_to_the_full_checkpoint(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[_spec("a"), _spec("b")], tiers=TIERS) as store:
+        _train(store, 0)
+        store.checkpoint(tmp_path / "c0", step=0)
+        for k in range(1, 4):
+            _train(store, k)
+            store.checkpoint(tmp_path / f"c{k}", step=k, incremental=True)
+        store.checkpoint(tmp_path / "full3", step=3)
+        live = _contents(store)
+    # the increments hold only what changed
+    with embstore.open(tmp_path / "full3", read_only=True) as full:
+        assert _contents(full) == live
+    sizes = [json.loads((tmp_path / f"c{k}" / "MANIFEST.json").read_text())["checkpoint"]
+             for k in (1, 2, 3)]
+    assert [s["kind"] for s in sizes] == ["incremental"] * 3
+    embstore.restore(tmp_path / "c3", tmp_path / "restored")
+    with embstore.open(tmp_path / "restored") as restored:
+        assert _contents(restored) == live
+    embstore.restore(tmp_path / "c1", tmp_path / "restored1")  # a middle link restores too
+    with embstore.open(tmp_path / "restored1") as r1:
+        assert _contents(r1) != live
+
+
+def test_incremental_checkpoint_rows_are_only_the_changed_ones(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[_spec()]) as store:
+        store.update("t", np.arange(1000), np.ones((1000, 4), np.float32))
+        store.checkpoint(tmp_path / "c0")
+        store.update("t", [5, 6], np.zeros((2, 4), np.float32))
+        store.delete("t", [7])
+        store.checkpoint(tmp_path / "c1", incremental=True)
+    from embstore.checkpoint import _read_tombstones
+
+    assert _read_tombstones(tmp_path / "c1" / "t.deleted").tolist() == [7]
+    with pytest.raises(E.ConfigError, match="incremental checkpoint"):
+        embstore.open(tmp_path / "c1")
+
+
+def test_checkpoint_errors_change_nothing(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[_spec()]) as store:
+        with pytest.raises(E.ConfigError, match="full checkpoint first"):
+            store.checkpoint(tmp_path / "c", incremental=True)
+        assert not (tmp_path / "c").exists()
+        store.checkpoint(tmp_path / "c")
+        with pytest.raises(E.StoreExistsError):
+            store.checkpoint(tmp_path / "c")
+    with pytest.raises(E.StoreExistsError):
+        embstore.restore(tmp_path / "c", tmp_path / "s")
+
+
+def test_damaged_or_orphaned_increments_fail_restore(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[_spec()]) as store:
+        store.checkpoint(tmp_path / "c0")
+        store.delete("t", [1])
+        store.update("t", [2], np.ones((1, 4), np.float32))
+        store.checkpoint(tmp_path / "c1", incremental=True)
+    tomb = tmp_path / "c1" / "t.deleted"
+    good = tomb.read_bytes()
+    tomb.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(E.CorruptStoreError, match="tombstone"):
+        embstore.restore(tmp_path / "c1", tmp_path / "r")
+    tomb.write_bytes(good)
+    os.rename(tmp_path / "c0", tmp_path / "moved")
+    with pytest.raises(E.CorruptStoreError, match="parent"):
+        embstore.restore(tmp_path / "c1", tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_lookups_and_writes_go_on_during_a_checkpoint_which_stays_consistent(tmp_path):
+    import embstore.checkpoint as ck_mod
+
+    n = 5 * ck_mod.BATCH_ROWS // 4  # two batches
+    with embstore.open(tmp_path / "s", tables=[_spec()]) as store:
+        store.update("t", np.arange(n), np.ones((n, 4), np.float32))
+        before = _contents(store)
+        late = np.array([n - 1, n + 5])  # one row not yet copied, one new id
+        done = []
+
+        def other_thread() -> None:
+            store.lookup("t", np.arange(100))
+            store.update("t", late, np.full((2, 4), 7, np.float32))
+            done.append(True)
+
+        def progress(table: str, copied: int, total: int) -> None:
+            if copied < total:  # between the two batches
+                worker = threading.Thread(target=other_thread)
+                worker.start()
+                worker.join(timeout=30)
+                assert done, "another thread could not use the store during the checkpoint"
+
+        store.checkpoint(tmp_path / "ck", progress=progress)
+        assert done
+        np.testing.assert_array_equal(store.lookup("t", late), np.full((2, 4), 7, np.float32))
+    with embstore.open(tmp_path / "ck", read_only=True) as ck:
+        assert _contents(ck) == before  # the checkpoint is the table as the call began
+
+
+CHILD = """
+import sys, time, numpy as np, embstore
+store = embstore.open(sys.argv[1])
+def progress(table, copied, total):
+    print("copying", flush=True)
+    time.sleep(60)
+store.checkpoint(sys.argv[2], progress=progress)
+"""
+
+
+@pytest.mark.crash
+def test_a_checkpoint_killed_midway_leaves_the_previous_one_intact(tmp_path):
+    import embstore.checkpoint as ck_mod
+
+    n = 2 * ck_mod.BATCH_ROWS
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=[TierSpec("rocksdb")]) as store:
+        store.update("t", np.arange(n), np.ones((n, 4), np.float32))
+        store.checkpoint(tmp_path / "c0")
+        store.update("t", np.arange(10), np.zeros((10, 4), np.float32))
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "s"),
+                             str(tmp_path / "c1")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "copying"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        proc.stdout.close()
+    assert not (tmp_path / "c1").exists()
+    with embstore.open(tmp_path / "c0", read_only=True) as c0:
+        np.testing.assert_array_equal(c0.lookup("t", np.arange(10)), np.ones((10, 4), np.float32))
+        assert c0.num_rows("t") == n
+    with embstore.open(tmp_path / "s") as store:  # the store itself reopens after the kill
+        np.testing.assert_array_equal(store.lookup("t", [0]), np.zeros((1, 4), np.float32))
+        store.checkpoint(tmp_path / "c1")  # and a new checkpoint under the same name works
