@@ -12,9 +12,10 @@ Caveats:
 """
 
 from . import errors, init, optim
+from ._open import open
 from .checkpoint import restore
 from .spec import TableSpec, TierSpec
-from .store import EmbeddingStore, open
+from .store import EmbeddingStore
 
 __all__ = ["EmbeddingStore", "TableSpec", "TierSpec", "errors", "init", "open", "optim",
            "restore"]

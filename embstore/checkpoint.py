@@ -118,7 +118,7 @@ class CopyState:
 def take_checkpoint(store: EmbeddingStore, dest: Path, *, step: int | None, incremental: bool,
                     progress: Callable[[str, int, int], None] | None) -> Path:
     """Write a checkpoint of `store` to `dest` (see `EmbeddingStore.checkpoint`)."""
-    from .store import open as open_store
+    from ._open import open as open_store
 
     dest = Path(dest)
     if dest.exists():
