@@ -67,7 +67,7 @@ _COMPRESSION: Final = {
     "zstd": rocksdict.DBCompressionType.zstd,
 }
 
-_HANDLES: SharedHandles[rocksdict.Rdict] = SharedHandles("rocksdb")
+_HANDLES: SharedHandles[_Shared] = SharedHandles("rocksdb")
 
 
 def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool = False) -> Any:
@@ -108,9 +108,9 @@ class RocksDBBackend(Backend):
     """One table in a column family of the RocksDB database of its tier directory.
 
     Reads look up the distinct ids of a batch in key order, one point lookup each: with the row
-    cache on, this was faster here than rocksdict's multi-get (whose batched MultiGet bypasses
-    the row cache). Writes go in one WriteBatch. `len()` counts keys with a scan (RocksDB keeps
-    no exact count) and caches the answer until the database's next write.
+    cache on, this measured faster than rocksdict's multi-get on the same keys (`embstore bench
+    backends` times both). Writes go in one WriteBatch. `len()` counts keys with a scan
+    (RocksDB keeps no exact count) and caches the answer until the database's next write.
 
     Args:
         spec: the table; `spec.path` is the tier directory.

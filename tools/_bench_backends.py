@@ -272,22 +272,28 @@ def _bench_one(name: str, root: Path, zipf: ZipfIds,
         print(f"{name}: loaded {args.rows:,} rows x {args.dim} into the backend and the raw "
               f"library in {took:.1f} s")
         rng = np.random.default_rng(args.seed + 1)
-        read_ranks = [zipf.ranks(args.batch) for _ in range(args.repeats)]
-        read_ids = [zipf.ids[r] for r in read_ranks]
+        # Each contender reads its own batches (same law): a batch read by one would be in the
+        # caches for the next, and the raw ways share one database.
+        read_ranks = {c: [zipf.ranks(args.batch) for _ in range(args.repeats)]
+                      for c in ("backend", *raw.readers)}
+        read_ids = {c: [zipf.ids[r] for r in ranks] for c, ranks in read_ranks.items()}
         write_ranks = [np.unique(zipf.ranks(args.batch)) for _ in range(args.repeats)]
         write_rows = [rng.standard_normal((len(r), args.dim), dtype=np.float32)
                       for r in write_ranks]
-        expected = np.stack([_row_of(args, int(r)) for r in read_ranks[0][:64]])
-        for way, fetch in raw.readers.items():
-            if not np.array_equal(fetch(read_ids[0], read_ranks[0])[:64], expected):
-                raise RuntimeError(f"raw {name} reader {way!r} returned other rows")
-        if not np.array_equal(backend.get(read_ids[0])[0][:64], expected):
-            raise RuntimeError(f"the {name} backend returned other rows than were loaded")
+        for c, ranks in read_ranks.items():
+            expected = np.stack([_row_of(args, int(r)) for r in ranks[0][:64]])
+            if c == "backend":
+                got = backend.get(read_ids[c][0])[0][:64]
+            else:
+                got = raw.readers[c](read_ids[c][0], ranks[0])[:64]
+            if not np.array_equal(got, expected):
+                raise RuntimeError(f"{name} {c} returned other rows than were loaded")
 
         readers: dict[str, Callable[[int], None]] = {
-            "backend": lambda i: backend.get(read_ids[i])[0]}
+            "backend": lambda i: backend.get(read_ids["backend"][i])[0]}
         for way, fetch in raw.readers.items():
-            readers[way] = (lambda f: lambda i: f(read_ids[i], read_ranks[i]))(fetch)
+            readers[way] = (lambda w, f: lambda i: f(read_ids[w][i], read_ranks[w][i]))(way,
+                                                                                        fetch)
         med = interleaved_medians(readers, args.repeats)
         best = min(raw.readers, key=lambda w: med[w])
         print(f"{name}: read rows/s: " + ", ".join(f"{w} {args.batch / t:,.0f}"
