@@ -5,13 +5,17 @@ histograms over log2 bins of per-batch reuse (`load_locality_stats`): the share 
 batch touches whose access count falls in each bin, and the share of the accesses that go to
 rows in each bin. `reuse_histograms` computes the same two from a batch of ids.
 
-`synthesize` draws batches from a few tables, each a mix of heavy-hitter rows and a Zipf tail,
-with parameters (`PROFILES`) fitted by `calibrate` so that a batch's two histograms match the
-mean production ones of 2021 or 2022. The histograms depend on the lookups per batch (a row's
-count grows with it), so a profile is calibrated at its `lookups`; at other sizes the shape
-shifts. Caveats: the statistics describe reuse within a batch only, so how popularity moves
-between batches (`drift`) is not calibrated; and the published batches are ~500x larger than
-ours, so the top bins are matched by fewer, hotter rows.
+`synthesize` draws batches from 16 tables of sizes spread from a few rows to ~10**5 (the small
+ones are the heavy hitters), each Zipf-Mandelbrot, plus a few uniform heavy-hitter rows, with
+parameters (`PROFILES`) fitted by `calibrate` so that a batch's two histograms match the mean
+production ones of 2021 or 2022 (total variation < 0.1 each). The histograms depend on the
+lookups per batch (a row's count grows with it), so a profile is calibrated at its `lookups`
+(2**20); at other sizes the same popularity is seen through a different window.
+
+Caveats: the statistics describe reuse within a batch only, so how popularity moves between
+batches (`drift`, default none) is not calibrated, and the default stream is stationary,
+which favours frequency-based policies. The published batches are ~500x larger than ours, so
+the top bins are matched by fewer, hotter rows.
 """
 
 from __future__ import annotations
