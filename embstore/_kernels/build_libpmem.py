@@ -38,13 +38,24 @@ ffibuilder.set_source("embstore._kernels._libpmem_ffi", None)
 RECORDS_CDEF = """
 int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset,
                    int64_t row_bytes, const int64_t *keys, const int32_t *vals, uint64_t mask,
-                   const int64_t *file_slot, const int64_t *ids, int64_t n, char *out,
-                   uint8_t *found, int64_t *first_bad);
+                   const int64_t *ids, int64_t n, char *out, uint8_t *found,
+                   int64_t *first_bad);
+int64_t rec_index_upsert(int64_t *keys, int32_t *vals, uint64_t mask, const int64_t *ids,
+                         const int32_t *slots, int64_t n, int32_t *old_slots);
+int64_t idx_find(const int64_t *keys, const int32_t *vals, uint64_t mask,
+                 const int64_t *ids, int64_t n, int32_t *out_slots);
+int64_t idx_remove(int64_t *keys, int32_t *vals, uint64_t mask,
+                   const int64_t *ids, int64_t n, int32_t *out_slots);
+void idx_rehash(const int64_t *old_keys, const int32_t *old_vals, uint64_t old_cap,
+                int64_t *keys, int32_t *vals, uint64_t mask);
+int64_t idx_items(const int64_t *keys, const int32_t *vals, uint64_t cap,
+                  int64_t *out_ids, int32_t *out_slots);
 void rec_scatter(char *base, int64_t record_size, const int64_t *slots, int64_t n,
                  const char *records);
 void rec_zero_seq(char *base, int64_t record_size, int64_t seq_offset,
                   const int64_t *slots, int64_t n);
 int rec_madvise(void *addr, size_t len, int advice);
+int rec_sync_ranges(int fd, const int64_t *starts, const int64_t *lens, int64_t n);
 """
 
 records_ffibuilder = FFI()
@@ -54,6 +65,7 @@ records_ffibuilder.set_source(
     "\n".join((HERE / name).read_text()
               for name in ("checksum.c", "dram_index.c", "pmem_records.c")),
     extra_compile_args=["-O3", "-std=gnu99"],
+    define_macros=[("_GNU_SOURCE", None)],  # sync_file_range
 )
 
 if __name__ == "__main__":

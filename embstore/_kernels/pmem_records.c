@@ -16,6 +16,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 
 #define REC_SEQ_OFFSET 16
@@ -93,32 +95,46 @@ static int64_t finish_group(crc_fn f, const unsigned char *const *rec, const int
     return bad;
 }
 
-/* For each j, the row of ids[j]: the id index (IdIndex's hash table, probed with
- * dram_index.c's find_one, compiled into this module) gives an index slot, file_slot[] maps
- * it to a record slot. Copies the payload to out[j], or zeros where the id is absent,
- * verifying that the record holds ids[j] and that its CRC matches. Returns the number of bad
- * records, the index of the first one in *first_bad (-1 if none); bad records are never
- * copied out.
+/* For each j, the row of ids[j]: the slot index (a hash table laid out and probed exactly as
+ * IdIndex's, by dram_index.c's find_one compiled into this module) maps the id to its record
+ * slot. Copies the payload to out[j], or zeros where the id is absent, verifying that the
+ * record holds ids[j] and that its CRC matches. Returns the number of bad records, the index
+ * of the first one in *first_bad (-1 if none); bad records are never copied out.
  *
- * Each id costs three dependent cache misses (hash bucket, file_slot entry, record). The loop
- * is a software pipeline: at step t it prefetches the bucket of id t, probes id t-D and
- * prefetches its file_slot entry, reads the slot of id t-2D and prefetches its record, and
- * verifies and copies id t-3D, so the misses of many ids are in flight together. */
-#define STAGE 8
-#define RING 64
+ * Each id costs two dependent cache misses (hash bucket, then record). The loop is a software
+ * pipeline: at step t it prefetches the bucket of id t, probes id t-STAGE (its bucket is in
+ * cache by now) and prefetches that record, and verifies and copies id t-2*STAGE, so the
+ * misses of many ids are in flight together. */
+#define STAGE 10
+#define RING 32
+/* Slots verified in this call, direct-mapped: the hot ids of a skewed batch repeat many
+ * times, and each distinct record needs checking once per call, not once per occurrence. */
+#define VERIFIED 1024
+
+static void remember(int64_t *verified, const unsigned char *const *rec, const int64_t *pos,
+                     int64_t count, const uint8_t *found, const char *base,
+                     int64_t record_size) {
+    for (int64_t g = 0; g < count; g++)
+        if (found[pos[g]]) {
+            int64_t s = ((const char *)rec[g] - base) / record_size;
+            verified[s & (VERIFIED - 1)] = s;
+        }
+}
+
 int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset,
                    int64_t row_bytes, const int64_t *keys, const int32_t *vals, uint64_t mask,
-                   const int64_t *file_slot, const int64_t *ids, int64_t n, char *out,
-                   uint8_t *found, int64_t *first_bad) {
+                   const int64_t *ids, int64_t n, char *out, uint8_t *found,
+                   int64_t *first_bad) {
     crc_fn f = pick();
     int64_t bad = 0;
-    int32_t islot[RING];
     int64_t slot[RING];
+    int64_t verified[VERIFIED];
+    memset(verified, 0xFF, sizeof verified);  /* -1: no slot */
     const unsigned char *rec[GROUP];
     int64_t pos[GROUP];
     int64_t count = 0;
     *first_bad = -1;
-    for (int64_t t = 0; t < n + 3 * STAGE; t++) {
+    for (int64_t t = 0; t < n + 2 * STAGE; t++) {
         if (t < n) {
             uint64_t h = mix64((uint64_t)ids[t]) & mask;
             __builtin_prefetch(&vals[h], 0, 0);
@@ -126,18 +142,11 @@ int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset
         }
         int64_t b = t - STAGE;
         if (b >= 0 && b < n) {
-            int32_t i = (int32_t)find_one(keys, vals, mask, ids[b]);
-            islot[b % RING] = i;
-            if (i >= 0) __builtin_prefetch(&file_slot[i], 0, 0);
-        }
-        int64_t c = t - 2 * STAGE;
-        if (c >= 0 && c < n) {
-            int32_t i = islot[c % RING];
-            int64_t s = i < 0 ? -1 : file_slot[i];
-            slot[c % RING] = s;
+            int64_t s = find_one(keys, vals, mask, ids[b]);
+            slot[b % RING] = s;
             if (s >= 0) prefetch_record(base + s * record_size, record_size);
         }
-        int64_t j = t - 3 * STAGE;
+        int64_t j = t - 2 * STAGE;
         if (j < 0) continue;
         int64_t s = slot[j % RING];
         if (s < 0) {
@@ -145,11 +154,21 @@ int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset
             found[j] = 0;
             continue;
         }
+        if (verified[s & (VERIFIED - 1)] == s &&
+            memcmp(base + s * record_size, &ids[j], 8) == 0) {
+            /* this record passed its check earlier in this call and nothing can have
+             * changed it since (the caller holds the table); copy it again */
+            memcpy(out + j * row_bytes, base + s * record_size + payload_offset,
+                   (size_t)row_bytes);
+            found[j] = 1;
+            continue;
+        }
         rec[count] = (const unsigned char *)(base + s * record_size);
         pos[count++] = j;
         if (count == GROUP) {
             bad += finish_group(f, rec, pos, count, payload_offset, row_bytes, ids, out, found,
                                 first_bad);
+            remember(verified, rec, pos, count, found, base, record_size);
             count = 0;
         }
     }
@@ -157,6 +176,33 @@ int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset
         bad += finish_group(f, rec, pos, count, payload_offset, row_bytes, ids, out, found,
                             first_bad);
     return bad;
+}
+
+/* Point each id at slots[j], inserting absent ids (the table has room: the caller reserved
+ * it). old_slots[j] gets the id's previous slot, or -1 where it was inserted. Returns the
+ * number inserted. One probe per id does the lookup and the update together. */
+int64_t rec_index_upsert(int64_t *keys, int32_t *vals, uint64_t mask, const int64_t *ids,
+                         const int32_t *slots, int64_t n, int32_t *old_slots) {
+    int64_t inserted = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint64_t i = mix64((uint64_t)ids[j]) & mask;
+        for (;;) {
+            if (vals[i] < 0) {
+                keys[i] = ids[j];
+                vals[i] = slots[j];
+                old_slots[j] = -1;
+                inserted++;
+                break;
+            }
+            if (keys[i] == ids[j]) {
+                old_slots[j] = vals[i];
+                vals[i] = slots[j];
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+    return inserted;
 }
 
 /* Write complete records (n x record_size, contiguous) to their slots. The seq word is
@@ -183,6 +229,16 @@ void rec_zero_seq(char *base, int64_t record_size, int64_t seq_offset,
     for (int64_t j = 0; j < n; j++)
         __atomic_store_n((uint64_t *)(base + slots[j] * record_size + seq_offset), 0,
                          __ATOMIC_RELEASE);
+}
+
+/* Start write-back of each byte range [starts[j], starts[j] + lens[j]) of the file without
+ * waiting and without a device cache flush; the caller then waits for all of it with one
+ * fdatasync. msync(MS_SYNC) of a range is fsync of that range, device flush included, so one
+ * msync per dirty range cost one flush per range. Returns 0, or an errno value. */
+int rec_sync_ranges(int fd, const int64_t *starts, const int64_t *lens, int64_t n) {
+    for (int64_t j = 0; j < n; j++)
+        if (sync_file_range(fd, starts[j], lens[j], SYNC_FILE_RANGE_WRITE) != 0) return errno;
+    return 0;
 }
 
 int rec_madvise(void *addr, size_t len, int advice) {
