@@ -31,9 +31,10 @@ class RecencyEviction(EvictionPolicy):
         return len(self._t)
 
     def _touch(self, slots: np.ndarray, now: float) -> None:
-        # np.unique dedupes a batch (it sorts by slot); re-sort by id for the tie rule
-        slots = np.unique(slots)
+        # one sort by id gives the tie order and puts duplicates side by side to drop them
         slots = slots[np.argsort(self._t.ids[slots], kind="stable")]
+        if len(slots) > 1:
+            slots = slots[np.concatenate(([True], slots[1:] != slots[:-1]))]
         self._log.push(slots, self._t.cols["stamp"], self._t.alive)
         self._t.cols["time"][slots] = now
 

@@ -181,13 +181,24 @@ def smallest(
 ) -> np.ndarray:
     """The `n` of `slots` with the smallest `key[slot]`, ties by `tie[slot]`, then by id.
 
-    O(len(slots)) with a partition; only the ids tied at the cut value are sorted.
+    A cascade of partitions, one per key, each over the entries still tied at the cut: O(len)
+    even when most keys are equal (fresh LFU counts are all 1), where a lexsort of the ties
+    would cost O(len log len).
     """
-    if n >= len(slots):
-        return slots
-    k = key[slots]
-    cut = np.partition(k, n - 1)[n - 1]
-    below = slots[k < cut]
-    tied = slots[k == cut]
-    order = np.lexsort((ids[tied], tie[tied]))[: n - len(below)]
-    return np.concatenate([below, tied[order]])
+    chosen: list[np.ndarray] = []
+    for column in (key, tie, ids):
+        if n <= 0:
+            break
+        if n >= len(slots):
+            chosen.append(slots)
+            n = 0
+            break
+        k = column[slots]
+        cut = np.partition(k, n - 1)[n - 1]
+        below = slots[k < cut]
+        chosen.append(below)
+        n -= len(below)
+        slots = slots[k == cut]
+    if n > 0:  # the id level leaves the n-th id itself tied at its own cut
+        chosen.append(slots[:n])
+    return np.concatenate(chosen) if chosen else slots[:0]
