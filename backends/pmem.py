@@ -392,9 +392,16 @@ class PmemBackend(Backend):
             ) from exc
 
     def _map_file(self, size: int) -> None:
+        self._map = None
         if self._lib is not None:
-            self._map = _libpmem.PmemMapping(self._lib, str(self._file))
-        else:
+            try:
+                self._map = _libpmem.PmemMapping(self._lib, str(self._file))
+            except PermissionError:
+                # pmem_map_file opens the file for writing; a reader without write access
+                # (or on a read-only mount) maps it read-only with mmap instead
+                if not self.spec.read_only:
+                    raise
+        if self._map is None:
             self._map = _MmapMapping(self._fd, size, writable=not self.spec.read_only)
         # 4 KiB page-cache pages keep msync to the pages actually dirtied (see Caveats)
         lib.rec_madvise(ffi.cast("void *", self._map.address), self._map.length,
@@ -773,7 +780,8 @@ class PmemBackend(Backend):
         # docstring inherited
         stats = super().statistics()
         stats.update(
-            libpmem=self._lib is not None,
+            libpmem=(isinstance(self._map, _libpmem.PmemMapping) if self._map is not None
+                     else self._lib is not None),
             is_pmem=bool(self._map is not None and self._map.is_pmem),
             file=str(self._file),
             record_bytes=self._rec,

@@ -86,6 +86,8 @@ def load() -> LibPmem | None:
         return _lib
     try:
         lib = cast(LibPmem, ffi.dlopen(LIBRARY_NAME))
+        if lib.pmem_check_version(1, 0) != ffi.NULL:
+            raise OSError(f"{LIBRARY_NAME} is not a libpmem 1.x: {_errormsg(lib)}")
     except OSError as exc:
         _load_error = str(exc)
         if not _warned:
@@ -97,9 +99,6 @@ def load() -> LibPmem | None:
                 PmemFallbackWarning,
                 stacklevel=3,
             )
-        return None
-    if lib.pmem_check_version(1, 0) != ffi.NULL:
-        _load_error = _errormsg(lib)
         return None
     _lib = lib
     return lib

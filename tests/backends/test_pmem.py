@@ -258,6 +258,9 @@ def test_full_file_system_is_a_capacity_error_not_a_crash(tmp_path, mapping):
             b.close()
         with _open(small, dim=dim) as b:
             assert len(b) == stored
+        with pytest.raises(CapacityError):  # a new table that does not fit: no file left
+            _open(small, dim=dim, table="big", capacity_bytes=4 << 20)
+        assert sorted(p.name for p in small.iterdir()) == ["t.pmem"]
 
 
 # --- integrity ---------------------------------------------------------------------------------
