@@ -2,10 +2,13 @@
 
 Each table is one file, `<path>/<table>.pmem`, mapped whole with libpmem's `pmem_map_file`
 (bound with cffi, see `embstore._libpmem`). Rows are read and written in place in the mapping,
-with no block layer in between; `flush()` makes writes durable with `pmem_persist` where the
-file is on persistent memory (a DAX file system) and with `msync` of the dirty pages
-elsewhere. Without libpmem, or with `EMBSTORE_PMEM_FORCE_MMAP=1`, the file is mapped with
-Python's `mmap` and synced with `msync`; `statistics()` says which (`libpmem`, `is_pmem`).
+with no block layer in between. `flush()` makes writes durable with pmem_flush/pmem_drain
+(`pmem_persist`) of the dirty cache lines where the file is on persistent memory (a DAX file
+system), and elsewhere by writing back only the dirty pages: the msync path (see
+`PmemBackend._persist_slots` for why it is sync_file_range of each dirty range plus one
+fdatasync rather than one msync per range). Without libpmem, or with
+`EMBSTORE_PMEM_FORCE_MMAP=1`, the file is mapped with Python's `mmap` instead; `statistics()`
+says which (`libpmem`, `is_pmem`). The file format is the same either way.
 
 Updates are out of place: a put writes a complete new record, with a higher sequence number,
 to a free slot; the slot of the previous version is retired (its seq word zeroed) only at the
@@ -53,8 +56,13 @@ of the seq word by the record CRC plus its own CRC-8.
 Caveats:
     - One writer per table file (an exclusive `flock`; read-only handles take a shared one).
     - The mapping is advised MADV_RANDOM so that the page cache holds the file in 4 KiB pages:
-      msync writes whole cached folios, and a file cached in large folios (e.g. after `cp` or
-      `cat` of it) costs up to a folio per dirty row on the msync path until it is evicted.
+      write-back is by whole cached folio, and a file cached in large folios (e.g. after `cp`
+      or `cat` of it) costs up to a folio per dirty row on the msync path until evicted.
+    - A flush of scattered updates writes about one 4 KiB page per row on the msync path (the
+      retired old versions; new versions are packed, see `PmemBackend._alloc`), one cache
+      line or two on persistent memory. An update is written twice (new record, retirement).
+    - Crash safety against power loss on the msync path assumes what fdatasync promises; a
+      process crash (SIGKILL) loses nothing the page cache holds.
     - At most 2**31 - 1 slots per table file (the slot index stores int32 slots).
 """
 
@@ -155,37 +163,6 @@ def _merge_ranges(starts: np.ndarray, ends: np.ndarray, grain: int) -> tuple[np.
     last = np.ones(len(lo), dtype=bool)
     last[:-1] = first[1:]
     return lo[first] * grain, reach[last] * grain
-
-
-class _MmapMapping:
-    """The fallback: the file mapped with Python's mmap, made durable with msync."""
-
-    is_pmem = False
-
-    def __init__(self, fd: int, length: int, *, writable: bool) -> None:
-        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-        self._mm: mmap.mmap | None = mmap.mmap(fd, length, access=access)
-        self.length = length
-        self.address = int(np.frombuffer(self._mm, dtype=np.uint8).ctypes.data)
-
-    def buffer(self) -> Any:
-        return self._mm
-
-    def flush(self, offset: int, length: int) -> None:
-        assert self._mm is not None
-        start = offset // PAGE_SIZE * PAGE_SIZE  # msync wants a page-aligned start
-        self._mm.flush(start, min(offset + length, self.length) - start)
-
-    persist = flush
-
-    def drain(self) -> None:
-        """msync already waited."""
-
-    def unmap(self) -> None:
-        if self._mm is not None:
-            mm, self._mm = self._mm, None
-            self.address = 0
-            mm.close()
 
 
 def _ptr(ctype: str, arr: np.ndarray) -> Any:
@@ -294,7 +271,7 @@ class PmemBackend(Backend):
         self._rec = record_size(self._row_bytes)
         self._file = Path(spec.path) / f"{spec.table}.pmem"
         self._lib = None if _libpmem.force_mmap() else _libpmem.load()
-        self._map: _libpmem.PmemMapping | _MmapMapping | None = None
+        self._map: _libpmem.Mapping | None = None
         self._mem: np.ndarray | None = None  # uint8 view of the mapping; None once unmapped
         self._fd = -1
         self._capacity = 0
@@ -392,17 +369,8 @@ class PmemBackend(Backend):
             ) from exc
 
     def _map_file(self, size: int) -> None:
-        self._map = None
-        if self._lib is not None:
-            try:
-                self._map = _libpmem.PmemMapping(self._lib, str(self._file))
-            except PermissionError:
-                # pmem_map_file opens the file for writing; a reader without write access
-                # (or on a read-only mount) maps it read-only with mmap instead
-                if not self.spec.read_only:
-                    raise
-        if self._map is None:
-            self._map = _MmapMapping(self._fd, size, writable=not self.spec.read_only)
+        self._map = _libpmem.map_file(self._lib, str(self._file), self._fd, size,
+                                      writable=not self.spec.read_only)
         # 4 KiB page-cache pages keep msync to the pages actually dirtied (see Caveats)
         lib.rec_madvise(ffi.cast("void *", self._map.address), self._map.length,
                         mmap.MADV_RANDOM)

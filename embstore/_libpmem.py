@@ -11,6 +11,7 @@ present, so CI can test both paths.
 from __future__ import annotations
 
 import enum
+import mmap
 import os
 import warnings
 from typing import Any, Protocol, cast
@@ -22,10 +23,13 @@ __all__ = [
     "LIBRARY_NAME",
     "LibPmem",
     "MapFlags",
+    "Mapping",
+    "MmapMapping",
     "PmemFallbackWarning",
     "PmemMapping",
     "force_mmap",
     "load",
+    "map_file",
 ]
 
 LIBRARY_NAME = "libpmem.so.1"
@@ -186,3 +190,71 @@ class PmemMapping:
         self.address = 0
         if self._lib.pmem_unmap(addr, self.length) != 0:
             raise _os_error(self._lib, "pmem_unmap", self.path)
+
+
+class MmapMapping:
+    """The fallback: a file mapped whole with Python's mmap, made durable with msync.
+
+    Same interface as `PmemMapping`; `is_pmem` is always False.
+    """
+
+    is_pmem = False
+
+    def __init__(self, fd: int, length: int, *, writable: bool) -> None:
+        """Map `length` bytes of the open file `fd`, shared, writable or read-only."""
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        self._mm: mmap.mmap | None = mmap.mmap(fd, length, access=access)
+        self.length = length
+        self.address = int(ffi.cast("uintptr_t", ffi.from_buffer(self._mm)))
+
+    def buffer(self) -> Any:
+        """The mmap object (a buffer over the whole mapping, valid until `unmap`)."""
+        return self._mm
+
+    def persist(self, offset: int, length: int) -> None:
+        """msync(MS_SYNC) the pages of bytes [offset, offset+length).
+
+        Raises:
+            OSError: msync failed.
+        """
+        assert self._mm is not None
+        start = offset // mmap.PAGESIZE * mmap.PAGESIZE  # msync wants a page-aligned start
+        self._mm.flush(start, min(offset + length, self.length) - start)
+
+    flush = persist
+
+    def drain(self) -> None:
+        """Nothing to wait for: msync has waited."""
+
+    def unmap(self) -> None:
+        """Unmap (every buffer over the mapping must be released first). Idempotent."""
+        if self._mm is not None:
+            mm, self._mm = self._mm, None
+            self.address = 0
+            mm.close()
+
+
+Mapping = PmemMapping | MmapMapping
+
+
+def map_file(lib: LibPmem | None, path: str, fd: int, size: int, *,
+             writable: bool) -> Mapping:
+    """Map the whole file: with libpmem when `lib` is given, else (or for a reader that may
+    not open the file for writing, which pmem_map_file always does) with mmap.
+
+    Args:
+        lib: libpmem from `load()`, or None for the mmap fallback.
+        path: the file; `fd`: the same file, open (read-only for readers).
+        size: the file's size in bytes (the mmap fallback maps this much).
+        writable: whether stores into the mapping are allowed.
+
+    Raises:
+        OSError: the mapping failed.
+    """
+    if lib is not None:
+        try:
+            return PmemMapping(lib, path)
+        except PermissionError:
+            if writable:
+                raise
+    return MmapMapping(fd, size, writable=writable)
