@@ -108,6 +108,8 @@ REC_PAYLOAD = 24
 KIND_ROW = 1
 CACHE_LINE = 64
 
+# CRC-8 (poly 0x07) of a seq word's counter: it detects every burst of up to 8 bits, so any
+# one changed byte of the word, which is what tells a damaged record from a cut-short write
 _CRC8 = np.zeros(256, dtype=np.uint8)
 for _b in range(256):
     _c = _b
@@ -138,6 +140,7 @@ def seq_counters(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 SEGMENT_SLOTS = 1024  # allocation unit: see PmemBackend._alloc
+SCAN_SLOTS = 1 << 20  # slots per chunk of the open-time scan
 MAX_SLOTS = 2**31 - 1
 _MAX_LOAD = 0.75
 
@@ -466,7 +469,8 @@ class PmemBackend(Backend):
     # --- open-time scan -------------------------------------------------------------------
 
     def _scan(self) -> None:
-        """Rebuild the index from every record, vectorised over the whole mapping."""
+        """Rebuild the index from every record: numpy over the mapped record array, in chunks
+        of SCAN_SLOTS slots so the temporaries stay bounded whatever the file's size."""
         assert self._map is not None
         n = self._capacity
         self._state = np.zeros(n, dtype=np.uint8)
@@ -474,32 +478,18 @@ class PmemBackend(Backend):
             return
         lib.rec_madvise(ffi.cast("void *", self._map.address), self._map.length,
                         mmap.MADV_WILLNEED)  # readahead in small pages for the scan
-        seq_word = self._field(REC_SEQ, "<u8").copy()
-        used = np.flatnonzero(seq_word)
-        top = int(used[-1]) + 1 if len(used) else 0
-        ids = self._field(REC_ID, "<i8")[:top].copy()
-        # copies, not views: an exception raised below must not keep the mapping exported
-        stored_crc = self._field(REC_CRC, "<u4")[:top].copy()
-        kind = self._field(REC_KIND, "<u4")[:top].copy()
-        calc = row_checksums(ids, self._records()[:top, REC_KIND : REC_PAYLOAD + self._row_bytes])
-        seq_top, intact = seq_counters(seq_word[:top])
-        valid = (seq_word[:top] != 0) & (calc == stored_crc) & (kind == KIND_ROW)
-        bad = np.flatnonzero((seq_word[:top] != 0) & ~valid)
-        torn = bad[intact[bad] & (seq_top[bad] > self._watermark)
-                   & (seq_top[bad] <= self._reserve)]
-        damaged = np.setdiff1d(bad, torn, assume_unique=True)
-        if len(damaged):
-            s = int(damaged[0])
-            raise CorruptStoreError(
-                f"table {self.spec.table!r}: the record of id {int(ids[s])} in slot {s} "
-                f"(byte offset {DATA_OFFSET + s * self._rec}) of {self._file} fails its "
-                f"checksum ({len(damaged)} damaged record(s)); the data is damaged: restore "
-                "the table from a checkpoint, or run `embstore fsck` to list every damaged row"
-            )
-        live = np.flatnonzero(valid)
-        order = np.lexsort((seq_top[live], ids[live]))  # by id, then seq
-        live = live[order]
-        live_ids = ids[live]
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        torn_parts: list[np.ndarray] = []
+        for lo in range(0, n, SCAN_SLOTS):
+            live, live_ids, live_seq, torn = self._scan_chunk(lo, min(n, lo + SCAN_SLOTS))
+            parts.append((live, live_ids, live_seq))
+            torn_parts.append(torn)
+        live = np.concatenate([p[0] for p in parts])
+        live_ids = np.concatenate([p[1] for p in parts])
+        live_seq = np.concatenate([p[2] for p in parts])
+        torn = np.concatenate(torn_parts)
+        order = np.lexsort((live_seq, live_ids))  # by id, then seq
+        live, live_ids = live[order], live_ids[order]
         newest = np.ones(len(live), dtype=bool)
         newest[:-1] = live_ids[1:] != live_ids[:-1]
         winners, stale = live[newest], live[~newest]
@@ -509,7 +499,7 @@ class PmemBackend(Backend):
         self._state[winners] = _LIVE
         self._torn_ignored = len(torn)
         self._stale_retired = len(stale)
-        max_seq = int(seq_top[live].max()) if len(live) else 0
+        max_seq = int(live_seq.max()) if len(live_seq) else 0
         self._next_seq = max(max_seq, self._reserve, self._watermark) + 1
         if not self.spec.read_only:
             # retire superseded versions and cut-short writes before their slots are reused:
@@ -523,6 +513,36 @@ class PmemBackend(Backend):
             self._reserve = self._watermark + self._seq_reserve_step
             self._write_state()
         self._count_segments()
+
+    def _scan_chunk(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                      np.ndarray]:
+        """(slots, ids, seq counters) of the valid records in slots [lo, hi), and the slots
+        of writes cut short by a crash; raises CorruptStoreError on a damaged record."""
+        # copies, not views: an exception raised here must not keep the mapping exported
+        seq_word = self._field(REC_SEQ, "<u8")[lo:hi].copy()
+        used = np.flatnonzero(seq_word)
+        top = lo + (int(used[-1]) + 1 if len(used) else 0)  # nothing written past it
+        seq_word = seq_word[: top - lo]
+        ids = self._field(REC_ID, "<i8")[lo:top].copy()
+        stored_crc = self._field(REC_CRC, "<u4")[lo:top].copy()
+        kind = self._field(REC_KIND, "<u4")[lo:top].copy()
+        calc = row_checksums(ids, self._records()[lo:top, REC_KIND : REC_PAYLOAD + self._row_bytes])
+        seq, intact = seq_counters(seq_word)
+        valid = (seq_word != 0) & (calc == stored_crc) & (kind == KIND_ROW)
+        bad = np.flatnonzero((seq_word != 0) & ~valid)
+        torn = bad[intact[bad] & (seq[bad] > self._watermark) & (seq[bad] <= self._reserve)]
+        damaged = np.setdiff1d(bad, torn, assume_unique=True)
+        if len(damaged):
+            s = int(damaged[0])
+            raise CorruptStoreError(
+                f"table {self.spec.table!r}: the record of id {int(ids[s])} in slot {lo + s} "
+                f"(byte offset {DATA_OFFSET + (lo + s) * self._rec}) of {self._file} fails its "
+                f"checksum ({len(damaged)} damaged record(s) in slots {lo}..{top - 1}); the "
+                "data is damaged: restore the table from a checkpoint, or run `embstore fsck` "
+                "to list every damaged row"
+            )
+        live = np.flatnonzero(valid)
+        return live + lo, ids[live], seq[live], torn + lo
 
     # --- slots ----------------------------------------------------------------------------
     #

@@ -305,6 +305,29 @@ def test_every_byte_of_a_row_is_checked_on_read(tmp_path, mapping, region):
         np.testing.assert_array_equal(got, _rows(3)[::-1])
 
 
+def test_open_scans_the_file_in_chunks_with_the_same_result(tmp_path, mapping, monkeypatch):
+    monkeypatch.setattr(pmem, "SCAN_SLOTS", 50)
+    file = tmp_path / "t.pmem"
+    ids = np.arange(300, dtype=np.int64) * 7
+    with _open(tmp_path) as b:
+        b.put(ids, _rows(300))
+        b.flush()
+        b.put(ids[::3].copy(), _rows(100, seed=1))  # second versions, some in later chunks
+        b.delete(ids[1::3].copy())
+    expected = _rows(300)
+    expected[::3] = _rows(100, seed=1)
+    with _open(tmp_path) as b:
+        got, found = b.get(ids)
+        assert len(b) == 200
+    assert found.tolist() == [k % 3 != 1 for k in range(300)]
+    np.testing.assert_array_equal(got[found], expected[found])
+    (slot,) = _slots_of(file, int(ids[-1]))
+    assert slot > 100
+    _poke(file, DATA_OFFSET + int(slot) * REC + REC_PAYLOAD, b"\x00\x00\x00\x00")
+    with pytest.raises(CorruptStoreError, match=f"slot {slot} "):
+        _open(tmp_path)
+
+
 def test_damaged_header_is_reported(tmp_path, mapping):
     file = tmp_path / "t.pmem"
     with _open(tmp_path) as b:
