@@ -695,16 +695,11 @@ class PmemBackend(Backend):
         self._ensure_free(n)  # the only step that can fail for lack of space: first
         seqs = self._take_seqs(n)
         slots = self._alloc(n)
-        rb = self._row_bytes
-        recs = np.zeros((n, self._rec), dtype=np.uint8)
-        recs[:, REC_ID : REC_ID + 8] = ids.view(np.uint8).reshape(n, 8)
-        recs[:, REC_KIND : REC_KIND + 4] = np.frombuffer(struct.pack("<I", KIND_ROW), np.uint8)
-        recs[:, REC_SEQ : REC_SEQ + 8] = seqs.view(np.uint8).reshape(n, 8)
-        recs[:, REC_PAYLOAD : REC_PAYLOAD + rb] = rows.view(np.uint8).reshape(n, rb)
-        crc = row_checksums(ids, recs[:, REC_KIND : REC_PAYLOAD + rb])
-        recs[:, REC_CRC : REC_CRC + 4] = crc.view(np.uint8).reshape(n, 4)
-        lib.rec_scatter(self._base(), self._rec, ffi.cast("int64_t *", slots.ctypes.data), n,
-                        ffi.cast("char *", recs.ctypes.data))
+        lib.rec_write(self._base(), self._rec, REC_PAYLOAD, self._row_bytes,
+                      ffi.cast("int64_t *", slots.ctypes.data),
+                      ffi.cast("int64_t *", ids.ctypes.data),
+                      ffi.cast("uint64_t *", seqs.ctypes.data), KIND_ROW,
+                      ffi.cast("char *", rows.ctypes.data), n)
         self._state[slots] = _DIRTY
         self._touched.append(slots)
         old = self._index.upsert(ids, slots.astype(np.int32))

@@ -4,7 +4,7 @@
   holds only the declarations below; `embstore._libpmem` dlopens Debian's `libpmem.so.1` at
   run time, so neither libpmem's headers nor the library are needed to build or install.
 - `records_ffibuilder`: API mode, the record kernels of `pmem_records.c` (gather + CRC-32C
-  verification in one pass, scatter, madvise). It is compiled together with `checksum.c` and
+  verification in one pass, record writes, madvise). It is compiled together with `checksum.c` and
   `dram_index.c`, so the CRC and the id hash are the very code `embstore.checksum` and
   `IdIndex` use, without a second copy that could drift from them.
 """
@@ -50,8 +50,9 @@ void idx_rehash(const int64_t *old_keys, const int32_t *old_vals, uint64_t old_c
                 int64_t *keys, int32_t *vals, uint64_t mask);
 int64_t idx_items(const int64_t *keys, const int32_t *vals, uint64_t cap,
                   int64_t *out_ids, int32_t *out_slots);
-void rec_scatter(char *base, int64_t record_size, const int64_t *slots, int64_t n,
-                 const char *records);
+void rec_write(char *base, int64_t record_size, int64_t payload_offset, int64_t row_bytes,
+               const int64_t *slots, const int64_t *ids, const uint64_t *seq_words,
+               uint32_t kind, const char *rows, int64_t n);
 void rec_zero_seq(char *base, int64_t record_size, int64_t seq_offset,
                   const int64_t *slots, int64_t n);
 int rec_madvise(void *addr, size_t len, int advice);

@@ -205,20 +205,29 @@ int64_t rec_index_upsert(int64_t *keys, int32_t *vals, uint64_t mask, const int6
     return inserted;
 }
 
-/* Write complete records (n x record_size, contiguous) to their slots. The seq word is
- * stored last: a process killed mid-record leaves seq 0 (a free slot) or a CRC mismatch in
- * a slot with a seq above the durable watermark, both of which reopening ignores. */
-void rec_scatter(char *base, int64_t record_size, const int64_t *slots, int64_t n,
-                 const char *records) {
+/* Build and write the record of each row in place: id, kind, payload, padding, CRC, and the
+ * seq word last. A process killed mid-record so leaves seq 0 (a free slot) or, mid-way
+ * through a reused slot's bytes, a CRC mismatch under a seq above the durable watermark,
+ * both of which reopening ignores. The CRC is computed from the caller's values, so the
+ * mapping is only written, never read back. */
+void rec_write(char *base, int64_t record_size, int64_t payload_offset, int64_t row_bytes,
+               const int64_t *slots, const int64_t *ids, const uint64_t *seq_words,
+               uint32_t kind, const char *rows, int64_t n) {
+    crc_fn f = pick();
+    int64_t pad = record_size - payload_offset - row_bytes;
     for (int64_t j = 0; j < n; j++) {
         char *dst = base + slots[j] * record_size;
-        const char *src = records + j * record_size;
-        memcpy(dst, src, REC_SEQ_OFFSET);
-        memcpy(dst + REC_SEQ_OFFSET + 8, src + REC_SEQ_OFFSET + 8,
-               (size_t)(record_size - REC_SEQ_OFFSET - 8));
-        uint64_t seq;
-        memcpy(&seq, src + REC_SEQ_OFFSET, 8);
-        __atomic_store_n((uint64_t *)(dst + REC_SEQ_OFFSET), seq, __ATOMIC_RELEASE);
+        const char *row = rows + j * row_bytes;
+        uint32_t c = f(0xFFFFFFFFu, (const unsigned char *)&ids[j], 8);
+        c = f(c, (const unsigned char *)&kind, 4);
+        c = f(c, (const unsigned char *)&seq_words[j], 8);
+        c = f(c, (const unsigned char *)row, row_bytes) ^ 0xFFFFFFFFu;
+        memcpy(dst, &ids[j], 8);
+        memcpy(dst + REC_CRC_OFFSET, &c, 4);
+        memcpy(dst + REC_KIND_OFFSET, &kind, 4);
+        memcpy(dst + payload_offset, row, (size_t)row_bytes);
+        if (pad) memset(dst + payload_offset + row_bytes, 0, (size_t)pad);
+        __atomic_store_n((uint64_t *)(dst + REC_SEQ_OFFSET), seq_words[j], __ATOMIC_RELEASE);
     }
 }
 
