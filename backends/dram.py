@@ -127,7 +127,8 @@ class DRAMBackend(Backend):
 
     # --- Backend ----------------------------------------------------------------------
 
-    def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _gather(self, ids: np.ndarray, slots: np.ndarray | None
+                ) -> tuple[np.ndarray, np.ndarray]:
         n = len(ids)
         out = np.empty((n, self.spec.dim), dtype=self.spec.dtype)
         found = np.empty(n, dtype=bool)
@@ -136,8 +137,25 @@ class DRAMBackend(Backend):
             lib.idx_gather(keys, vals, mask, self._slabs.pointer(), self._slabs.shift,
                            self._slabs.row_bytes, ffi.cast("int64_t *", ids.ctypes.data), n,
                            ffi.cast("char *", out.ctypes.data),
-                           ffi.cast("uint8_t *", found.ctypes.data))
+                           ffi.cast("uint8_t *", found.ctypes.data),
+                           ffi.NULL if slots is None else ffi.cast("int32_t *", slots.ctypes.data))
         return out, found
+
+    def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._gather(ids, None)
+
+    @property
+    def index(self) -> IdIndex:
+        """The id -> slot index; an eviction policy may share it (see `SupportsSlots`)."""
+        return self._index
+
+    def get_with_slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`get`, plus each id's slot in `index` (int32[N], -1 where absent)."""
+        self._check_open()
+        ids = self._check_ids(ids)
+        slots = np.empty(len(ids), dtype=np.int32)
+        rows, found = self._gather(ids, slots)
+        return rows, found, slots
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
         slots, _ = self._index.add(ids)

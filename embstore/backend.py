@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -25,7 +25,10 @@ from .errors import (
     StoreClosedError,
 )
 
-__all__ = ["Backend", "BackendSpec"]
+if TYPE_CHECKING:
+    from .index import IdIndex
+
+__all__ = ["Backend", "BackendSpec", "SupportsSlots"]
 
 
 @dataclass(frozen=True)
@@ -261,3 +264,19 @@ class Backend(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsSlots(Protocol):
+    """A backend whose rows sit in the dense slots of an `IdIndex` it exposes.
+
+    A tier lets its eviction policy track ids in those same slots (`share_index`) and hands
+    it the slots each lookup found, so a hit costs one hash probe, not two.
+    """
+
+    @property
+    def index(self) -> IdIndex:
+        """The backend's id -> slot index (read-only for everyone else)."""
+
+    def get_with_slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`get`, plus the slot of each id (int32[N], -1 where absent)."""

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from .backend import Backend
+from .backend import Backend, SupportsSlots
 from .index import IdGroups, IdIndex
-from .policy import AdmissionPolicy, EvictionPolicy
+from .policy import AdmissionPolicy, EvictionPolicy, SupportsSharedIndex
 from .spec import TierSpec
 
 __all__ = ["TableChain", "Tier", "TierStatistics"]
@@ -73,8 +73,33 @@ class Tier:
         self.admission = admission
         self.is_bottom = is_bottom
         self.dirty = None if is_bottom else IdIndex()
+        # the policy tracks ids in the backend's own slots where both allow it: a hit then
+        # costs the backend's hash probe alone
+        self.shares_index = (isinstance(backend, SupportsSlots)
+                             and isinstance(eviction, SupportsSharedIndex) and len(backend) == 0)
+        if self.shares_index:
+            eviction.share_index(backend.index)
         self.counters = dict.fromkeys(("lookups", "hits", "misses", "promotions",
                                        "admissions_rejected", "evictions", "writebacks"), 0)
+
+    def lookup(self, ids: np.ndarray, now: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Rows and found mask of `ids` in this tier; counts them and tells the policy."""
+        if self.shares_index:
+            rows, found, slots = self.backend.get_with_slots(ids)
+        else:
+            rows, found = self.backend.get(ids)
+        hits = int(np.count_nonzero(found))
+        c = self.counters
+        c["lookups"] += len(ids)
+        c["hits"] += hits
+        c["misses"] += len(ids) - hits
+        if self.eviction is not None and hits:
+            if self.shares_index:
+                self.eviction.record_access_slots(slots if hits == len(ids) else slots[found],
+                                                  now)
+            else:
+                self.eviction.record_access(ids if hits == len(ids) else ids[found], now)
+        return rows, found, hits
 
     def statistics(self) -> TierStatistics:
         """A snapshot of this tier's counters and size."""
@@ -104,12 +129,7 @@ class TableChain:
     def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Full rows of `ids` (duplicates allowed) and whether each is stored anywhere."""
         now = self._tick()
-        top = self.tiers[0]
-        rows, found = top.backend.get(ids)
-        hits = int(np.count_nonzero(found))
-        self._count_lookups(top, len(ids), hits)
-        if top.eviction is not None and hits:
-            top.eviction.record_access(ids if hits == len(ids) else ids[found], now)
+        rows, found, hits = self.tiers[0].lookup(ids, now)
         if hits == len(ids) or len(self.tiers) == 1:
             return rows, found
         miss_pos = np.flatnonzero(~found)
@@ -119,13 +139,8 @@ class TableChain:
         level_of = np.full(len(u), -1, dtype=np.int64)
         remaining = np.arange(len(u))
         for tier in self.tiers[1:]:
-            sub = u[remaining]
-            r, f = tier.backend.get(sub)
-            n_hit = int(np.count_nonzero(f))
-            self._count_lookups(tier, len(sub), n_hit)
+            r, f, n_hit = tier.lookup(u[remaining], now)
             if n_hit:
-                if tier.eviction is not None:
-                    tier.eviction.record_access(sub[f], now)
                 urows[remaining[f]] = r[f]
                 level_of[remaining[f]] = tier.level
                 remaining = remaining[~f]
@@ -135,12 +150,6 @@ class TableChain:
         rows[miss_pos] = urows[groups.inverse]
         found[miss_pos] = (level_of >= 0)[groups.inverse]
         return rows, found
-
-    def _count_lookups(self, tier: Tier, n: int, hits: int) -> None:
-        c = tier.counters
-        c["lookups"] += n
-        c["hits"] += hits
-        c["misses"] += n - hits
 
     def _promote(self, ids: np.ndarray, rows: np.ndarray, level_of: np.ndarray, now: int) -> None:
         """Copy rows found below into the topmost tier above them that admits them."""
@@ -242,9 +251,9 @@ class TableChain:
         """Remove distinct `ids` from every tier; returns bool[N], which were stored."""
         found = np.zeros(len(ids), dtype=bool)
         for tier in self.tiers:
-            found |= tier.backend.delete(ids)
-            if tier.eviction is not None:
+            if tier.eviction is not None:  # first: a shared index must still know the ids
                 tier.eviction.record_remove(ids)
+            found |= tier.backend.delete(ids)
             if tier.dirty is not None:
                 tier.dirty.remove(ids)
         return found

@@ -11,11 +11,14 @@ a logical clock, the batch counter, so runs are reproducible) and randomness com
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["AdmissionPolicy", "EvictionPolicy", "Policy"]
+if TYPE_CHECKING:
+    from .index import IdIndex
+
+__all__ = ["AdmissionPolicy", "EvictionPolicy", "Policy", "SupportsSharedIndex"]
 
 
 class Policy(ABC):
@@ -90,3 +93,20 @@ class AdmissionPolicy(Policy):
         A call also counts as an observation of the ids (a frequency policy learns from it).
         Duplicates of one id in a batch get the same answer.
         """
+
+
+@runtime_checkable
+class SupportsSharedIndex(Protocol):
+    """An eviction policy that can track ids in the slots of its tier backend's `IdIndex`.
+
+    After `share_index(index)` (called on an empty policy), the tier reports hits by slot
+    with `record_access_slots`, sparing the policy its own hash probe. The backend adds ids
+    to the index before `record_insert` and removes them only after `record_remove` or
+    `choose_victims` untracked them; the policy never modifies the index.
+    """
+
+    def share_index(self, index: IdIndex) -> None:
+        """Track ids in the slots of `index` from now on."""
+
+    def record_access_slots(self, slots: np.ndarray, now: float) -> None:
+        """`record_access` for ids given by their slots (int32[N]) in the shared index."""

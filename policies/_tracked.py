@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from embstore.index import IdIndex
+from embstore.policy import EvictionPolicy
 
 __all__: list[str] = []
 
@@ -31,6 +32,8 @@ class Tracked:
 
     def __init__(self, columns: dict[str, tuple[type, float]]) -> None:
         self.index = IdIndex()
+        self._owns_index = True
+        self._count = 0
         self._spec = dict(columns)
         self.ids = np.zeros(0, dtype=np.int64)
         self.alive = np.zeros(0, dtype=bool)
@@ -39,7 +42,25 @@ class Tracked:
         }
 
     def __len__(self) -> int:
-        return len(self.index)
+        return self._count
+
+    def share_index(self, index: IdIndex) -> None:
+        """Use `index` (owned by the tier's backend) for id -> slot instead of a private one.
+
+        The backend adds ids before they are inserted here and removes them only after they
+        are untracked here; this class never changes a shared index. Saves a second hash
+        probe per access: the backend hands over the slots its own lookup found.
+        """
+        if self._count:
+            raise RuntimeError("share_index needs an empty policy")
+        self.index = index
+        self._owns_index = False
+        self._grow(index.high_water)
+
+    def live_slots(self, slots: np.ndarray) -> np.ndarray:
+        """The `slots` (of the shared index) that are tracked."""
+        self._grow(self.index.high_water)
+        return slots[self.alive[slots]]
 
     def _grow(self, high_water: int) -> None:
         size = len(self.ids)
@@ -60,8 +81,16 @@ class Tracked:
     def insert(self, ids: np.ndarray) -> np.ndarray:
         """Track distinct `ids`; returns their slots (already tracked ones keep theirs)."""
         ids = as_ids(ids)
-        slots, inserted = self.index.add(ids)
-        self._grow(self.index.high_water)
+        if self._owns_index:
+            slots, inserted = self.index.add(ids)
+            self._grow(self.index.high_water)
+        else:
+            self._grow(self.index.high_water)
+            slots = self.index.find(ids)
+            if (slots < 0).any():
+                raise RuntimeError("ids must be in the shared index before they are tracked")
+            inserted = ~self.alive[slots]
+        self._count += int(np.count_nonzero(inserted))
         fresh = slots[inserted]
         self.ids[fresh] = ids[inserted]
         self.alive[fresh] = True
@@ -74,15 +103,22 @@ class Tracked:
         if not len(ids):
             return np.zeros(0, dtype=np.int32)
         slots = self.index.find(as_ids(ids))
-        return slots[slots >= 0]
+        slots = slots[slots >= 0]
+        return slots if self._owns_index else self.live_slots(slots)
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
         """Untrack `ids` (absent ones ignored); returns the freed slots."""
         if not len(ids):
             return np.zeros(0, dtype=np.int32)
-        slots = self.index.remove(np.unique(as_ids(ids)))
-        slots = slots[slots >= 0]
+        ids = np.unique(as_ids(ids))
+        if self._owns_index:
+            slots = self.index.remove(ids)
+            slots = slots[slots >= 0]
+        else:
+            slots = self.index.find(ids)
+            slots = self.live_slots(slots[slots >= 0])
         self.alive[slots] = False
+        self._count -= len(slots)
         return slots
 
     def remove_slots(self, slots: np.ndarray) -> np.ndarray:
@@ -202,3 +238,35 @@ def smallest(
     if n > 0:  # the id level leaves the n-th id itself tied at its own cut
         chosen.append(slots[:n])
     return np.concatenate(chosen) if chosen else slots[:0]
+
+
+class TrackedEviction(EvictionPolicy):
+    """An eviction policy over `Tracked` ids (`self._t`) that can share its tier's index.
+
+    Subclasses implement `_access(slots, now)` for tracked, possibly repeated slots; reads
+    then cost one probe of the backend's index (or none, through `record_access_slots`).
+    """
+
+    _t: Tracked
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def share_index(self, index: IdIndex) -> None:
+        """Track ids in the slots of `index`, the tier backend's own (see `Tracked`)."""
+        self._t.share_index(index)
+
+    def record_access(self, ids: np.ndarray, now: float) -> None:
+        # docstring inherited
+        slots = self._t.find(ids)
+        if len(slots):
+            self._access(slots, now)
+
+    def record_access_slots(self, slots: np.ndarray, now: float) -> None:
+        """`record_access` for ids given by their slots in the shared index."""
+        slots = self._t.live_slots(slots)
+        if len(slots):
+            self._access(slots, now)
+
+    def _access(self, slots: np.ndarray, now: float) -> None:
+        """Note accesses of tracked `slots` (duplicates allowed)."""

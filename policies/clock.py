@@ -6,15 +6,13 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
-from embstore.policy import EvictionPolicy
-
-from ._tracked import SlotLog, Tracked, as_ids
+from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids
 
 __all__ = ["CLOCKEviction"]
 
 
 @final
-class CLOCKEviction(EvictionPolicy):
+class CLOCKEviction(TrackedEviction):
     """Second chance: the hand evicts the first id whose reference bit is clear.
 
     The circle is a FIFO log whose head is the hand. An id accessed since the hand last passed
@@ -33,12 +31,7 @@ class CLOCKEviction(EvictionPolicy):
         self._t = Tracked({"stamp": (np.int64, 0), "ref": (np.bool_, False)})
         self._log = SlotLog()
 
-    def __len__(self) -> int:
-        return len(self._t)
-
-    def record_access(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
-        slots = self._t.find(ids)
+    def _access(self, slots: np.ndarray, now: float) -> None:
         self._t.cols["ref"][slots] = True
 
     def record_insert(self, ids: np.ndarray, now: float) -> None:

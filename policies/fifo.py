@@ -6,15 +6,13 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
-from embstore.policy import EvictionPolicy
-
-from ._tracked import SlotLog, Tracked, as_ids
+from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids
 
 __all__ = ["FIFOEviction"]
 
 
 @final
-class FIFOEviction(EvictionPolicy):
+class FIFOEviction(TrackedEviction):
     """Evict the ids inserted longest ago (ids inserted in one call leave in id order).
 
     Args:
@@ -28,11 +26,12 @@ class FIFOEviction(EvictionPolicy):
         self._t = Tracked({"stamp": (np.int64, 0)})
         self._log = SlotLog()
 
-    def __len__(self) -> int:
-        return len(self._t)
-
     def record_access(self, ids: np.ndarray, now: float) -> None:
         # docstring inherited; FIFO ignores accesses by definition
+        return None
+
+    def record_access_slots(self, slots: np.ndarray, now: float) -> None:
+        # docstring inherited
         return None
 
     def record_insert(self, ids: np.ndarray, now: float) -> None:

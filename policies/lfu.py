@@ -7,10 +7,10 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
-from embstore.policy import EvictionPolicy
+from embstore.index import IdGroups
 
 from ._hashing import positions
-from ._tracked import Tracked, as_ids, smallest
+from ._tracked import Tracked, TrackedEviction, as_ids, smallest
 
 __all__ = ["LFUEviction"]
 
@@ -18,7 +18,7 @@ _HISTORY_ROWS = 4
 
 
 @final
-class LFUEviction(EvictionPolicy):
+class LFUEviction(TrackedEviction):
     """Evict the ids with the fewest accesses; counts age so that old popularity fades.
 
     Each tracked id has a count: 1 on insert, +1 per access (duplicates in a batch count).
@@ -67,9 +67,6 @@ class LFUEviction(EvictionPolicy):
         self._epoch: int | None = None  # index of the aging period of the last call
         self._calls = 0
 
-    def __len__(self) -> int:
-        return len(self._t)
-
     def _age(self, now: float) -> None:
         if self.aging_period is None:
             return
@@ -95,14 +92,22 @@ class LFUEviction(EvictionPolicy):
                 flat, _ = self._history_cells(absent)
                 np.add.at(self._history.reshape(-1), flat.ravel(),
                           np.tile(counts.astype(np.float32), _HISTORY_ROWS))
-            slots = found[found >= 0]
+            slots = self._t.live_slots(found[found >= 0])
         else:
             slots = self._t.find(ids)
-        if not len(slots):
-            return
+        if len(slots):
+            self._access(slots, now)
+
+    def record_access_slots(self, slots: np.ndarray, now: float) -> None:
+        # docstring inherited
+        self._age(now)
+        super().record_access_slots(slots, now)
+
+    def _access(self, slots: np.ndarray, now: float) -> None:
         self._calls += 1
-        uniq, counts = np.unique(slots, return_counts=True)
-        self._t.cols["count"][uniq] += counts
+        groups = IdGroups(slots.astype(np.int64))  # hashed, O(batch): no sort on the hit path
+        uniq = groups.unique
+        self._t.cols["count"][uniq] += np.bincount(groups.inverse, minlength=len(uniq))
         self._t.cols["seen"][uniq] = self._calls
 
     def record_insert(self, ids: np.ndarray, now: float) -> None:

@@ -6,15 +6,13 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
-from embstore.policy import EvictionPolicy
-
-from ._tracked import Tracked, as_ids
+from ._tracked import Tracked, TrackedEviction, as_ids
 
 __all__ = ["RandomEviction"]
 
 
 @final
-class RandomEviction(EvictionPolicy):
+class RandomEviction(TrackedEviction):
     """Evict ids drawn uniformly without replacement from the tracked ones.
 
     The tracked slots are kept packed in one array (removal moves the last ones into the
@@ -31,11 +29,12 @@ class RandomEviction(EvictionPolicy):
         self._t = Tracked({"pos": (np.int64, -1)})
         self._dense = np.zeros(1024, dtype=np.int32)
 
-    def __len__(self) -> int:
-        return len(self._t)
-
     def record_access(self, ids: np.ndarray, now: float) -> None:
         # docstring inherited; random eviction ignores accesses
+        return None
+
+    def record_access_slots(self, slots: np.ndarray, now: float) -> None:
+        # docstring inherited
         return None
 
     def record_insert(self, ids: np.ndarray, now: float) -> None:

@@ -6,9 +6,9 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
-from embstore.policy import EvictionPolicy
+from embstore.index import IdGroups
 
-from ._tracked import SlotLog, Tracked, as_ids
+from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids
 
 __all__ = ["S3FIFOEviction"]
 
@@ -17,7 +17,7 @@ _MAX_FREQ = 3  # the paper's two-bit counter
 
 
 @final
-class S3FIFOEviction(EvictionPolicy):
+class S3FIFOEviction(TrackedEviction):
     """Quick demotion of one-hit wonders through a small probationary FIFO.
 
     New ids enter the small queue S, or the main queue M if the ghost queue G remembers them.
@@ -64,15 +64,10 @@ class S3FIFOEviction(EvictionPolicy):
         self._ghost = Tracked({"stamp": (np.int64, 0)})
         self._ghost_log = SlotLog()
 
-    def __len__(self) -> int:
-        return len(self._t)
-
-    def record_access(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
-        slots = self._t.find(ids)
-        if not len(slots):
-            return
-        uniq, counts = np.unique(slots, return_counts=True)
+    def _access(self, slots: np.ndarray, now: float) -> None:
+        groups = IdGroups(slots.astype(np.int64))  # hashed, O(batch): no sort on the hit path
+        uniq = groups.unique
+        counts = np.bincount(groups.inverse, minlength=len(uniq))
         freq = self._t.cols["freq"]
         freq[uniq] = np.minimum(freq[uniq].astype(np.int64) + counts, _MAX_FREQ)
 

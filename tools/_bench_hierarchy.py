@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--batches", type=int, default=48, help="trace batches, end to end")
-    parser.add_argument("--eviction", default="lru", help="DRAM tier eviction, end to end")
+    parser.add_argument("--eviction", default="clock", help="DRAM tier eviction, end to end")
     parser.add_argument("--admission", default="always", help="DRAM tier admission")
     parser.add_argument("--bottoms", default="rocksdb,pmem", help="bottom tiers to try")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                   optimizer=optimizer),
         TableSpec("big", dim=64, init=embstore.init.Uniform(-0.05, 0.05, seed=2),
                   optimizer=optimizer,
-                  tiers=(TierSpec("dram", capacity=args.cache_rows, eviction="lru"),
+                  tiers=(TierSpec("dram", capacity=args.cache_rows, eviction="clock"),
                          TierSpec("rocksdb"))),
     ]
     hot_ids, big_ids = ZipfIds(10_000, 1.2, seed=1), ZipfIds(args.rows, 1.05, seed=2)

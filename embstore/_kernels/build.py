@@ -17,7 +17,8 @@ int64_t idx_items(const int64_t *keys, const int32_t *vals, uint64_t cap,
                   int64_t *out_ids, int32_t *out_slots);
 int64_t idx_gather(const int64_t *keys, const int32_t *vals, uint64_t mask,
                    char *const *slabs, int shift, int64_t row_bytes,
-                   const int64_t *ids, int64_t n, char *out, uint8_t *found);
+                   const int64_t *ids, int64_t n, char *out, uint8_t *found,
+                   int32_t *out_slots);
 void slab_gather(char *const *slabs, int shift, int64_t row_bytes,
                  const int32_t *slots, int64_t n, char *out);
 void slab_scatter(char *const *slabs, int shift, int64_t row_bytes,

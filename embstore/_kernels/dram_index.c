@@ -112,14 +112,15 @@ int64_t idx_items(const int64_t *keys, const int32_t *vals, uint64_t cap,
     return m;
 }
 
-/* Probe and copy, in blocks of ids so that cache misses overlap: first hash every id of the
+/* Probe and copy (and report each id's slot, or -1, when out_slots is not NULL), in blocks of ids so that cache misses overlap: first hash every id of the
  * block and prefetch its bucket, then probe (the buckets are now in cache) and prefetch each
  * found row, then copy the rows. A plain loop waits for each id's misses in turn (id -> bucket
  * -> row); this ran ~1.6x faster on a 10M-row table. Rows of absent ids are zero-filled. */
 #define GATHER_BLOCK 64
 int64_t idx_gather(const int64_t *keys, const int32_t *vals, uint64_t mask,
                    char *const *slabs, int shift, int64_t row_bytes,
-                   const int64_t *ids, int64_t n, char *out, uint8_t *found) {
+                   const int64_t *ids, int64_t n, char *out, uint8_t *found,
+                   int32_t *out_slots) {
     const uint64_t chunk_mask = ((uint64_t)1 << shift) - 1;
     int64_t hits = 0;
     uint64_t home[GATHER_BLOCK];
@@ -142,6 +143,7 @@ int64_t idx_gather(const int64_t *keys, const int32_t *vals, uint64_t mask,
                 if (keys[i] == id) break;
                 i = (i + 1) & mask;
             }
+            if (out_slots) out_slots[base + k] = (int32_t)v;
             if (v >= 0) {
                 const char *p = slabs[(uint64_t)v >> shift] + ((uint64_t)v & chunk_mask) * row_bytes;
                 src[k] = p;
