@@ -119,6 +119,10 @@ class TableChain:
         self.width = width
         self.dtype = dtype
         self._clock = 0  # logical time: one tick per batch, so policies replay identically
+        # ids the latest read found in no tier; any write forgets them. A training step reads
+        # a batch twice (lookup, then apply_gradients), and never-seen ids would otherwise
+        # cost two reads of the slowest tier
+        self._absent: IdIndex | None = None
 
     def _tick(self) -> int:
         self._clock += 1
@@ -138,6 +142,8 @@ class TableChain:
         urows = np.zeros((len(u), self.width), dtype=self.dtype)
         level_of = np.full(len(u), -1, dtype=np.int64)
         remaining = np.arange(len(u))
+        if self._absent is not None:
+            remaining = remaining[self._absent.find(u) < 0]
         for tier in self.tiers[1:]:
             r, f, n_hit = tier.lookup(u[remaining], now)
             if n_hit:
@@ -147,6 +153,11 @@ class TableChain:
             if not len(remaining):
                 break
         self._promote(u, urows, level_of, now)
+        absent = u[level_of < 0]
+        self._absent = None
+        if len(absent):
+            self._absent = IdIndex(2 * len(absent))
+            self._absent.add(absent)
         rows[miss_pos] = urows[groups.inverse]
         found[miss_pos] = (level_of >= 0)[groups.inverse]
         return rows, found
@@ -178,6 +189,7 @@ class TableChain:
         """Write full rows of distinct `ids`; returns bool[N], False where feature admission
         dropped the write (the id has no stored row and the bottom tier did not admit it)."""
         now = self._tick()
+        self._absent = None
         written = np.ones(len(ids), dtype=bool)
         bottom = self.tiers[-1]
         if bottom.admission is not None:
@@ -249,6 +261,7 @@ class TableChain:
 
     def delete(self, ids: np.ndarray) -> np.ndarray:
         """Remove distinct `ids` from every tier; returns bool[N], which were stored."""
+        self._absent = None
         found = np.zeros(len(ids), dtype=bool)
         for tier in self.tiers:
             if tier.eviction is not None:  # first: a shared index must still know the ids
