@@ -130,6 +130,43 @@ def test_libpmem_maps_the_file_when_the_library_is_present(tmp_path, monkeypatch
     assert isinstance(stats["is_pmem"], bool)
 
 
+_PMEM_CHILD = r"""
+import sys
+import numpy as np
+from embstore.backend import BackendSpec
+from embstore.backends.pmem import PmemBackend
+b = PmemBackend.open(BackendSpec(path=sys.argv[1], dim=8, capacity_bytes=4096 + 64 * 56))
+ids = np.arange(500, dtype=np.int64)
+b.put(ids, np.ones((500, 8), np.float32))  # grows the file on the way
+b.flush()
+b.put(ids[:100].copy(), np.zeros((100, 8), np.float32))
+b.delete(ids[400:].copy())
+print(b.statistics()["is_pmem"])
+b.close()
+"""
+
+
+def test_persistent_memory_path_flushes_cache_lines_and_keeps_the_format(tmp_path,
+                                                                         monkeypatch):
+    """No DAX file system here: PMEM_IS_PMEM_FORCE makes libpmem treat the file as pmem, which
+    runs the pmem_flush/pmem_drain path (read when libpmem loads: a child process)."""
+    monkeypatch.delenv(_libpmem.FORCE_MMAP_ENV, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", _libpmem.PmemFallbackWarning)
+        if _libpmem.load() is None:
+            pytest.skip("libpmem is not installed")
+    done = subprocess.run([sys.executable, "-c", _PMEM_CHILD, str(tmp_path)],
+                          env={**os.environ, "PMEM_IS_PMEM_FORCE": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
+    with _open(tmp_path, table="default") as b:
+        got, found = b.get(np.arange(500, dtype=np.int64))
+        assert b.statistics()["is_pmem"] is False
+    assert found.tolist() == [True] * 400 + [False] * 100
+    assert not got[:100].any() and (got[100:400] == 1).all()
+
+
 def test_force_mmap_env_selects_the_msync_fallback_and_the_same_format(tmp_path, monkeypatch):
     monkeypatch.setenv(_libpmem.FORCE_MMAP_ENV, "1")
     with _open(tmp_path) as b:
