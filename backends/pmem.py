@@ -302,7 +302,7 @@ class PmemBackend(Backend):
         if not self._file.exists():
             if self.spec.read_only:
                 return  # nothing written yet: an empty, unmapped table
-            self.spec.path.mkdir(parents=True, exist_ok=True)
+            self._file.parent.mkdir(parents=True, exist_ok=True)
             self._create()
         flags = os.O_RDONLY if self.spec.read_only else os.O_RDWR
         self._fd = os.open(self._file, flags | os.O_CLOEXEC)
@@ -580,6 +580,9 @@ class PmemBackend(Backend):
                 "slots", "split the table across shards or tiers")
         old_size = DATA_OFFSET + old * self._rec
         self._fallocate(self._fd, DATA_OFFSET + new * self._rec, old_size, self._file)
+        # the new size and extents must be durable before a flush can promise rows in them:
+        # pmem_persist syncs no file metadata (once per growth, so cheap)
+        os.fsync(self._fd)
         # the file is larger now; remap it (no view of the old mapping is kept anywhere)
         self._unmap()
         self._map_file(DATA_OFFSET + new * self._rec)
@@ -757,7 +760,8 @@ class PmemBackend(Backend):
 
     def nbytes(self) -> int:
         # docstring inherited
-        return DATA_OFFSET + self._capacity * self._rec + self._index.nbytes()
+        file_bytes = DATA_OFFSET + self._capacity * self._rec if self._map is not None else 0
+        return file_bytes + self._index.nbytes()
 
     def statistics(self) -> dict[str, Any]:
         # docstring inherited
