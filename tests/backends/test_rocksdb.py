@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from embstore.backends.rocksdb import (
 )
 
 from embstore.backend import BackendSpec
+from embstore.checksum import crc32c
 from embstore.errors import (
     ConfigError,
     CorruptStoreError,
@@ -86,6 +88,26 @@ def test_other_options_store_and_reopen_the_rows(tmp_path, options):
         got, found = b.get(ids)
         assert found.all()
         np.testing.assert_array_equal(got, _rows(1000))
+
+
+def test_rocksdict_runs_in_raw_mode_and_stores_checksummed_rows(tmp_path):
+    ids = np.array([-3, 0, 5], dtype=np.int64)
+    with _open(tmp_path / "tier") as b:
+        b.put(ids, _rows(3))
+    config = json.loads((tmp_path / "tier" / "rocksdict-config.json").read_text())
+    assert config["raw_mode"] is True  # values are our bytes, never pickles
+    db, cf = _raw_cf(tmp_path / "tier")
+    try:
+        stored = [cf[_key(i)] for i in ids.tolist()]
+        assert sorted(cf.keys()) == [_key(i) for i in sorted(ids.tolist())]
+    finally:
+        del cf
+        db.close()
+    for i, value, row in zip(ids.tolist(), stored, _rows(3), strict=True):
+        assert len(value) == PAYLOAD_OFFSET + DIM * 4
+        assert value[PAYLOAD_OFFSET:] == row.tobytes()
+        crc = int.from_bytes(value[CRC_OFFSET:CRC_OFFSET + CRC_SIZE], "little")
+        assert crc == crc32c(np.int64(i).astype("<i8").tobytes() + row.tobytes())
 
 
 def test_tables_of_one_directory_must_share_options(tmp_path):
