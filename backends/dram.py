@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, ClassVar, final
 
 import numpy as np
-from embstore._kernels._dram_index import ffi, lib
 
+from embstore._kernels._dram_index import ffi, lib
 from embstore.backend import Backend, BackendSpec
 from embstore.errors import ConfigError, CorruptStoreError
 from embstore.index import IdIndex, RowSlabs

@@ -79,6 +79,9 @@ class Tier:
                              and isinstance(eviction, SupportsSharedIndex) and len(backend) == 0)
         if self.shares_index:
             eviction.share_index(backend.index)
+        # rows held, kept by the chain for tiers it evicts from: some media can only count
+        # by a scan (RocksDB), too slow for a capacity check on every write
+        self.rows = len(backend) if eviction is not None else None
         self.counters = dict.fromkeys(("lookups", "hits", "misses", "promotions",
                                        "admissions_rejected", "evictions", "writebacks"), 0)
 
@@ -228,6 +231,7 @@ class TableChain:
                 tier.eviction.record_access(ids[existed], now)
             if not existed.all():
                 tier.eviction.record_insert(np.ascontiguousarray(ids[~existed]), now)
+                tier.rows += int(len(ids) - np.count_nonzero(existed))
         if dirty and tier.dirty is not None:
             tier.dirty.add(ids)
         self._enforce_capacity(tier, now)
@@ -237,7 +241,7 @@ class TableChain:
             return
         victims = tier.eviction.expired(now)
         if tier.capacity_rows is not None:
-            over = len(tier.backend) - len(victims) - tier.capacity_rows
+            over = tier.rows - len(victims) - tier.capacity_rows
             if over > 0:
                 more = tier.eviction.choose_victims(over, now)
                 victims = np.concatenate([victims, more]) if len(victims) else more
@@ -250,6 +254,7 @@ class TableChain:
                 # write-back before drop: the victim's value must exist below first
                 self._write_back(tier, dirty, now)
         tier.backend.delete(victims)
+        tier.rows -= len(victims)
         tier.counters["evictions"] += len(victims)
 
     def _write_back(self, tier: Tier, ids: np.ndarray, now: int) -> None:
@@ -266,7 +271,10 @@ class TableChain:
         for tier in self.tiers:
             if tier.eviction is not None:  # first: a shared index must still know the ids
                 tier.eviction.record_remove(ids)
-            found |= tier.backend.delete(ids)
+            removed = tier.backend.delete(ids)
+            if tier.rows is not None:
+                tier.rows -= int(np.count_nonzero(removed))
+            found |= removed
             if tier.dirty is not None:
                 tier.dirty.remove(ids)
         return found

@@ -17,7 +17,8 @@ from typing import Any
 
 from .errors import BackendUnavailableError, ConfigError, UnknownNameError
 
-__all__ = ["backend_names", "load_backend", "load_policy", "policy_names"]
+__all__ = ["available_backend_names", "backend_names", "load_backend", "load_policy",
+           "policy_names"]
 
 _PACKAGES = {"backends": "embstore.backends", "policies": "embstore.policies"}
 
@@ -79,6 +80,18 @@ def _load(kind: str, name: str, base: type) -> Any:
 def backend_names() -> list[str]:
     """Names of every registered backend, whether or not its dependencies are installed."""
     return sorted(_sources("backends"))
+
+
+def available_backend_names() -> list[str]:
+    """Names of the registered backends that load on this machine (imports each of them)."""
+    names = []
+    for name in backend_names():
+        try:
+            load_backend(name)
+        except BackendUnavailableError:
+            continue
+        names.append(name)
+    return names
 
 
 def load_backend(name: str) -> Any:

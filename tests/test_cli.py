@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 import pytest
-from embstore.tools.cli import main
 
 import embstore
+from embstore.tools.cli import main
 
 
 @pytest.fixture

@@ -14,21 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import embstore
 from embstore import TableSpec, TierSpec, registry
-from embstore.errors import BackendUnavailableError
 
-
-def _available_backends() -> list[str]:
-    names = []
-    for name in registry.backend_names():
-        try:
-            registry.load_backend(name)
-        except BackendUnavailableError:
-            continue
-        names.append(name)
-    return names
-
-
-BACKENDS = _available_backends()
+BACKENDS = registry.available_backend_names()
 EVICTIONS = registry.policy_names("eviction")
 ADMISSIONS = registry.policy_names("admission")
 OPTIMIZERS = embstore.optim.optimizer_names()

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from embstore.tools.cli import main
 
 from embstore import registry
 from embstore.errors import ConfigError
@@ -22,6 +21,7 @@ from embstore.simulate import (
     run_policies,
     simulate_trace,
 )
+from embstore.tools.cli import main
 
 
 def random_trace(seed: int, batches: int = 30, width: int = 12, ids: int = 40) -> Trace:

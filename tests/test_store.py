@@ -167,3 +167,17 @@ def test_registry_finds_backends_without_importing_them():
             "assert {'dram', 'rocksdb', 'lmdb'} <= set(names), names; "
             "assert 'rocksdict' not in sys.modules and 'lmdb' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tier_row_counts_stay_exact_through_evictions_and_deletes(tmp_path):
+    tiers = [TierSpec("dram", capacity=7, eviction="lru"),
+             TierSpec("dram", capacity=30, eviction="fifo"), TierSpec("rocksdb")]
+    rng = np.random.default_rng(5)
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        for _ in range(30):
+            store.update("user", rng.integers(0, 80, 20), np.ones((20, 4), np.float32))
+            store.lookup("user", rng.integers(0, 120, 25))
+            store.delete("user", rng.integers(0, 80, 3))
+            chain = store._tables["user"].chain
+            for tier in chain.tiers[:2]:
+                assert tier.rows == len(tier.backend) <= tier.capacity_rows

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-from embstore.backends._keys import encode_keys
 
 from embstore import registry
 from embstore.backend import Backend, BackendSpec
+from embstore.backends._keys import encode_keys
 from embstore.errors import BackendUnavailableError
 from embstore.workload import ZipfIds
 

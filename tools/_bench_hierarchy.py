@@ -22,7 +22,6 @@ import numpy as np
 
 import embstore
 from embstore import TableSpec, TierSpec, registry
-from embstore.errors import BackendUnavailableError
 from embstore.traces import synthesize
 from embstore.workload import ZipfIds
 
@@ -41,14 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admission", default="always", help="DRAM tier admission")
     parser.add_argument("--bottoms", default="rocksdb,pmem", help="bottom tiers to try")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-
-
-def _available(name: str) -> bool:
-    try:
-        registry.load_backend(name)
-    except BackendUnavailableError:
-        return False
-    return True
 
 
 def hit_path(args: argparse.Namespace, root: Path) -> None:
@@ -131,7 +122,7 @@ def end_to_end(args: argparse.Namespace, root: Path) -> None:
           f"lookup + row-wise Adagrad step per batch")
     rows = [("all in DRAM (dram-only store) [baseline]", n_ids / t_dram, 1.0, float("nan"))]
     for bottom in args.bottoms.split(","):
-        if not _available(bottom):
+        if bottom not in registry.available_backend_names():
             print(f"  ({bottom}: unavailable, skipped)")
             continue
         tiers = [TierSpec("dram", capacity=cache_rows, eviction=args.eviction,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from embstore.backend import BackendSpec
 from embstore.backends.lmdb import (
     CRC_OFFSET,
     CRC_SIZE,
@@ -19,8 +21,6 @@ from embstore.backends.lmdb import (
     PAYLOAD_OFFSET,
     LMDBBackend,
 )
-
-from embstore.backend import BackendSpec
 from embstore.errors import (
     CapacityError,
     ConfigError,

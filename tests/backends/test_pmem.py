@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from embstore import _libpmem
+from embstore.backend import BackendSpec
 from embstore.backends import pmem
 from embstore.backends.pmem import (
     DATA_OFFSET,
@@ -31,9 +34,6 @@ from embstore.backends.pmem import (
     seq_counters,
     seq_words,
 )
-
-from embstore import _libpmem
-from embstore.backend import BackendSpec
 from embstore.checksum import row_checksums
 from embstore.errors import CapacityError, CorruptStoreError, StoreLockedError
 

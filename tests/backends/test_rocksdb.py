@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import rocksdict
+
+from embstore.backend import BackendSpec
 from embstore.backends.rocksdb import (
     CF_PREFIX,
     CRC_OFFSET,
@@ -18,8 +20,6 @@ from embstore.backends.rocksdb import (
     PAYLOAD_OFFSET,
     RocksDBBackend,
 )
-
-from embstore.backend import BackendSpec
 from embstore.checksum import crc32c
 from embstore.errors import (
     ConfigError,
