@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from pathlib import Path
 
 from .errors import (
@@ -85,6 +86,7 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
                 f"{directory} holds files but no {MANIFEST_NAME}: it is not an embstore store; "
                 "choose an empty or new directory"
             )
+        before = set(directory.iterdir()) if directory.exists() else None
         directory.mkdir(parents=True, exist_ok=True)
     lock_fd = _lock(directory, read_only)
     try:
@@ -117,6 +119,12 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
             all_specs, chain, added = specs, tier_specs or DEFAULT_TIERS, specs
         store = EmbeddingStore(directory, all_specs, chain, read_only=read_only, lock_fd=lock_fd)
     except BaseException:
+        if not exists:  # a failed create leaves the directory as it found it
+            for entry in directory.iterdir():
+                if before is None or entry not in before:
+                    (shutil.rmtree if entry.is_dir() else os.unlink)(entry)
+            if before is None:
+                directory.rmdir()
         os.close(lock_fd)
         raise
     if added:

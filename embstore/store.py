@@ -110,11 +110,13 @@ class EmbeddingStore:
                 backend = cls.open(bspec, **ts.options)
                 if not is_bottom and len(backend):
                     backend.delete(backend.ids())  # a cache medium that kept rows: start empty
-                eviction = admission = None
-                if ts.eviction is not None:
-                    eviction = registry.load_policy(ts.eviction)(**ts.eviction_options)
-                if ts.admission is not None and ts.admission != "always":
-                    admission = registry.load_policy(ts.admission)(**ts.admission_options)
+                eviction = _make_policy(ts.eviction, ts.eviction_options, "eviction")
+                admission = (None if ts.admission in (None, "always")
+                             else _make_policy(ts.admission, ts.admission_options, "admission"))
+                if eviction is not None and is_bottom and len(backend):
+                    # feature expiry must see the rows stored before this open, too
+                    for ids, _ in backend.items():
+                        eviction.record_insert(ids, 0)
                 tiers.append(Tier(level, ts, backend, capacity, eviction, admission, is_bottom))
         except BaseException:
             for tier in tiers:
@@ -418,3 +420,16 @@ class EmbeddingStore:
     def _manifest_body(self) -> dict[str, Any]:
         return {"tiers": [t.to_json() for t in self._default_tiers],
                 "tables": [t.spec.to_json() for t in self._tables.values()]}
+
+
+def _make_policy(name: str | None, options: dict[str, Any], kind: str) -> Any:
+    """The policy `name` of family `kind` built with `options`, or None for no name."""
+    if name is None:
+        return None
+    cls = registry.load_policy(name)
+    if cls.kind != kind:
+        raise ConfigError(f"{name!r} is an {cls.kind} policy, given as the {kind} policy")
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ConfigError(f"{kind} policy {name!r}: bad options {options!r} ({exc})") from exc

@@ -6,6 +6,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
+from embstore.errors import ConfigError
 from embstore.policy import AdmissionPolicy
 
 from ._hashing import positions
@@ -31,7 +32,7 @@ class FrequencyAdmission(AdmissionPolicy):
         seed: seeds the hash functions.
 
     Raises:
-        ValueError: a setting is out of range.
+        ConfigError: a setting is out of range.
     """
 
     name: ClassVar[str] = "frequency"
@@ -39,13 +40,13 @@ class FrequencyAdmission(AdmissionPolicy):
     def __init__(self, *, threshold: int = 2, width: int = 1 << 18, depth: int = 4,
                  reset_after: int | None = None, seed: int = 0) -> None:
         if threshold < 1:
-            raise ValueError(f"FrequencyAdmission threshold must be >= 1, got {threshold!r}")
+            raise ConfigError(f"FrequencyAdmission threshold must be >= 1, got {threshold!r}")
         if width < 1 or width & (width - 1):
-            raise ValueError(f"FrequencyAdmission width must be a power of two, got {width!r}")
+            raise ConfigError(f"FrequencyAdmission width must be a power of two, got {width!r}")
         if depth < 1:
-            raise ValueError(f"FrequencyAdmission depth must be >= 1, got {depth!r}")
+            raise ConfigError(f"FrequencyAdmission depth must be >= 1, got {depth!r}")
         if reset_after is not None and reset_after < 1:
-            raise ValueError(f"FrequencyAdmission reset_after must be >= 1 or None, "
+            raise ConfigError(f"FrequencyAdmission reset_after must be >= 1 or None, "
                              f"got {reset_after!r}")
         super().__init__(seed=seed)
         self.threshold = int(threshold)

@@ -7,6 +7,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
+from embstore.errors import ConfigError
 from embstore.index import IdGroups
 
 from ._hashing import positions
@@ -43,7 +44,7 @@ class LFUEviction(TrackedEviction):
         seed: seeds the history sketch's hashes.
 
     Raises:
-        ValueError: a setting is out of range.
+        ConfigError: a setting is out of range.
     """
 
     name: ClassVar[str] = "lfu"
@@ -51,11 +52,11 @@ class LFUEviction(TrackedEviction):
     def __init__(self, *, aging_period: float | None = 1000.0, aging_factor: float = 0.5,
                  history_width: int | None = 1 << 18, seed: int = 0) -> None:
         if aging_period is not None and not aging_period > 0:
-            raise ValueError(f"LFUEviction aging_period must be > 0 or None, got {aging_period!r}")
+            raise ConfigError(f"LFUEviction aging_period must be > 0 or None, got {aging_period!r}")
         if not 0 < aging_factor <= 1:
-            raise ValueError(f"LFUEviction aging_factor must be in (0, 1], got {aging_factor!r}")
+            raise ConfigError(f"LFUEviction aging_factor must be in (0, 1], got {aging_factor!r}")
         if history_width is not None and (history_width < 1 or history_width & (history_width - 1)):
-            raise ValueError("LFUEviction history_width must be a power of two or None, got "
+            raise ConfigError("LFUEviction history_width must be a power of two or None, got "
                              f"{history_width!r}")
         super().__init__(seed=seed)
         self.history_width = None if history_width is None else int(history_width)

@@ -6,6 +6,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
+from embstore.errors import ConfigError
 from embstore.policy import AdmissionPolicy
 
 __all__ = ["ProbabilityAdmission"]
@@ -24,14 +25,14 @@ class ProbabilityAdmission(AdmissionPolicy):
         seed: seeds the numpy Generator.
 
     Raises:
-        ValueError: `p` is outside [0, 1].
+        ConfigError: `p` is outside [0, 1].
     """
 
     name: ClassVar[str] = "probability"
 
     def __init__(self, *, p: float = 0.1, seed: int = 0) -> None:
         if not 0 <= p <= 1:
-            raise ValueError(f"ProbabilityAdmission p must be in [0, 1], got {p!r}")
+            raise ConfigError(f"ProbabilityAdmission p must be in [0, 1], got {p!r}")
         super().__init__(seed=seed)
         self.p = float(p)
 

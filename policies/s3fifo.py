@@ -6,6 +6,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
+from embstore.errors import ConfigError
 from embstore.index import IdGroups
 
 from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids
@@ -38,7 +39,7 @@ class S3FIFOEviction(TrackedEviction):
         seed: kept for the common interface; S3-FIFO uses no randomness.
 
     Raises:
-        ValueError: a setting is out of range.
+        ConfigError: a setting is out of range.
     """
 
     name: ClassVar[str] = "s3fifo"
@@ -46,11 +47,11 @@ class S3FIFOEviction(TrackedEviction):
     def __init__(self, *, small_ratio: float = 0.1, ghost_ratio: float = 0.9,
                  move_to_main_threshold: int = 1, seed: int = 0) -> None:
         if not 0 < small_ratio < 1:
-            raise ValueError(f"S3FIFOEviction small_ratio must be in (0, 1), got {small_ratio!r}")
+            raise ConfigError(f"S3FIFOEviction small_ratio must be in (0, 1), got {small_ratio!r}")
         if not ghost_ratio >= 0:
-            raise ValueError(f"S3FIFOEviction ghost_ratio must be >= 0, got {ghost_ratio!r}")
+            raise ConfigError(f"S3FIFOEviction ghost_ratio must be >= 0, got {ghost_ratio!r}")
         if not 1 <= move_to_main_threshold <= _MAX_FREQ:
-            raise ValueError("S3FIFOEviction move_to_main_threshold must be in 1..3, got "
+            raise ConfigError("S3FIFOEviction move_to_main_threshold must be in 1..3, got "
                              f"{move_to_main_threshold!r}")
         super().__init__(seed=seed)
         self.small_ratio = float(small_ratio)

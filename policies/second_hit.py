@@ -7,6 +7,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
+from embstore.errors import ConfigError
 from embstore.policy import AdmissionPolicy
 
 from ._hashing import positions
@@ -30,16 +31,16 @@ class SecondHitAdmission(AdmissionPolicy):
         seed: seeds the hash functions.
 
     Raises:
-        ValueError: a setting is out of range.
+        ConfigError: a setting is out of range.
     """
 
     name: ClassVar[str] = "second_hit"
 
     def __init__(self, *, capacity: int = 1 << 20, fp_rate: float = 0.01, seed: int = 0) -> None:
         if capacity < 1:
-            raise ValueError(f"SecondHitAdmission capacity must be >= 1, got {capacity!r}")
+            raise ConfigError(f"SecondHitAdmission capacity must be >= 1, got {capacity!r}")
         if not 0 < fp_rate < 1:
-            raise ValueError(f"SecondHitAdmission fp_rate must be in (0, 1), got {fp_rate!r}")
+            raise ConfigError(f"SecondHitAdmission fp_rate must be in (0, 1), got {fp_rate!r}")
         super().__init__(seed=seed)
         self.capacity = int(capacity)
         self.fp_rate = float(fp_rate)

@@ -6,6 +6,8 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
+from embstore.errors import ConfigError
+
 from ._recency import RecencyEviction
 
 __all__ = ["TTLEviction"]
@@ -23,14 +25,14 @@ class TTLEviction(RecencyEviction):
         seed: kept for the common interface; TTL uses no randomness.
 
     Raises:
-        ValueError: `ttl` is not positive.
+        ConfigError: `ttl` is not positive.
     """
 
     name: ClassVar[str] = "ttl"
 
     def __init__(self, *, ttl: float = 1000.0, seed: int = 0) -> None:
         if not ttl > 0:
-            raise ValueError(f"TTLEviction ttl must be > 0, got {ttl!r}; pass the idle time "
+            raise ConfigError(f"TTLEviction ttl must be > 0, got {ttl!r}; pass the idle time "
                              "after which an id expires, in units of `now`")
         super().__init__(seed=seed)
         self.ttl = float(ttl)

@@ -1,0 +1,72 @@
+"""Tier-chain behaviour the dict model does not show: statistics, write-back on eviction,
+feature admission and expiry in the bottom tier, and policy configuration errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore import TableSpec, TierSpec
+from embstore import errors as E
+
+ONES = np.ones((1, 4), np.float32)
+
+
+def _spec() -> TableSpec:
+    return TableSpec("t", dim=4, init=embstore.init.Constant(0.5))
+
+
+def test_statistics_count_hits_misses_promotions_evictions_and_writebacks(tmp_path):
+    tiers = [TierSpec("dram", capacity=2, eviction="lru"), TierSpec("lmdb")]
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        store.update("t", [1, 2, 3], np.ones((3, 4), np.float32))  # 3 rows into 2: one evicted
+        top, bottom = store.tier_statistics("t")
+        assert (top.rows, top.evictions, top.writebacks, bottom.rows) == (2, 1, 1, 1)
+        store.lookup("t", [1, 2, 3])
+        top, bottom = store.tier_statistics("t")
+        assert top.hits + top.misses == top.lookups
+        assert bottom.hits >= 1 and top.promotions >= 1
+        store.flush()
+        assert store.tier_statistics("t")[1].rows == 3  # every dirty row written down
+
+
+def test_feature_admission_drops_updates_of_unadmitted_ids(tmp_path):
+    tiers = [TierSpec("rocksdb", admission="frequency", admission_options={"threshold": 2})]
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        store.update("t", [7], ONES * 3)  # first sighting: no stored row yet
+        np.testing.assert_array_equal(store.lookup("t", [7]), np.full((1, 4), 0.5, np.float32))
+        assert store.num_rows("t") == 0
+        store.update("t", [7], ONES * 3)  # second: admitted
+        np.testing.assert_array_equal(store.lookup("t", [7]), ONES * 3)
+        stats = store.stats()["t"]
+        assert stats["updates_dropped"] == 1
+        assert stats["tiers"][0].admissions_rejected == 1
+
+
+def test_feature_expiry_removes_idle_rows_including_those_stored_before_reopen(tmp_path):
+    tiers = [TierSpec("lmdb", eviction="ttl", eviction_options={"ttl": 3})]
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        store.update("t", [1, 2], np.ones((2, 4), np.float32))
+    with embstore.open(tmp_path / "s") as store:
+        assert store.num_rows("t") == 2
+        for step in range(6):  # keep id 2 busy; id 1 goes idle
+            store.update("t", [2, 100 + step], np.ones((2, 4), np.float32))
+        ids = {int(x) for batch, _, _ in store.items("t") for x in batch}
+        assert 1 not in ids and 2 in ids
+        np.testing.assert_array_equal(store.lookup("t", [1]), np.full((1, 4), 0.5, np.float32))
+        assert store.tier_statistics("t")[0].evictions >= 1
+
+
+@pytest.mark.parametrize("tier", [
+    TierSpec("dram", capacity=2, eviction="always"),
+    TierSpec("lmdb", capacity=2, eviction="lru", eviction_options={"bogus": 1}),
+    TierSpec("dram", capacity=2, admission="lru"),
+    TierSpec("dram", capacity=2, eviction="lru", eviction_options={"bogus": 1}),
+    TierSpec("dram", capacity=2, admission="frequency", admission_options={"threshold": 0}),
+])
+def test_wrong_policy_configuration_is_a_config_error(tmp_path, tier):
+    with pytest.raises(E.ConfigError):
+        embstore.open(tmp_path / "s", tables=[_spec()], tiers=[tier, TierSpec("lmdb")])
+    assert not (tmp_path / "s").exists()  # a failed create leaves nothing behind
+    embstore.open(tmp_path / "s", tables=[_spec()], tiers=[TierSpec("lmdb")]).close()
