@@ -187,7 +187,10 @@ class EmbeddingStore:
         return self._table(table).spec
 
     def lookup(self, table: str, ids: Any) -> np.ndarray:
-        """Weights of `ids` (1-D integers, duplicates allowed) as a new array[len(ids), dim].
+        """Weights of `ids` (1-D integers, duplicates allowed): a new array[len(ids), dim].
+
+        The caller owns the array (nothing in the store aliases it); for tables whose
+        optimizer keeps state it is a row-strided view, not C-contiguous.
 
         Ids never written get their initializer's value. Rows found in a lower tier may be
         promoted into a faster one.
@@ -200,9 +203,9 @@ class EmbeddingStore:
             ids = as_ids(ids, t.spec)
             rows, found = t.chain.get(ids)
             self._fill_absent(t.spec, ids, rows, found, with_state=False)
-            if t.spec.row_width != t.spec.dim:
-                rows = np.ascontiguousarray(rows[:, : t.spec.dim])
-            return rows
+            # with optimizer state stored beside the weights this is a strided view of a fresh
+            # buffer (no copy: the copy cost more than the lookup itself)
+            return rows[:, : t.spec.dim] if t.spec.row_width != t.spec.dim else rows
 
     def lookup_state(self, table: str, ids: Any) -> np.ndarray:
         """Optimizer state of `ids`: array[len(ids), state_width] (width 0 for SGD)."""
@@ -211,7 +214,7 @@ class EmbeddingStore:
             ids = as_ids(ids, t.spec)
             rows, found = t.chain.get(ids)
             self._fill_absent(t.spec, ids, rows, found, with_state=True)
-            return np.ascontiguousarray(rows[:, t.spec.dim :])
+            return rows[:, t.spec.dim :]
 
     def update(self, table: str, ids: Any, rows: Any) -> None:
         """Overwrite the weights of `ids` with `rows` (array[len(ids), dim] of the table dtype).
