@@ -124,7 +124,10 @@ class Tracked:
     def remove_slots(self, slots: np.ndarray) -> np.ndarray:
         """Untrack the ids at distinct live `slots`; returns those ids."""
         ids = self.ids[slots].copy()
-        self.remove(ids)
+        if self._owns_index:
+            self.index.remove(ids)
+        self.alive[slots] = False
+        self._count -= len(slots)
         return ids
 
 
