@@ -42,18 +42,9 @@ class RecencyEviction(TrackedEviction):
         if len(ids):
             self._touch(self._t.insert(as_ids(ids)), now)
 
-    def record_remove(self, ids: np.ndarray) -> None:
-        # docstring inherited
-        self._t.remove(ids)
-
     def choose_victims(self, n: int, now: float) -> np.ndarray:
         # docstring inherited
-        n = min(int(n), len(self))
-        if n <= 0:
-            return np.zeros(0, dtype=np.int64)
-        slots, _, pos = self._log.peek_live(n, self._t.cols["stamp"], self._t.alive)
-        self._log.advance(pos)
-        return self._t.remove_slots(slots)
+        return self._pop_oldest(self._log, n)
 
     def _expire_before(self, limit: float) -> np.ndarray:
         """Untrack and return the ids last touched at a time <= `limit`, oldest first."""

@@ -271,5 +271,19 @@ class TrackedEviction(EvictionPolicy):
         if len(slots):
             self._access(slots, now)
 
+    def record_remove(self, ids: np.ndarray) -> None:
+        # docstring inherited
+        self._t.remove(ids)
+
     def _access(self, slots: np.ndarray, now: float) -> None:
         """Note accesses of tracked `slots` (duplicates allowed)."""
+
+    def _pop_oldest(self, log: SlotLog, n: int) -> np.ndarray:
+        """Untrack and return the `n` ids whose live entries in `log` (stamped in the
+        "stamp" column) are oldest."""
+        n = min(int(n), len(self))
+        if n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        slots, _, pos = log.peek_live(n, self._t.cols["stamp"], self._t.alive)
+        log.advance(pos)
+        return self._t.remove_slots(slots)

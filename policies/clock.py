@@ -41,10 +41,6 @@ class CLOCKEviction(TrackedEviction):
         slots = self._t.insert(np.sort(as_ids(ids)))
         self._log.push(slots, self._t.cols["stamp"], self._t.alive)
 
-    def record_remove(self, ids: np.ndarray) -> None:
-        # docstring inherited
-        self._t.remove(ids)
-
     def choose_victims(self, n: int, now: float) -> np.ndarray:
         # docstring inherited
         need = min(int(n), len(self))

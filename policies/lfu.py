@@ -124,10 +124,6 @@ class LFUEviction(TrackedEviction):
             self._t.cols["count"][slots] += self._history_cells(ids)[1].min(axis=0)
         self._t.cols["seen"][slots] = self._calls
 
-    def record_remove(self, ids: np.ndarray) -> None:
-        # docstring inherited
-        self._t.remove(ids)
-
     def choose_victims(self, n: int, now: float) -> np.ndarray:
         # docstring inherited
         self._age(now)

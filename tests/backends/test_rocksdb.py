@@ -25,7 +25,6 @@ from embstore.errors import (
     ConfigError,
     CorruptStoreError,
     StoreLockedError,
-    StoreNotFoundError,
 )
 
 DIM = 8
@@ -113,28 +112,6 @@ def test_rocksdict_runs_in_raw_mode_and_stores_checksummed_rows(tmp_path):
 def test_tables_of_one_directory_must_share_options(tmp_path):
     with _open(tmp_path / "tier", table="a"), pytest.raises(ConfigError, match="options"):
         _open(tmp_path / "tier", table="b", compression="lz4")
-
-
-def test_reopening_a_table_with_another_dim_raises_config_error(tmp_path):
-    with _open(tmp_path / "tier") as b:
-        b.put(np.arange(3, dtype=np.int64), _rows(3))
-    with pytest.raises(ConfigError, match="dim 8"):
-        _open(tmp_path / "tier", dim=DIM * 2)
-
-
-def test_read_only_open_of_a_missing_table_raises_not_found(tmp_path):
-    with pytest.raises(StoreNotFoundError):
-        _open(tmp_path / "none", read_only=True)
-    _open(tmp_path / "tier", table="a").close()
-    with pytest.raises(StoreNotFoundError, match="'b'"):
-        _open(tmp_path / "tier", table="b", read_only=True)
-
-
-def test_a_writer_cannot_join_a_read_only_directory(tmp_path):
-    _open(tmp_path / "tier", table="a").close()
-    with _open(tmp_path / "tier", table="a", read_only=True), \
-            pytest.raises(StoreLockedError, match="read-only"):
-        _open(tmp_path / "tier", table="b")
 
 
 def test_a_reader_shares_the_writers_handle_and_sees_its_writes(tmp_path):
