@@ -11,12 +11,12 @@ Caveats:
     - Only `flush()` (or `close()`) makes writes durable.
 """
 
-from . import errors, init, optim
+from . import errors, fsck, init, optim
 from ._open import open
 from .checkpoint import restore
 from .spec import TableSpec, TierSpec
 from .store import EmbeddingStore
 
-__all__ = ["EmbeddingStore", "TableSpec", "TierSpec", "errors", "init", "open", "optim",
+__all__ = ["EmbeddingStore", "TableSpec", "TierSpec", "errors", "fsck", "init", "open", "optim",
            "restore"]
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 import embstore
-from embstore import TableSpec, TierSpec, registry
+from embstore import TableSpec, TierSpec, fsck, registry
 
 BACKENDS = registry.available_backend_names()
 EVICTIONS = registry.policy_names("eviction")
@@ -49,6 +49,7 @@ class StoreAgainstDict(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if self.store is not None:
+            assert fsck.check(self.store) == []  # fsck is the oracle: a clean bill at the end
             self.store.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
