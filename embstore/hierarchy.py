@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .backend import Backend, SupportsSlots
-from .index import IdGroups, IdIndex
+from .index import IdGroups, IdIndex, copy_rows
 from .policy import AdmissionPolicy, EvictionPolicy, SupportsSharedIndex
 from .spec import TierSpec
 
@@ -142,26 +142,29 @@ class TableChain:
         miss_pos = np.flatnonzero(~found)
         groups = IdGroups(np.ascontiguousarray(ids[miss_pos]))
         u = groups.unique
-        urows = np.zeros((len(u), self.width), dtype=self.dtype)
+        urows = np.empty((len(u), self.width), dtype=self.dtype)
         level_of = np.full(len(u), -1, dtype=np.int64)
         remaining = np.arange(len(u))
         if self._absent is not None:
             remaining = remaining[self._absent.find(u) < 0]
         for tier in self.tiers[1:]:
             r, f, n_hit = tier.lookup(u[remaining], now)
+            if n_hit == len(remaining):  # the common case below the top: one copy, no masks
+                copy_rows(urows, remaining, r, None)
+                level_of[remaining] = tier.level
+                break
             if n_hit:
                 urows[remaining[f]] = r[f]
                 level_of[remaining[f]] = tier.level
                 remaining = remaining[~f]
-            if not len(remaining):
-                break
+        urows[level_of < 0] = 0
         self._promote(u, urows, level_of, now)
         absent = u[level_of < 0]
         self._absent = None
         if len(absent):
             self._absent = IdIndex(2 * len(absent))
             self._absent.add(absent)
-        rows[miss_pos] = urows[groups.inverse]
+        copy_rows(rows, miss_pos, urows, groups.inverse)
         found[miss_pos] = (level_of >= 0)[groups.inverse]
         return rows, found
 
@@ -175,7 +178,9 @@ class TableChain:
             sel = cand[admitted]
             if len(sel):
                 tier.counters["promotions"] += len(sel)
-                self._insert(tier, ids[sel], rows[sel], dirty=False, now=now)
+                # found below only: none of them is in this tier
+                self._insert(tier, ids[sel], rows[sel], dirty=False, now=now,
+                             existed=np.zeros(len(sel), dtype=bool))
                 level_of[sel] = tier.level
 
     @staticmethod
@@ -204,13 +209,15 @@ class TableChain:
         remaining = np.arange(len(ids))
         for tier in self.tiers[:-1]:
             sub = ids[remaining]
-            want = tier.backend.contains(sub)
+            present = tier.backend.contains(sub)
+            want = present.copy()
             if not want.all():
                 absent = np.flatnonzero(~want)
                 want[absent] = self._admit(tier, sub[absent], now)
             sel = remaining[want]
             if len(sel):
-                self._insert(tier, ids[sel], rows[sel], dirty=True, now=now)
+                self._insert(tier, ids[sel], rows[sel], dirty=True, now=now,
+                             existed=present[want])
             remaining = remaining[~want]
             if not len(remaining):
                 return written
@@ -218,12 +225,15 @@ class TableChain:
         return written
 
     def _insert(self, tier: Tier, ids: np.ndarray, rows: np.ndarray, *, dirty: bool,
-                now: int) -> None:
-        """Put rows into one tier, mark them dirty in caches, then enforce its capacity."""
+                now: int, existed: np.ndarray | None = None) -> None:
+        """Put rows into one tier, mark them dirty in caches, then enforce its capacity.
+
+        `existed` (bool[N]), where the caller knows it, says which ids the tier holds already.
+        """
         if not len(ids):
             return
         ids = np.ascontiguousarray(ids)
-        if tier.eviction is not None:
+        if tier.eviction is not None and existed is None:
             existed = tier.backend.contains(ids)
         tier.backend.put(ids, np.ascontiguousarray(rows))
         if tier.eviction is not None:

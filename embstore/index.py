@@ -13,7 +13,7 @@ import numpy as np
 from ._kernels._dram_index import ffi, lib
 from .errors import CapacityError
 
-__all__ = ["IdGroups", "IdIndex", "RowSlabs"]
+__all__ = ["IdGroups", "IdIndex", "RowSlabs", "copy_rows"]
 
 _MAX_LOAD = 0.75
 _MAX_SLOTS = 2**31 - 1
@@ -21,6 +21,24 @@ _MAX_SLOTS = 2**31 - 1
 
 def _ptr(ctype: str, arr: np.ndarray) -> object:
     return ffi.cast(ctype, arr.ctypes.data)
+
+
+def copy_rows(dst: np.ndarray, dst_idx: np.ndarray | None, src: np.ndarray,
+              src_idx: np.ndarray | None) -> None:
+    """``dst[dst_idx] = src[src_idx]`` for C-contiguous 2-D arrays of one dtype and width, in
+    one pass (None: all rows in order). Indices are int64 and must be in range."""
+    n = len(dst_idx) if dst_idx is not None else len(src_idx) if src_idx is not None \
+        else len(src)
+    if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:] or not (
+            dst.flags.c_contiguous and src.flags.c_contiguous):
+        raise ValueError("copy_rows needs C-contiguous arrays of one dtype and row shape")
+    if n:
+        # keep the converted index arrays bound: a pointer does not keep its array alive
+        d = None if dst_idx is None else np.ascontiguousarray(dst_idx, dtype=np.int64)
+        s = None if src_idx is None else np.ascontiguousarray(src_idx, dtype=np.int64)
+        lib.copy_rows(_ptr("char *", dst), ffi.NULL if d is None else _ptr("int64_t *", d),
+                      _ptr("char *", src), ffi.NULL if s is None else _ptr("int64_t *", s),
+                      n, dst.strides[0])
 
 
 class IdIndex:

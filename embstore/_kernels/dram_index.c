@@ -235,3 +235,13 @@ void scatter_add_f64(const int64_t *inverse, int64_t n, int64_t dim, const doubl
         for (int64_t c = 0; c < dim; c++) dst[c] += s[c];
     }
 }
+
+/* dst[dst_idx[j]] = src[src_idx[j]] for rows of row_bytes; a NULL index means j itself.
+ * One pass where numpy's `dst[a] = src[b]` builds the gathered rows in a temporary first. */
+void copy_rows(char *dst, const int64_t *dst_idx, const char *src, const int64_t *src_idx,
+               int64_t n, int64_t row_bytes) {
+    for (int64_t j = 0; j < n; j++) {
+        int64_t d = dst_idx ? dst_idx[j] : j, s = src_idx ? src_idx[j] : j;
+        memcpy(dst + d * row_bytes, src + s * row_bytes, row_bytes);
+    }
+}
