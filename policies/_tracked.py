@@ -62,6 +62,10 @@ class Tracked:
         self._grow(self.index.high_water)
         return slots[self.alive[slots]]
 
+    def ensure(self, high_water: int) -> None:
+        """Size the per-slot columns for slots below `high_water`."""
+        self._grow(high_water)
+
     def _grow(self, high_water: int) -> None:
         size = len(self.ids)
         if high_water <= size:
@@ -266,8 +270,13 @@ class TrackedEviction(EvictionPolicy):
             self._access(slots, now)
 
     def record_access_slots(self, slots: np.ndarray, now: float) -> None:
-        """`record_access` for ids given by their slots in the shared index."""
-        slots = self._t.live_slots(slots)
+        """`record_access` for ids given by their slots in the shared index.
+
+        The tier passes only slots of ids it holds, which are all tracked, so no liveness
+        filter runs on this hit path (a stray dead slot would be harmless anyway: every
+        column is reset when a slot is taken by a new id).
+        """
+        self._t.ensure(self._t.index.high_water)
         if len(slots):
             self._access(slots, now)
 
