@@ -1,6 +1,6 @@
 /* Record kernels of the pmem backend: fixed-size slot records in a mapped file.
  *
- * Record layout (offsets from the record's start; see backends/pmem.py for the full table):
+ * Record layout (offsets from the record's start; see backends/_pmem_format.py for the full table):
  *   0  int64  id
  *   8  uint32 crc   CRC-32C of the id followed by bytes [12, payload_offset + row_bytes)
  *   12 uint32 kind

@@ -494,7 +494,9 @@ def test_flush_of_scattered_dirty_rows_writes_under_8_KiB_per_row(tmp_path, mapp
 
 
 def test_module_layout_constants_match_the_documented_table():
-    doc = pmem.__doc__ or ""
+    from embstore.backends import _pmem_format
+
+    doc = _pmem_format.__doc__ or ""
     for text in ("0       8     magic", "60      4     CRC-32C of bytes 0..60",
                  "12      4     kind", "16      8     seq word", "24      r     payload"):
         assert text in doc
