@@ -10,6 +10,8 @@ therefore cost O(victims + stale entries) per call, amortised O(batch), not O(tr
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
 from embstore.index import IdIndex
@@ -255,6 +257,9 @@ class TrackedEviction(EvictionPolicy):
     """
 
     _t: Tracked
+    reads_matter: ClassVar[bool] = True
+    """False for policies whose choice ignores accesses (FIFO, random): reads then cost
+    nothing."""
 
     def __len__(self) -> int:
         return len(self._t)
@@ -265,6 +270,8 @@ class TrackedEviction(EvictionPolicy):
 
     def record_access(self, ids: np.ndarray, now: float) -> None:
         # docstring inherited
+        if not self.reads_matter:
+            return
         slots = self._t.find(ids)
         if len(slots):
             self._access(slots, now)
@@ -276,6 +283,8 @@ class TrackedEviction(EvictionPolicy):
         filter runs on this hit path (a stray dead slot would be harmless anyway: every
         column is reset when a slot is taken by a new id).
         """
+        if not self.reads_matter:
+            return
         self._t.ensure(self._t.index.high_water)
         if len(slots):
             self._access(slots, now)

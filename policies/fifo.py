@@ -20,19 +20,12 @@ class FIFOEviction(TrackedEviction):
     """
 
     name: ClassVar[str] = "fifo"
+    reads_matter: ClassVar[bool] = False  # FIFO order ignores accesses by definition
 
     def __init__(self, *, seed: int = 0) -> None:
         super().__init__(seed=seed)
         self._t = Tracked({"stamp": (np.int64, 0)})
         self._log = SlotLog()
-
-    def record_access(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited; FIFO ignores accesses by definition
-        return None
-
-    def record_access_slots(self, slots: np.ndarray, now: float) -> None:
-        # docstring inherited
-        return None
 
     def record_insert(self, ids: np.ndarray, now: float) -> None:
         # docstring inherited

@@ -23,19 +23,12 @@ class RandomEviction(TrackedEviction):
     """
 
     name: ClassVar[str] = "random"
+    reads_matter: ClassVar[bool] = False
 
     def __init__(self, *, seed: int = 0) -> None:
         super().__init__(seed=seed)
         self._t = Tracked({"pos": (np.int64, -1)})
         self._dense = np.zeros(1024, dtype=np.int32)
-
-    def record_access(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited; random eviction ignores accesses
-        return None
-
-    def record_access_slots(self, slots: np.ndarray, now: float) -> None:
-        # docstring inherited
-        return None
 
     def record_insert(self, ids: np.ndarray, now: float) -> None:
         # docstring inherited
