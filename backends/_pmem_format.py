@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from embstore._kernels import _pmem_records
+from embstore.index import HashTable
 
 ffi, lib = _pmem_records.ffi, _pmem_records.lib
 
@@ -103,7 +104,6 @@ def seq_counters(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 SEGMENT_SLOTS = 1024  # allocation unit: see PmemBackend._alloc
 SCAN_SLOTS = 1 << 20  # slots per chunk of the open-time scan
 MAX_SLOTS = 2**31 - 1
-_MAX_LOAD = 0.75
 
 # per-slot states, in memory only
 _FREE, _LIVE, _DIRTY, _RETIRE = 0, 1, 2, 3
@@ -133,67 +133,22 @@ def _ptr(ctype: str, arr: np.ndarray) -> Any:
     return ffi.cast(ctype, arr.ctypes.data)
 
 
-class _SlotIndex:
+class _SlotIndex(HashTable):
     """Map int64 ids to int32 record slots chosen by the caller.
 
-    The hash table is IdIndex's (same layout, same C probing code, compiled into the records
-    module); IdIndex itself hands out its own dense slots, where an out-of-place update needs
-    to point an id at a new slot, so this keeps the table and sets the values itself.
+    IdIndex hands out its own dense slots, where an out-of-place update must point an id at
+    a new record slot; this uses the same table and probing code and sets the values itself.
     """
-
-    def __init__(self, initial_capacity: int = 1024) -> None:
-        cap = 1 << max(4, int(initial_capacity - 1).bit_length())
-        self._keys = np.empty(cap, dtype=np.int64)
-        self._vals = np.full(cap, -1, dtype=np.int32)
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def nbytes(self) -> int:
-        return self._keys.nbytes + self._vals.nbytes
-
-    def pointers(self) -> tuple[Any, Any, int]:
-        return _ptr("int64_t *", self._keys), _ptr("int32_t *", self._vals), len(self._keys) - 1
-
-    def find(self, ids: np.ndarray) -> np.ndarray:
-        """int32 slots of `ids` (C-contiguous int64), -1 where absent."""
-        out = np.empty(len(ids), dtype=np.int32)
-        if len(ids):
-            lib.idx_find(*self.pointers(), _ptr("int64_t *", ids), len(ids),
-                         _ptr("int32_t *", out))
-        return out
 
     def upsert(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Point distinct `ids` at `slots` (int32); returns their previous slots (-1: new)."""
-        need = self._count + len(ids)
-        if need > len(self._keys) * _MAX_LOAD:
-            cap = len(self._keys)
-            while need > cap * _MAX_LOAD:
-                cap *= 2
-            keys = np.empty(cap, dtype=np.int64)
-            vals = np.full(cap, -1, dtype=np.int32)
-            lib.idx_rehash(*self.pointers()[:2], len(self._keys), _ptr("int64_t *", keys),
-                           _ptr("int32_t *", vals), cap - 1)
-            self._keys, self._vals = keys, vals
+        self._reserve(len(ids))
         old = np.empty(len(ids), dtype=np.int32)
         self._count += lib.rec_index_upsert(*self.pointers(), _ptr("int64_t *", ids),
                                             _ptr("int32_t *", slots), len(ids),
                                             _ptr("int32_t *", old))
         return old
 
-    def remove(self, ids: np.ndarray) -> np.ndarray:
-        """Remove distinct `ids`; returns their slots, -1 where absent."""
-        out = np.empty(len(ids), dtype=np.int32)
-        if len(ids):
-            self._count -= lib.idx_remove(*self.pointers(), _ptr("int64_t *", ids), len(ids),
-                                          _ptr("int32_t *", out))
-        return out
-
     def ids(self) -> np.ndarray:
-        ids = np.empty(self._count, dtype=np.int64)
-        slots = np.empty(self._count, dtype=np.int32)
-        if self._count:
-            lib.idx_items(_ptr("int64_t *", self._keys), _ptr("int32_t *", self._vals),
-                          len(self._keys), _ptr("int64_t *", ids), _ptr("int32_t *", slots))
-        return ids
+        """Every id in the table."""
+        return self.items()[0]

@@ -13,7 +13,7 @@ import numpy as np
 from ._kernels._dram_index import ffi, lib
 from .errors import CapacityError
 
-__all__ = ["IdGroups", "IdIndex", "RowSlabs", "copy_rows"]
+__all__ = ["HashTable", "IdGroups", "IdIndex", "RowSlabs", "copy_rows"]
 
 _MAX_LOAD = 0.75
 _MAX_SLOTS = 2**31 - 1
@@ -41,29 +41,22 @@ def copy_rows(dst: np.ndarray, dst_idx: np.ndarray | None, src: np.ndarray,
                       n, dst.strides[0])
 
 
-class IdIndex:
-    """Map distinct int64 ids to slots 0..high_water-1; freed slots are reused first."""
+class HashTable:
+    """The open-addressing table from int64 ids to int32 values (slots) that the C kernels
+    probe; subclasses decide which slot an id gets."""
 
     def __init__(self, initial_capacity: int = 1024) -> None:
         cap = 1 << max(4, int(initial_capacity - 1).bit_length())
         self._keys = np.empty(cap, dtype=np.int64)
         self._vals = np.full(cap, -1, dtype=np.int32)
         self._count = 0
-        self._high_water = 0  # slots ever handed out; slots below it are live or free
-        self._free = np.empty(0, dtype=np.int32)
-        self._n_free = 0
 
     def __len__(self) -> int:
         return self._count
 
-    @property
-    def high_water(self) -> int:
-        """One past the largest slot ever handed out."""
-        return self._high_water
-
     def nbytes(self) -> int:
-        """Bytes held by the hash arrays and the free list."""
-        return self._keys.nbytes + self._vals.nbytes + self._free.nbytes
+        """Bytes held by the hash arrays."""
+        return self._keys.nbytes + self._vals.nbytes
 
     def pointers(self) -> tuple[object, object, int]:
         """(keys, vals, mask) for kernels that probe the index themselves."""
@@ -92,6 +85,43 @@ class IdIndex:
                        len(self._keys), _ptr("int64_t *", keys), _ptr("int32_t *", vals),
                        cap - 1)
         self._keys, self._vals = keys, vals
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """Remove distinct `ids`; returns their int32 slots, -1 where absent."""
+        out = np.empty(len(ids), dtype=np.int32)
+        if len(ids):
+            keys, vals, mask = self.pointers()
+            self._count -= lib.idx_remove(keys, vals, mask, _ptr("int64_t *", ids), len(ids),
+                                          _ptr("int32_t *", out))
+        return out
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int64[M], slots int32[M]) of every live entry, in hash-table order."""
+        ids = np.empty(self._count, dtype=np.int64)
+        slots = np.empty(self._count, dtype=np.int32)
+        if self._count:
+            lib.idx_items(_ptr("int64_t *", self._keys), _ptr("int32_t *", self._vals),
+                          len(self._keys), _ptr("int64_t *", ids), _ptr("int32_t *", slots))
+        return ids, slots
+
+
+class IdIndex(HashTable):
+    """Map distinct int64 ids to slots 0..high_water-1; freed slots are reused first."""
+
+    def __init__(self, initial_capacity: int = 1024) -> None:
+        super().__init__(initial_capacity)
+        self._high_water = 0  # slots ever handed out; slots below it are live or free
+        self._free = np.empty(0, dtype=np.int32)
+        self._n_free = 0
+
+    @property
+    def high_water(self) -> int:
+        """One past the largest slot ever handed out."""
+        return self._high_water
+
+    def nbytes(self) -> int:
+        """Bytes held by the hash arrays and the free list."""
+        return super().nbytes() + self._free.nbytes
 
     def _allocate(self, n: int) -> np.ndarray:
         from_free = min(n, self._n_free)
@@ -132,13 +162,7 @@ class IdIndex:
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
         """Remove `ids` (distinct); returns the freed int32 slots, -1 where absent."""
-        out = np.empty(len(ids), dtype=np.int32)
-        if not len(ids):
-            return out
-        keys, vals, mask = self.pointers()
-        removed = lib.idx_remove(keys, vals, mask, _ptr("int64_t *", ids), len(ids),
-                                 _ptr("int32_t *", out))
-        self._count -= removed
+        out = super().remove(ids)
         freed = out[out >= 0]
         if len(freed):
             if self._n_free + len(freed) > len(self._free):
@@ -148,15 +172,6 @@ class IdIndex:
             self._free[self._n_free : self._n_free + len(freed)] = freed
             self._n_free += len(freed)
         return out
-
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids int64[M], slots int32[M]) of every live entry, in hash-table order."""
-        ids = np.empty(self._count, dtype=np.int64)
-        slots = np.empty(self._count, dtype=np.int32)
-        if self._count:
-            lib.idx_items(_ptr("int64_t *", self._keys), _ptr("int32_t *", self._vals),
-                          len(self._keys), _ptr("int64_t *", ids), _ptr("int32_t *", slots))
-        return ids, slots
 
 
 class RowSlabs:

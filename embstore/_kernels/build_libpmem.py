@@ -42,14 +42,6 @@ int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset
                    int64_t *first_bad);
 int64_t rec_index_upsert(int64_t *keys, int32_t *vals, uint64_t mask, const int64_t *ids,
                          const int32_t *slots, int64_t n, int32_t *old_slots);
-int64_t idx_find(const int64_t *keys, const int32_t *vals, uint64_t mask,
-                 const int64_t *ids, int64_t n, int32_t *out_slots);
-int64_t idx_remove(int64_t *keys, int32_t *vals, uint64_t mask,
-                   const int64_t *ids, int64_t n, int32_t *out_slots);
-void idx_rehash(const int64_t *old_keys, const int32_t *old_vals, uint64_t old_cap,
-                int64_t *keys, int32_t *vals, uint64_t mask);
-int64_t idx_items(const int64_t *keys, const int32_t *vals, uint64_t cap,
-                  int64_t *out_ids, int32_t *out_slots);
 void rec_write(char *base, int64_t record_size, int64_t payload_offset, int64_t row_bytes,
                const int64_t *slots, const int64_t *ids, const uint64_t *seq_words,
                uint32_t kind, const char *rows, int64_t n);
