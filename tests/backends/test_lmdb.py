@@ -100,27 +100,6 @@ def test_sync_commits_off_still_persists_on_flush(tmp_path):
 
 # --- shared environment -------------------------------------------------------------------
 
-@pytest.mark.parametrize("first", ["a", "b"])
-def test_two_tables_in_one_directory_close_in_either_order(tmp_path, first):
-    path = tmp_path / "tier"
-    tables = {"a": _open(path, table="a"), "b": _open(path, table="b")}
-    ids = np.arange(10, dtype=np.int64)
-    tables["a"].put(ids, _rows(10, seed=1))
-    tables["b"].put(ids, _rows(10, seed=2))
-    tables[first].close()
-    other = tables["b" if first == "a" else "a"]
-    other.put(ids[:2].copy(), _rows(2, seed=3))  # the environment is still open for it
-    assert other.get(ids)[1].all()
-    other.close()
-    expected = {"a": _rows(10, seed=1), "b": _rows(10, seed=2)}
-    expected["b" if first == "a" else "a"][:2] = _rows(2, seed=3)
-    # Both closed: the handle is gone, so other options are accepted now.
-    with _open(path, table="a", sync_commits=False) as a, \
-            _open(path, table="b", sync_commits=False) as b:
-        np.testing.assert_array_equal(a.get(ids)[0], expected["a"])
-        np.testing.assert_array_equal(b.get(ids)[0], expected["b"])
-
-
 def test_stale_reader_slots_are_cleared_on_open(tmp_path):
     path = tmp_path / "tier"
     _open(path).close()

@@ -16,15 +16,25 @@ from embstore.errors import ConfigError, StoreLockedError, StoreNotFoundError
 DIM = 8
 
 
-@pytest.fixture(params=["lmdb", "rocksdb"])
+# an option each backend accepts whose value differs from its default
+OTHER_OPTIONS = {"lmdb": {"sync_commits": False}, "rocksdb": {"compression": "lz4"}}
+
+
+@pytest.fixture(params=sorted(OTHER_OPTIONS))
 def open_backend(request):
     cls = registry.load_backend(request.param)
 
-    def _open(path: Path, table: str = "t", *, dim: int = DIM,
-              read_only: bool = False) -> Backend:
-        return cls.open(BackendSpec(path=path, dim=dim, table=table, read_only=read_only))
+    def _open(path: Path, table: str = "t", *, dim: int = DIM, read_only: bool = False,
+              other_options: bool = False) -> Backend:
+        options = OTHER_OPTIONS[request.param] if other_options else {}
+        return cls.open(BackendSpec(path=path, dim=dim, table=table, read_only=read_only),
+                        **options)
 
     return _open
+
+
+def _rows(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)
 
 
 def test_reopening_a_table_with_another_dim_raises_config_error(open_backend, tmp_path):
@@ -47,3 +57,25 @@ def test_a_writer_cannot_join_a_read_only_directory(open_backend, tmp_path):
     with open_backend(tmp_path / "tier", table="a", read_only=True), \
             pytest.raises(StoreLockedError, match="read-only"):
         open_backend(tmp_path / "tier", table="b")
+
+
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_two_tables_in_one_directory_close_in_either_order(open_backend, tmp_path, first):
+    path = tmp_path / "tier"
+    tables = {"a": open_backend(path, table="a"), "b": open_backend(path, table="b")}
+    ids = np.arange(10, dtype=np.int64)
+    tables["a"].put(ids, _rows(10, seed=1))
+    tables["b"].put(ids, _rows(10, seed=2))
+    tables[first].close()
+    other = tables["b" if first == "a" else "a"]
+    other.put(ids[:2].copy(), _rows(2, seed=3))  # the shared handle is still open for it
+    assert other.get(ids)[1].all()
+    other.close()
+    # Both closed: the handle is gone, so other options are accepted now, and every table
+    # reopens with its rows.
+    expected = {"a": _rows(10, seed=1), "b": _rows(10, seed=2)}
+    expected["b" if first == "a" else "a"][:2] = _rows(2, seed=3)
+    with open_backend(path, table="a", other_options=True) as a, \
+            open_backend(path, table="b", other_options=True) as b:
+        np.testing.assert_array_equal(a.get(ids)[0], expected["a"])
+        np.testing.assert_array_equal(b.get(ids)[0], expected["b"])
