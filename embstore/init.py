@@ -7,17 +7,17 @@ batch order, process or shard, which is what makes results independent of placem
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from typing import Any, ClassVar
 
 import numpy as np
 
-from .errors import ConfigError, UnknownNameError
+from ._named import Named
+from .errors import ConfigError
 
 __all__ = ["Constant", "Initializer", "Normal", "Uniform", "Zeros", "from_config",
            "initializer_names"]
 
-_INITIALIZERS: dict[str, type[Initializer]] = {}
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -46,33 +46,15 @@ def _unit_interval(bits: np.ndarray) -> np.ndarray:
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
 
-class Initializer(ABC):
+class Initializer(Named):
     """Produces the initial rows of ids that have never been written."""
 
-    name: ClassVar[str]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            _INITIALIZERS[cls.name] = cls
+    _family: ClassVar[str] = "initializer"
+    _registry: ClassVar[dict[str, type[Named]]] = {}
 
     @abstractmethod
     def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
         """Rows array[len(ids), dim] of `dtype` for int64 `ids`; pure in (settings, id)."""
-
-    @abstractmethod
-    def config(self) -> dict[str, Any]:
-        """Constructor settings; `type(self)(**config())` recreates the initializer."""
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.config() == self.config()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash((self.name, tuple(sorted(self.config().items()))))
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"{type(self).__name__}({args})"
 
 
 class Zeros(Initializer):
@@ -148,19 +130,5 @@ class Normal(Initializer):
         return {"mean": self.mean, "std": self.std, "seed": self.seed}
 
 
-def initializer_names() -> list[str]:
-    """Names of every registered initializer."""
-    return sorted(_INITIALIZERS)
-
-
-def from_config(name: str, config: dict[str, Any]) -> Initializer:
-    """Recreate an initializer from its registered name and `config()`.
-
-    Raises:
-        UnknownNameError: no initializer of that name.
-    """
-    if name not in _INITIALIZERS:
-        raise UnknownNameError(
-            f"unknown initializer {name!r}; registered: {initializer_names()!r}"
-        )
-    return _INITIALIZERS[name](**config)
+initializer_names = Initializer.registered_names
+from_config = Initializer.from_config

@@ -9,15 +9,15 @@ layout, cache size and run.
 
 from __future__ import annotations
 
-import json
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 from . import _optim_rules as rules
-from .errors import ConfigError, DtypeMismatchError, UnknownNameError
+from ._named import Named
+from .errors import ConfigError, DtypeMismatchError
 
 __all__ = [
     "SGD",
@@ -30,23 +30,14 @@ __all__ = [
     "optimizer_names",
 ]
 
-_OPTIMIZERS: dict[str, type[Optimizer]] = {}
-
-
-class Optimizer(ABC):
+class Optimizer(Named):
     """A fused update rule for the rows of one table.
 
     Subclasses take keyword-only, JSON-serialisable settings and return them from `config()`.
     """
 
-    name: ClassVar[str]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            if cls.name in _OPTIMIZERS:
-                raise ConfigError(f"optimizer name {cls.name!r} is registered twice")
-            _OPTIMIZERS[cls.name] = cls
+    _family: ClassVar[str] = "optimizer"
+    _registry: ClassVar[dict[str, type[Named]]] = {}
 
     def state_width(self, dim: int) -> int:
         """Elements of optimizer state stored after the `dim` weights of each row."""
@@ -63,20 +54,6 @@ class Optimizer(ABC):
         Rows are distinct; `grads` already hold the summed gradient of each row.
         """
 
-    @abstractmethod
-    def config(self) -> dict[str, Any]:
-        """Constructor settings; `type(self)(**config())` recreates the optimizer."""
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.config() == self.config()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        # JSON, not a tuple of items: config values may be lists (Adam's betas).
-        return hash((self.name, json.dumps(self.config(), sort_keys=True)))
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"{type(self).__name__}({args})"
 
 
 def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -290,17 +267,5 @@ class AdamW(Adam):
         super().__init__(lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
 
 
-def optimizer_names() -> list[str]:
-    """Names of every registered optimizer."""
-    return sorted(_OPTIMIZERS)
-
-
-def from_config(name: str, config: dict[str, Any]) -> Optimizer:
-    """Recreate an optimizer from its registered name and `config()`.
-
-    Raises:
-        UnknownNameError: no optimizer of that name.
-    """
-    if name not in _OPTIMIZERS:
-        raise UnknownNameError(f"unknown optimizer {name!r}; registered: {optimizer_names()!r}")
-    return _OPTIMIZERS[name](**config)
+optimizer_names = Optimizer.registered_names
+from_config = Optimizer.from_config

@@ -1,0 +1,66 @@
+"""`Named`: a family of classes registered by name and rebuilt from their JSON settings.
+
+Initializers and optimizers are both stored in the manifest as (name, config) and compared by
+their settings; this is the one place that does it.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, TypeVar
+
+from .errors import ConfigError, UnknownNameError
+
+__all__ = ["Named"]
+
+T = TypeVar("T", bound="Named")
+
+
+class Named(ABC):
+    """Base of a family: the family's root sets `_family` and an empty `_registry`; every
+    subclass that sets `name` is registered in it (a name used twice is an error)."""
+
+    name: ClassVar[str]
+    _family: ClassVar[str]
+    _registry: ClassVar[dict[str, type[Named]]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            if cls.name in cls._registry:
+                raise ConfigError(f"{cls._family} name {cls.name!r} is registered twice")
+            cls._registry[cls.name] = cls
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """Constructor settings, JSON-serialisable; `type(self)(**config())` recreates it."""
+
+    @classmethod
+    def registered_names(cls) -> list[str]:
+        """Names of every registered class of the family."""
+        return sorted(cls._registry)
+
+    @classmethod
+    def from_config(cls: type[T], name: str, config: dict[str, Any]) -> T:
+        """Recreate a member of the family from its registered name and `config()`.
+
+        Raises:
+            UnknownNameError: no class of that name in the family.
+        """
+        if name not in cls._registry:
+            raise UnknownNameError(
+                f"unknown {cls._family} {name!r}; registered: {cls.registered_names()!r}"
+            )
+        return cls._registry[name](**config)  # type: ignore[return-value]
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.config() == self.config()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        # JSON, not a tuple of items: config values may be lists (Adam's betas)
+        return hash((self.name, json.dumps(self.config(), sort_keys=True)))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
