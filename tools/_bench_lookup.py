@@ -3,35 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 import embstore
-from embstore.workload import ZipfIds
 
-from ._benchutil import add_size_arguments, interleaved_medians, print_table
+from ._benchutil import add_size_arguments, build_table, interleaved_medians, print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench lookup`."""
     add_size_arguments(parser, rows=10_000_000)
-
-
-def build_table(args: argparse.Namespace) -> tuple[embstore.EmbeddingStore, np.ndarray, ZipfIds]:
-    """A DRAM store and a plain array holding the same rows, in id-rank order."""
-    if args.quick:
-        args.rows, args.batch, args.repeats = 20_000, 4096, 5
-    zipf = ZipfIds(args.rows, args.zipf, seed=args.seed)
-    dense = np.random.default_rng(args.seed).standard_normal((args.rows, args.dim),
-                                                              dtype=np.float32)
-    store = embstore.open(None, tables=[embstore.TableSpec("t", dim=args.dim)])
-    step = 1 << 20
-    t0 = time.perf_counter()
-    for start in range(0, args.rows, step):
-        store.update("t", zipf.ids[start:start + step], dense[start:start + step])
-    print(f"loaded {args.rows:,} rows x {args.dim} in {time.perf_counter() - t0:.1f} s")
-    return store, dense, zipf
 
 
 def report_memory(store: embstore.EmbeddingStore, args: argparse.Namespace) -> None:
@@ -45,7 +27,7 @@ def report_memory(store: embstore.EmbeddingStore, args: argparse.Namespace) -> N
 
 def run(args: argparse.Namespace) -> int:
     """Time store.lookup against np.take on the same Zipf batches; print the ratio."""
-    store, dense, zipf = build_table(args)
+    store, dense, zipf = build_table(args, embstore.TableSpec("t", dim=args.dim))
     report_memory(store, args)
     ranks = [zipf.ranks(args.batch) for _ in range(args.repeats)]
     ids = [zipf.ids[r] for r in ranks]

@@ -12,15 +12,13 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import numpy as np
 
 import embstore
 from embstore.optim import RowWiseAdagrad
-from embstore.workload import ZipfIds
 
-from ._benchutil import add_size_arguments, interleaved_medians, print_table
+from ._benchutil import add_size_arguments, build_table, interleaved_medians, print_table
 
 LR, EPS = 0.01, 1e-8
 
@@ -52,22 +50,6 @@ def numpy_rowwise_adagrad(weights: np.ndarray, acc: np.ndarray, positions: np.nd
     acc[rows] = a
 
 
-def _build(args: argparse.Namespace) -> tuple[embstore.EmbeddingStore, np.ndarray, ZipfIds]:
-    """A DRAM store with a row-wise Adagrad table and a plain array of the same weights."""
-    if args.quick:
-        args.rows, args.batch, args.repeats = 20_000, 4096, 5
-    zipf = ZipfIds(args.rows, args.zipf, seed=args.seed)
-    dense = np.random.default_rng(args.seed).standard_normal((args.rows, args.dim),
-                                                              dtype=np.float32)
-    spec = embstore.TableSpec("t", dim=args.dim, optimizer=RowWiseAdagrad(LR, eps=EPS))
-    store = embstore.open(None, tables=[spec])
-    t0 = time.perf_counter()
-    for start in range(0, args.rows, 1 << 20):
-        store.update("t", zipf.ids[start:start + (1 << 20)], dense[start:start + (1 << 20)])
-    print(f"loaded {args.rows:,} rows x {args.dim} (+1 state) in {time.perf_counter() - t0:.1f} s")
-    return store, dense, zipf
-
-
 def _profile(store: embstore.EmbeddingStore, ids: list[np.ndarray],
              grads: list[np.ndarray]) -> None:
     profiler = cProfile.Profile()
@@ -83,7 +65,8 @@ def _profile(store: embstore.EmbeddingStore, ids: list[np.ndarray],
 
 def run(args: argparse.Namespace) -> int:
     """Time store.apply_gradients against the numpy baseline; print rows/s and the ratio."""
-    store, weights, zipf = _build(args)
+    spec = embstore.TableSpec("t", dim=args.dim, optimizer=RowWiseAdagrad(LR, eps=EPS))
+    store, weights, zipf = build_table(args, spec)
     acc = np.zeros(args.rows, dtype=np.float32)
     rng = np.random.default_rng(args.seed + 1)
     ranks = [zipf.ranks(args.batch) for _ in range(args.repeats)]

@@ -6,8 +6,9 @@ import argparse
 
 import numpy as np
 
-from ._bench_lookup import build_table
-from ._benchutil import add_size_arguments, interleaved_medians, print_table
+import embstore
+
+from ._benchutil import add_size_arguments, build_table, interleaved_medians, print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Time store.update against `dense[positions] = rows` on the same batches."""
-    store, dense, zipf = build_table(args)
+    store, dense, zipf = build_table(args, embstore.TableSpec("t", dim=args.dim))
     rng = np.random.default_rng(args.seed + 1)
     ranks = [zipf.ranks(args.batch) for _ in range(args.repeats)]
     ids = [zipf.ids[r] for r in ranks]

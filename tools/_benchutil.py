@@ -8,6 +8,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+import embstore
+from embstore.workload import ZipfIds
+
 
 def add_size_arguments(parser: argparse.ArgumentParser, *, rows: int, dim: int = 64,
                        batch: int = 65536, repeats: int = 30) -> None:
@@ -43,3 +46,23 @@ def print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
     print(f"  {'contender':<44}{'rows/s':>14}{'ratio':>9}")
     for name, rate, ratio in rows:
         print(f"  {name:<44}{rate:>14,.0f}{ratio:>8.2f}x")
+
+
+def build_table(args: argparse.Namespace, spec: embstore.TableSpec
+                ) -> tuple[embstore.EmbeddingStore, np.ndarray, ZipfIds]:
+    """An in-memory store with table `spec` ("t") and a plain array holding the same weights,
+    row i at the id of Zipf rank i (`--quick` shrinks the sizes first)."""
+    if args.quick:
+        args.rows, args.batch, args.repeats = 20_000, 4096, 5
+    zipf = ZipfIds(args.rows, args.zipf, seed=args.seed)
+    dense = np.random.default_rng(args.seed).standard_normal((args.rows, args.dim),
+                                                              dtype=np.float32)
+    store = embstore.open(None, tables=[spec])
+    step = 1 << 20
+    t0 = time.perf_counter()
+    for start in range(0, args.rows, step):
+        store.update("t", zipf.ids[start:start + step], dense[start:start + step])
+    state = spec.row_width - spec.dim
+    print(f"loaded {args.rows:,} rows x {args.dim}" + (f" (+{state} state)" if state else "")
+          + f" in {time.perf_counter() - t0:.1f} s")
+    return store, dense, zipf
