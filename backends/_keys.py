@@ -176,8 +176,3 @@ class SharedHandles(Generic[H]):
             if entry.refs == 0:
                 del self._entries[key]
                 closer(entry.handle)
-
-    def open_count(self, path: Path) -> int:
-        """How many backend instances borrow the handle of `path` now (0: closed)."""
-        entry = self._entries.get(self.key(path))
-        return 0 if entry is None else entry.refs

@@ -124,7 +124,7 @@ def take_checkpoint(store: EmbeddingStore, dest: Path, *, step: int | None, incr
     if dest.exists():
         raise StoreExistsError(f"{dest} exists; checkpoints never overwrite: choose a new name")
     with store._mutex:
-        store._table_names_check()
+        store._check_open()
         parent = store._last_checkpoint
         if incremental and (parent is None or store._changes is None):
             raise ConfigError(

@@ -127,8 +127,7 @@ class EmbeddingStore:
     # --- helpers ----------------------------------------------------------------------------
 
     def _table(self, name: str) -> _Table:
-        if self._closed:
-            raise StoreClosedError("the store is closed; open it again with embstore.open(path)")
+        self._check_open()
         table = self._tables.get(name)
         if table is None:
             raise UnknownTableError(name, list(self._tables))
@@ -138,7 +137,7 @@ class EmbeddingStore:
         if self._read_only:
             raise ReadOnlyError("the store was opened read-only; reopen it with read_only=False")
 
-    def _table_names_check(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError("the store is closed; open it again with embstore.open(path)")
 
@@ -331,8 +330,7 @@ class EmbeddingStore:
         synced; after `flush` returns, a crash loses none of the writes before it.
         """
         with self._mutex:
-            if self._closed:
-                raise StoreClosedError("the store is closed; open it again")
+            self._check_open()
             if self._read_only:
                 return
             for t in self._tables.values():
@@ -341,8 +339,7 @@ class EmbeddingStore:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per table: stored rows, dropped updates and one `TierStatistics` per tier."""
         with self._mutex:
-            if self._closed:
-                raise StoreClosedError("the store is closed; open it again")
+            self._check_open()
             return {name: {"updates_dropped": t.updates_dropped,
                            "tiers": t.chain.statistics()}
                     for name, t in self._tables.items()}
@@ -351,8 +348,7 @@ class EmbeddingStore:
         """A JSON-serialisable description: path, default tiers, and per table its spec, rows,
         and per tier the counters plus the medium's own facts (e.g. libpmem in use)."""
         with self._mutex:
-            if self._closed:
-                raise StoreClosedError("the store is closed; open it again")
+            self._check_open()
             tables = {}
             for name, t in self._tables.items():
                 tiers = []

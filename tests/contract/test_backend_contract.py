@@ -189,8 +189,10 @@ def test_wrong_row_dtype_or_shape_raises_and_changes_nothing(backend):
 
 
 def test_every_call_after_close_raises(backend):
+    assert not backend.is_closed
     backend.close()
     backend.close()  # idempotent
+    assert backend.is_closed
     ids = np.arange(2, dtype=np.int64)
     for call in (lambda: backend.get(ids), lambda: backend.put(ids, _rows(2)),
                  lambda: backend.delete(ids), lambda: backend.contains(ids),
