@@ -129,21 +129,6 @@ def test_stale_reader_slots_are_cleared_on_open(tmp_path):
 
 # --- scans --------------------------------------------------------------------------------
 
-def test_ids_and_items_come_in_numeric_order(tmp_path):
-    ids = np.random.default_rng(0).choice(np.arange(-(10**12), 10**12, 7919), size=2000,
-                                          replace=False).astype(np.int64)
-    ids[:3] = [-(2**63), 2**63 - 1, 0]
-    rows = _rows(2000)
-    with _open(tmp_path / "tier") as b:
-        b.put(ids, rows)
-        np.testing.assert_array_equal(b.ids(), np.sort(ids))
-        batches = list(b.items(batch_rows=333))
-        assert [len(i) for i, _ in batches] == [333] * 6 + [2]
-        np.testing.assert_array_equal(np.concatenate([i for i, _ in batches]), np.sort(ids))
-        np.testing.assert_array_equal(np.concatenate([r for _, r in batches]),
-                                      rows[np.argsort(ids)])
-
-
 def test_a_scan_sees_writes_between_its_batches(tmp_path):
     with _open(tmp_path / "tier") as b:
         b.put(np.arange(10, dtype=np.int64), _rows(10))

@@ -160,22 +160,6 @@ def test_the_database_is_closed_once_every_table_of_the_directory_is(tmp_path):
 
 # --- scans and counts ---------------------------------------------------------------------
 
-def test_ids_and_items_come_in_numeric_order(tmp_path):
-    ids = np.random.default_rng(0).choice(np.arange(-(10**12), 10**12, 7919), size=2000,
-                                          replace=False).astype(np.int64)
-    ids[:3] = [-(2**63), 2**63 - 1, 0]
-    rows = _rows(2000)
-    with _open(tmp_path / "tier") as b:
-        b.put(ids, rows)
-        np.testing.assert_array_equal(b.ids(), np.sort(ids))
-        batches = list(b.items(batch_rows=333))
-        assert [len(i) for i, _ in batches] == [333] * 6 + [2]
-        got_ids = np.concatenate([i for i, _ in batches])
-        np.testing.assert_array_equal(got_ids, np.sort(ids))
-        order = np.argsort(ids)
-        np.testing.assert_array_equal(np.concatenate([r for _, r in batches]), rows[order])
-
-
 def test_len_follows_puts_and_deletes(tmp_path):
     with _open(tmp_path / "tier", table="a") as a, _open(tmp_path / "tier", table="b") as b:
         a.put(np.arange(100, dtype=np.int64), _rows(100))

@@ -1,6 +1,7 @@
-"""What the backends sharing one handle per tier directory (rocksdb, lmdb) have in common:
-each table's spec is checked on reopen, read-only opens find only existing tables, and a
-writer cannot join a directory opened read-only in the same process."""
+"""What the key-value backends (rocksdb, lmdb: one shared handle per tier directory, keys
+encoded by backends/_keys.py) have in common: each table's spec is checked on reopen,
+read-only opens find only existing tables, a writer cannot join a directory opened read-only
+in the same process, tables close in any order, and scans come in numeric id order."""
 
 from __future__ import annotations
 
@@ -79,3 +80,18 @@ def test_two_tables_in_one_directory_close_in_either_order(open_backend, tmp_pat
             open_backend(path, table="b", other_options=True) as b:
         np.testing.assert_array_equal(a.get(ids)[0], expected["a"])
         np.testing.assert_array_equal(b.get(ids)[0], expected["b"])
+
+
+def test_ids_and_items_come_in_numeric_order(open_backend, tmp_path):
+    ids = np.random.default_rng(0).choice(np.arange(-(10**12), 10**12, 7919), size=2000,
+                                          replace=False).astype(np.int64)
+    ids[:3] = [-(2**63), 2**63 - 1, 0]
+    rows = _rows(2000, seed=0)
+    with open_backend(tmp_path / "tier") as b:
+        b.put(ids, rows)
+        np.testing.assert_array_equal(b.ids(), np.sort(ids))
+        batches = list(b.items(batch_rows=333))
+        assert [len(i) for i, _ in batches] == [333] * 6 + [2]
+        np.testing.assert_array_equal(np.concatenate([i for i, _ in batches]), np.sort(ids))
+        np.testing.assert_array_equal(np.concatenate([r for _, r in batches]),
+                                      rows[np.argsort(ids)])
