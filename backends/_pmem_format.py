@@ -70,35 +70,24 @@ REC_PAYLOAD = 24
 KIND_ROW = 1
 CACHE_LINE = 64
 
-# CRC-8 (poly 0x07) of a seq word's counter: it detects every burst of up to 8 bits, so any
-# one changed byte of the word, which is what tells a damaged record from a cut-short write
-_CRC8 = np.zeros(256, dtype=np.uint8)
-for _b in range(256):
-    _c = _b
-    for _ in range(8):
-        _c = ((_c << 1) ^ 0x07) & 0xFF if _c & 0x80 else (_c << 1) & 0xFF
-    _CRC8[_b] = _c
-del _b, _c
-
-
-def _crc8(counters: np.ndarray) -> np.ndarray:
-    crc = np.zeros(len(counters), dtype=np.uint8)
-    for k in range(7):
-        crc = _CRC8[crc ^ ((counters >> np.uint64(8 * k)) & np.uint64(0xFF)).astype(np.uint8)]
-    return crc
-
-
 def seq_words(counters: np.ndarray) -> np.ndarray:
-    """uint64 seq words for counters (uint64, each in [1, 2**56)): counter << 8 | CRC-8."""
-    counters = np.asarray(counters, dtype=np.uint64)
-    return (counters << np.uint64(8)) | _crc8(counters).astype(np.uint64)
+    """uint64 seq words for counters (uint64, each in [1, 2**56)): counter << 8 | CRC-8.
+
+    The CRC-8 (poly 0x07) of the counter's 7 low bytes detects every burst of up to 8 bits,
+    so any one changed byte of the word, which is what tells a damaged record from a
+    cut-short write. Computed by the same C code that writes records.
+    """
+    counters = np.ascontiguousarray(counters, dtype=np.uint64)
+    out = np.empty(len(counters), dtype=np.uint64)
+    lib.rec_seq_words(_ptr("uint64_t *", counters), len(counters), _ptr("uint64_t *", out))
+    return out
 
 
 def seq_counters(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(counters, intact) of uint64 seq words; intact is False where the CRC-8 fails."""
     words = np.asarray(words, dtype=np.uint64)
     counters = words >> np.uint64(8)
-    return counters, _crc8(counters) == (words & np.uint64(0xFF)).astype(np.uint8)
+    return counters, seq_words(counters) == words
 
 
 SEGMENT_SLOTS = 1024  # allocation unit: see PmemBackend._alloc

@@ -10,9 +10,10 @@ fdatasync rather than one msync per range). Without libpmem, or with
 `EMBSTORE_PMEM_FORCE_MMAP=1`, the file is mapped with Python's `mmap` instead; `statistics()`
 says which (`libpmem`, `is_pmem`). The file format is the same either way.
 
-Updates are out of place: a put writes a complete new record, with a higher sequence number,
-to a free slot; the slot of the previous version is retired (its seq word zeroed) only at the
-next flush, after the new version is durable. A delete retires the row's slot at flush the same
+Updates of flushed rows are out of place: a put writes a complete new record, with a higher
+sequence number, to a free slot; the slot of the previous version is retired (its seq word
+zeroed) only at the next flush, after the new version is durable. A row written again before
+that flush is rewritten in its new slot, which holds nothing a flush has promised. A delete retires the row's slot at flush the same
 way. Reopening scans every record (vectorised) and keeps, per id, the valid record with the
 highest seq. So a crash never loses a row acknowledged by a flush and never yields a torn row.
 
@@ -458,14 +459,15 @@ class PmemBackend(Backend):
         self._free_count -= n
         return out
 
-    def _take_seqs(self, n: int) -> np.ndarray:
+    def _take_seqs(self, n: int) -> int:
+        """Hand out counters [first, first + n); returns first."""
         first = self._next_seq
         if first + n - 1 > self._reserve:
             # durable before any record carries a seq above the old reserve (module doc)
             self._reserve = first + n - 1 + self._seq_reserve_step
             self._write_state()
         self._next_seq += n
-        return seq_words(np.arange(first, first + n, dtype=np.uint64))
+        return first
 
     def _supersede(self, slots: np.ndarray) -> None:
         """Give up the records in `slots`: durable ones are retired at the next flush (after
@@ -544,19 +546,28 @@ class PmemBackend(Backend):
         return out, found
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        # A row written since the last flush is rewritten in its own slot: no flush has
+        # promised that version, and the flushed one (if any) waits retired in another slot,
+        # so a write cut short there is ignored on reopen like any unflushed one. Every
+        # other row gets a new slot (out of place, see the module doc).
         n = len(ids)
-        self._ensure_free(n)  # the only step that can fail for lack of space: first
-        seqs = self._take_seqs(n)
-        slots = self._alloc(n)
+        slots = self._index.find(ids).astype(np.int64)
+        fresh = slots < 0
+        fresh[~fresh] = self._state[slots[~fresh]] != _DIRTY
+        k = int(np.count_nonzero(fresh))
+        self._ensure_free(k)  # the only step that can fail for lack of space: first
+        first = self._take_seqs(n)
+        new_slots = self._alloc(k)
+        slots[fresh] = new_slots
         lib.rec_write(self._base(), self._rec, REC_PAYLOAD, self._row_bytes,
                       ffi.cast("int64_t *", slots.ctypes.data),
-                      ffi.cast("int64_t *", ids.ctypes.data),
-                      ffi.cast("uint64_t *", seqs.ctypes.data), KIND_ROW,
+                      ffi.cast("int64_t *", ids.ctypes.data), first, KIND_ROW,
                       ffi.cast("char *", rows.ctypes.data), n)
-        self._state[slots] = _DIRTY
-        self._touched.append(slots)
-        old = self._index.upsert(ids, slots.astype(np.int32))
-        self._supersede(old[old >= 0].astype(np.int64))
+        if k:
+            self._touched.append(new_slots)
+            old = self._index.upsert(np.ascontiguousarray(ids[fresh]),
+                                     new_slots.astype(np.int32))
+            self._supersede(old[old >= 0].astype(np.int64))
 
     def _delete(self, ids: np.ndarray) -> np.ndarray:
         slots = self._lookup(ids)

@@ -271,7 +271,10 @@ def _load(backend: Backend, raw: _Raw, zipf: ZipfIds, args: argparse.Namespace) 
         rows = _rows(args, start, n)
         backend.put(zipf.ids[ranks], rows)
         raw.write(zipf.ids[ranks], ranks, rows)
+    # Both sides start from a durable table, as one opened from disk does: a mapped file
+    # left dirty by its load would take the measured writes without a single write fault.
     backend.flush()
+    raw.sync()
     # Compaction left running in the background would slow whichever side it hits.
     if isinstance(backend, _Compactable):
         backend.compact()

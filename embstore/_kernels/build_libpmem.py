@@ -43,8 +43,9 @@ int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset
 int64_t rec_index_upsert(int64_t *keys, int32_t *vals, uint64_t mask, const int64_t *ids,
                          const int32_t *slots, int64_t n, int32_t *old_slots);
 void rec_write(char *base, int64_t record_size, int64_t payload_offset, int64_t row_bytes,
-               const int64_t *slots, const int64_t *ids, const uint64_t *seq_words,
+               const int64_t *slots, const int64_t *ids, uint64_t first_counter,
                uint32_t kind, const char *rows, int64_t n);
+void rec_seq_words(const uint64_t *counters, int64_t n, uint64_t *out);
 void rec_zero_seq(char *base, int64_t record_size, int64_t seq_offset,
                   const int64_t *slots, int64_t n);
 int rec_madvise(void *addr, size_t len, int advice);

@@ -205,29 +205,46 @@ int64_t rec_index_upsert(int64_t *keys, int32_t *vals, uint64_t mask, const int6
     return inserted;
 }
 
-/* Build and write the record of each row in place: id, kind, payload, padding, CRC, and the
- * seq word last. A process killed mid-record so leaves seq 0 (a free slot) or, mid-way
- * through a reused slot's bytes, a CRC mismatch under a seq above the durable watermark,
- * both of which reopening ignores. The CRC is computed from the caller's values, so the
- * mapping is only written, never read back. */
+/* The seq word of a counter: counter << 8 | CRC-8 (poly 0x07, MSB first, init 0) of the
+ * counter's 7 low bytes, low byte first; the same as _pmem_format.seq_words. */
+static uint64_t seq_word(uint64_t counter) {
+    uint8_t crc = 0;
+    for (int k = 0; k < 7; k++) {
+        crc ^= (uint8_t)(counter >> (8 * k));
+        for (int b = 0; b < 8; b++) 
+            crc = (crc & 0x80) ? (uint8_t)((crc << 1) ^ 0x07) : (uint8_t)(crc << 1);
+    }
+    return counter << 8 | crc;
+}
+
+void rec_seq_words(const uint64_t *counters, int64_t n, uint64_t *out) {
+    for (int64_t j = 0; j < n; j++) out[j] = seq_word(counters[j]);
+}
+
+/* Build and write the record of each row: id, kind, payload, padding, CRC, and the seq word
+ * (counter first_counter + j for row j) last. A process killed mid-record so leaves seq 0
+ * (a free slot) or, mid-way through a reused or rewritten slot's bytes, a CRC mismatch
+ * under a seq above the durable watermark, both of which reopening ignores. The CRC is
+ * computed from the caller's values, so the mapping is only written, never read back. */
 void rec_write(char *base, int64_t record_size, int64_t payload_offset, int64_t row_bytes,
-               const int64_t *slots, const int64_t *ids, const uint64_t *seq_words,
+               const int64_t *slots, const int64_t *ids, uint64_t first_counter,
                uint32_t kind, const char *rows, int64_t n) {
     crc_fn f = pick();
     int64_t pad = record_size - payload_offset - row_bytes;
     for (int64_t j = 0; j < n; j++) {
         char *dst = base + slots[j] * record_size;
         const char *row = rows + j * row_bytes;
+        uint64_t word = seq_word(first_counter + (uint64_t)j);
         uint32_t c = f(0xFFFFFFFFu, (const unsigned char *)&ids[j], 8);
         c = f(c, (const unsigned char *)&kind, 4);
-        c = f(c, (const unsigned char *)&seq_words[j], 8);
+        c = f(c, (const unsigned char *)&word, 8);
         c = f(c, (const unsigned char *)row, row_bytes) ^ 0xFFFFFFFFu;
         memcpy(dst, &ids[j], 8);
         memcpy(dst + REC_CRC_OFFSET, &c, 4);
         memcpy(dst + REC_KIND_OFFSET, &kind, 4);
         memcpy(dst + payload_offset, row, (size_t)row_bytes);
         if (pad) memset(dst + payload_offset + row_bytes, 0, (size_t)pad);
-        __atomic_store_n((uint64_t *)(dst + REC_SEQ_OFFSET), seq_words[j], __ATOMIC_RELEASE);
+        __atomic_store_n((uint64_t *)(dst + REC_SEQ_OFFSET), word, __ATOMIC_RELEASE);
     }
 }
 

@@ -387,6 +387,11 @@ def test_overwrite_leaves_the_flushed_record_untouched_until_the_next_flush(tmp_
         slots = _slots_of(file, 5)
         assert len(slots) == 2  # the new version went to another slot
         np.testing.assert_array_equal(_records(file)[old], before)
+        # no flush promised the new version: a rewrite before the next flush reuses its slot
+        b.put(_ids(5), _rows(1, seed=3))
+        np.testing.assert_array_equal(_slots_of(file, 5), slots)
+        np.testing.assert_array_equal(_records(file)[old], before)
+        np.testing.assert_array_equal(b.get(_ids(5))[0], _rows(1, seed=3))
         b.flush()
         (new,) = _slots_of(file, 5)  # the old version is retired only now
         assert new != old
