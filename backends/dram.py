@@ -158,10 +158,27 @@ class DRAMBackend(Backend):
         return rows, found, slots
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        slots, _ = self._index.add(ids)
+        self._put_slots(ids, rows)
+
+    def _put_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        slots, inserted = self._index.add(ids)
         self._slabs.ensure(self._index.high_water)
         self._slabs.scatter(slots, rows)
         self._dirty_since_flush = True
+        return slots, inserted
+
+    def put_with_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray,
+                                                                          np.ndarray]:
+        """`put` of distinct ids; returns (their slots in `index`, which were inserted)."""
+        self._check_writable()
+        ids = self._check_ids(ids)
+        rows = self._check_rows(ids, rows)
+        return self._put_slots(ids, rows)
+
+    def rows_at(self, slots: np.ndarray) -> np.ndarray:
+        """The rows at live `slots` (int32[N]) of `index`, a copy; no hash probe."""
+        self._check_open()
+        return self._slabs.gather(np.ascontiguousarray(slots, dtype=np.int32))
 
     def _delete(self, ids: np.ndarray) -> np.ndarray:
         found = self._index.remove(ids) >= 0

@@ -13,9 +13,10 @@ says which (`libpmem`, `is_pmem`). The file format is the same either way.
 Updates of flushed rows are out of place: a put writes a complete new record, with a higher
 sequence number, to a free slot; the slot of the previous version is retired (its seq word
 zeroed) only at the next flush, after the new version is durable. A row written again before
-that flush is rewritten in its new slot, which holds nothing a flush has promised. A delete retires the row's slot at flush the same
-way. Reopening scans every record (vectorised) and keeps, per id, the valid record with the
-highest seq. So a crash never loses a row acknowledged by a flush and never yields a torn row.
+that flush is rewritten in its new slot, which holds nothing a flush has promised. A delete
+retires the row's slot at flush the same way. Reopening scans every record (vectorised) and
+keeps, per id, the valid record with the highest seq. So a crash never loses a row acknowledged
+by a flush and never yields a torn row.
 
 The file layout (header, state blocks, records) is documented, with its byte offsets, in
 `backends/_pmem_format.py`; the names are re-exported here for the corruption tests.

@@ -280,3 +280,10 @@ class SupportsSlots(Protocol):
 
     def get_with_slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`get`, plus the slot of each id (int32[N], -1 where absent)."""
+
+    def put_with_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray,
+                                                                          np.ndarray]:
+        """`put` of distinct ids; returns (their slots int32[N], inserted bool[N])."""
+
+    def rows_at(self, slots: np.ndarray) -> np.ndarray:
+        """The rows stored at live `slots` (int32[N]), a copy; no hash probe."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ._dirty import DirtyIds, DirtySet, DirtySlots
 from .backend import Backend, SupportsSlots
 from .index import IdGroups, IdIndex, copy_rows
 from .policy import AdmissionPolicy, EvictionPolicy, SupportsSharedIndex
@@ -72,7 +73,10 @@ class Tier:
         self.eviction = eviction
         self.admission = admission
         self.is_bottom = is_bottom
-        self.dirty = None if is_bottom else IdIndex()
+        # a backend with slots of its own keeps its rows' slots at hand: dirty bits per slot
+        self.slotted = isinstance(backend, SupportsSlots)
+        self.dirty: DirtySet | None = (None if is_bottom else DirtySlots(backend.index)
+                                       if self.slotted else DirtyIds())
         # the policy tracks ids in the backend's own slots where both allow it: a hit then
         # costs the backend's hash probe alone
         self.shares_index = (isinstance(backend, SupportsSlots)
@@ -142,24 +146,33 @@ class TableChain:
         miss_pos = np.flatnonzero(~found)
         groups = IdGroups(np.ascontiguousarray(ids[miss_pos]))
         u = groups.unique
-        urows = np.empty((len(u), self.width), dtype=self.dtype)
         level_of = np.full(len(u), -1, dtype=np.int64)
         remaining = np.arange(len(u))
         if self._absent is not None:
             remaining = remaining[self._absent.find(u) < 0]
+        urows = None
         for tier in self.tiers[1:]:
             r, f, n_hit = tier.lookup(u[remaining], now)
-            if n_hit == len(remaining):  # the common case below the top: one copy, no masks
-                copy_rows(urows, remaining, r, None)
-                level_of[remaining] = tier.level
+            if urows is None and len(remaining) == len(u):
+                # every id asked: its rows are the result as they stand (zeros where absent,
+                # by Backend.get's contract, and ours to keep), no copy
+                urows = np.ascontiguousarray(r)
+                level_of[f] = tier.level
+            elif n_hit:
+                if urows is None:
+                    urows = np.zeros((len(u), self.width), dtype=self.dtype)
+                hit = np.flatnonzero(f)
+                copy_rows(urows, remaining[hit], r, hit)
+                level_of[remaining[hit]] = tier.level
+            remaining = remaining[~f]
+            if not len(remaining):
                 break
-            if n_hit:
-                urows[remaining[f]] = r[f]
-                level_of[remaining[f]] = tier.level
-                remaining = remaining[~f]
-        urows[level_of < 0] = 0
+        if urows is None:
+            urows = np.zeros((len(u), self.width), dtype=self.dtype)
+        # rows found nowhere are zeros here; the store fills in their initial values
+        nowhere = np.flatnonzero(level_of < 0)
         self._promote(u, urows, level_of, now)
-        absent = u[level_of < 0]
+        absent = u[nowhere]
         self._absent = None
         if len(absent):
             self._absent = IdIndex(2 * len(absent))
@@ -233,17 +246,26 @@ class TableChain:
         if not len(ids):
             return
         ids = np.ascontiguousarray(ids)
-        if tier.eviction is not None and existed is None:
-            existed = tier.backend.contains(ids)
-        tier.backend.put(ids, np.ascontiguousarray(rows))
+        rows = np.ascontiguousarray(rows)
+        slots = None
+        if tier.slotted:
+            slots, inserted = tier.backend.put_with_slots(ids, rows)
+            existed = ~inserted
+        else:
+            if tier.eviction is not None and existed is None:
+                existed = tier.backend.contains(ids)
+            tier.backend.put(ids, rows)
         if tier.eviction is not None:
             if existed.any():
-                tier.eviction.record_access(ids[existed], now)
+                if tier.shares_index:
+                    tier.eviction.record_access_slots(slots[existed], now)
+                else:
+                    tier.eviction.record_access(ids[existed], now)
             if not existed.all():
                 tier.eviction.record_insert(np.ascontiguousarray(ids[~existed]), now)
                 tier.rows += int(len(ids) - np.count_nonzero(existed))
         if dirty and tier.dirty is not None:
-            tier.dirty.add(ids)
+            tier.dirty.mark(ids, slots)
         self._enforce_capacity(tier, now)
 
     def _enforce_capacity(self, tier: Tier, now: int) -> None:
@@ -259,19 +281,22 @@ class TableChain:
             return
         victims = np.ascontiguousarray(victims, dtype=np.int64)
         if tier.dirty is not None:
-            dirty = victims[tier.dirty.find(victims) >= 0]
-            if len(dirty):
+            dirty, slots = tier.dirty.which(victims)
+            if dirty.any():
                 # write-back before drop: the victim's value must exist below first
-                self._write_back(tier, dirty, now)
+                self._write_back(tier, victims[dirty], None if slots is None else slots[dirty],
+                                 now)
         tier.backend.delete(victims)
         tier.rows -= len(victims)
         tier.counters["evictions"] += len(victims)
 
-    def _write_back(self, tier: Tier, ids: np.ndarray, now: int) -> None:
-        rows, _ = tier.backend.get(ids)
+    def _write_back(self, tier: Tier, ids: np.ndarray, slots: np.ndarray | None,
+                    now: int) -> None:
+        """Copy the dirty rows `ids` (at `slots` of a slotted tier) into the tier below."""
+        rows = tier.backend.rows_at(slots) if slots is not None else tier.backend.get(ids)[0]
         below = self.tiers[tier.level + 1]
         self._insert(below, ids, rows, dirty=True, now=now)
-        tier.dirty.remove(ids)
+        tier.dirty.clear(ids, slots)
         tier.counters["writebacks"] += len(ids)
 
     def delete(self, ids: np.ndarray) -> np.ndarray:
@@ -279,14 +304,15 @@ class TableChain:
         self._absent = None
         found = np.zeros(len(ids), dtype=bool)
         for tier in self.tiers:
-            if tier.eviction is not None:  # first: a shared index must still know the ids
+            # first: a shared index, and dirty bits per slot, must still know the ids
+            if tier.eviction is not None:
                 tier.eviction.record_remove(ids)
+            if tier.dirty is not None:
+                tier.dirty.clear(ids, None)
             removed = tier.backend.delete(ids)
             if tier.rows is not None:
                 tier.rows -= int(np.count_nonzero(removed))
             found |= removed
-            if tier.dirty is not None:
-                tier.dirty.remove(ids)
         return found
 
     # --- whole-table operations -------------------------------------------------------------
@@ -305,9 +331,9 @@ class TableChain:
         """Write every dirty row down to the store of record, level by level."""
         now = self._tick()
         for tier in self.tiers[:-1]:
-            dirty = tier.dirty.items()[0]
+            dirty, slots = tier.dirty.items()
             if len(dirty):
-                self._write_back(tier, dirty, now)
+                self._write_back(tier, dirty, slots, now)
 
     def flush(self) -> None:
         """Write back every dirty row, then make the store of record durable."""
