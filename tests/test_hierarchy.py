@@ -31,6 +31,28 @@ def test_statistics_count_hits_misses_promotions_evictions_and_writebacks(tmp_pa
         assert store.tier_statistics("t")[1].rows == 3  # every dirty row written down
 
 
+@pytest.mark.parametrize("eviction", ["fifo", "clock", "lru"])
+def test_a_clean_row_in_a_reused_slot_is_never_written_back(tmp_path, eviction):
+    """Dirty marks follow the row, not the DRAM slot it leaves for the next id."""
+    tiers = [TierSpec("dram", capacity=1, eviction=eviction), TierSpec("rocksdb")]
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        store.update("t", [1], ONES * 1)
+        store.update("t", [2], ONES * 2)  # evicts 1: dirty, written back
+        store.flush()  # writes 2 back: every row clean
+        assert store.tier_statistics("t")[0].writebacks == 2
+        for i in (1, 2, 1, 2):  # each lookup promotes one clean row into the freed slot
+            np.testing.assert_array_equal(store.lookup("t", [i]), ONES * i)
+        top = store.tier_statistics("t")[0]
+        assert top.promotions == 4 and top.evictions == 5
+        assert top.writebacks == 2  # clean evictions wrote nothing
+        store.update("t", [3], ONES * 3)  # a dirty row again, in a reused slot
+        store.lookup("t", [1])  # evicts 3: written back
+        assert store.tier_statistics("t")[0].writebacks == 3
+    with embstore.open(tmp_path / "s") as store:
+        np.testing.assert_array_equal(store.lookup("t", [1, 2, 3]),
+                                      np.concatenate([ONES * 1, ONES * 2, ONES * 3]))
+
+
 def test_feature_admission_drops_updates_of_unadmitted_ids(tmp_path):
     tiers = [TierSpec("rocksdb", admission="frequency", admission_options={"threshold": 2})]
     with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
