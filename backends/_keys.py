@@ -16,10 +16,9 @@ as well as the payload, so a value copied under another key is detected too.
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Generic, TypeVar
@@ -35,7 +34,6 @@ __all__ = [
     "PAYLOAD_OFFSET",
     "VALUE_LAYOUT",
     "SharedHandles",
-    "check_options",
     "decode_keys",
     "decode_values",
     "encode_keys",
@@ -95,19 +93,6 @@ def decode_values(ids: np.ndarray, values: list[Any], rec: np.dtype, *, table: s
     packed = np.frombuffer(buf, dtype=rec)
     verify_rows(ids, packed["row"], packed["crc"], table=table, file=file)
     return packed["row"]
-
-
-def check_options(cls: type, options: Mapping[str, Any]) -> None:
-    """Raise ConfigError naming any of `options` that `cls.__init__` does not take."""
-    known = {p.name for p in inspect.signature(cls.__init__).parameters.values()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        name = getattr(cls, "name", cls.__name__)
-        raise ConfigError(
-            f"unknown {name} backend option(s) {unknown}; it takes {sorted(known)}: "
-            "fix the tier's options"
-        )
 
 
 H = TypeVar("H")

@@ -27,14 +27,14 @@ damage the environment (A, C and D), as LMDB documents for MDB_NOSYNC.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Final, NoReturn, TypeVar, final
 
 import lmdb
 import numpy as np
 
-from embstore.backend import Backend, BackendSpec
+from embstore.backend import BackendSpec
 from embstore.errors import (
     CapacityError,
     ConfigError,
@@ -49,18 +49,15 @@ from ._keys import (
     PAYLOAD_OFFSET,
     VALUE_LAYOUT,
     SharedHandles,
-    check_options,
-    decode_keys,
-    decode_values,
     encode_keys,
     encode_values,
     record_dtype,
 )
+from ._kv import KeyValueBackend, check_table_meta, table_meta
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "FILE_MODE", "PAYLOAD_OFFSET", "VALUE_LAYOUT",
            "LMDBBackend"]
 
-FORMAT: Final = 1
 FILE_MODE: Final = 0o600
 DB_PREFIX: Final = b"t:"
 META_DB: Final = b"embstore:meta"
@@ -70,7 +67,7 @@ T = TypeVar("T")
 
 
 @final
-class LMDBBackend(Backend):
+class LMDBBackend(KeyValueBackend):
     """One table in a named database of the LMDB environment of its tier directory.
 
     Args:
@@ -129,12 +126,6 @@ class LMDBBackend(Backend):
             _HANDLES.release(self._key, _close_env)
             raise
 
-    @classmethod
-    def open(cls, spec: BackendSpec, **options: Any) -> LMDBBackend:
-        # docstring inherited
-        check_options(cls, options)
-        return cls(spec, **options)
-
     # --- opening --------------------------------------------------------------------------
 
     def _open_env(self) -> Any:
@@ -157,7 +148,6 @@ class LMDBBackend(Backend):
         return env
 
     def _open_table(self) -> Any:
-        meta = {"format": FORMAT, "dim": self.spec.dim, "dtype": self.spec.dtype.str}
         name = DB_PREFIX + self.spec.table.encode()
         create = not self.spec.read_only
         try:
@@ -168,14 +158,7 @@ class LMDBBackend(Backend):
             stored = None
         except lmdb.Error as exc:
             _fail(exc, f"opening table {self.spec.table!r} in {self._dir}")
-        if stored is not None:
-            found = json.loads(bytes(stored))
-            if (found.get("dim"), found.get("dtype")) != (meta["dim"], meta["dtype"]):
-                raise ConfigError(
-                    f"table {self.spec.table!r} in {self._dir} holds rows of dim "
-                    f"{found.get('dim')} dtype {found.get('dtype')}, the spec asks for dim "
-                    f"{self.spec.dim} dtype {self.spec.dtype.str}; open it with its own spec"
-                )
+        check_table_meta(self.spec, self._dir, stored)
         try:
             if create:
                 # In a write transaction of ours, so that a full map grows instead of failing.
@@ -189,7 +172,7 @@ class LMDBBackend(Backend):
         except lmdb.Error as exc:
             _fail(exc, f"opening table {self.spec.table!r} in {self._dir}")
         if stored is None and create:
-            record = json.dumps(meta).encode()
+            record = json.dumps(table_meta(self.spec)).encode()
             self._write_txn(lambda txn: txn.put(self.spec.table.encode(), record, db=meta_db))
         return db
 
@@ -248,18 +231,7 @@ class LMDBBackend(Backend):
 
         def read(txn: Any) -> tuple[np.ndarray, np.ndarray]:
             get = txn.get
-            values = [get(k, db=db) for k in keys]
-            if None not in values:
-                # Every id stored (the common case): one gather from the checked buffer.
-                rows_u = decode_values(uniq, values, self._rec, table=self.spec.table,
-                                       file=self._file)
-                return rows_u[inverse], np.ones(n, dtype=bool)
-            found = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
-            rows = np.zeros((len(uniq), self.spec.dim), dtype=self.spec.dtype)
-            if found.any():
-                rows[found] = decode_values(uniq[found], [v for v in values if v is not None],
-                                            self._rec, table=self.spec.table, file=self._file)
-            return rows[inverse], found[inverse]
+            return self._assemble(uniq, inverse, [get(k, db=db) for k in keys])
 
         return self._read_txn(read)
 
@@ -276,59 +248,27 @@ class LMDBBackend(Backend):
 
         return self._write_txn(delete)
 
-    def _scan(self, batch_rows: int, *, values: bool) -> Iterator[tuple[list[bytes], list[Any]]]:
-        """Yield (keys, values) in key order, batch_rows at a time.
+    def _where(self) -> str:
+        return str(self._file)
 
-        Each batch has its own read transaction, so none stays open while the caller works
-        (an open one would block growing the map and pin old pages).
-        """
-        after: bytes | None = None
-        while True:
-            self._check_open()
+    def _scan_page(self, after: bytes | None, limit: int, values: bool
+                   ) -> tuple[list[bytes], list[Any]]:
+        # its own read transaction: an open one would block growing the map and pin old pages
+        def read(txn: Any) -> tuple[list[bytes], list[Any]]:
+            cur = txn.cursor(db=self._db)
+            keys: list[bytes] = []
+            vals: list[Any] = []
+            ok = cur.first() if after is None else cur.set_range(after)
+            if ok and after is not None and cur.key() == after:
+                ok = cur.next()
+            while ok and len(keys) < limit:
+                keys.append(cur.key())
+                if values:
+                    vals.append(cur.value())
+                ok = cur.next()
+            return keys, vals
 
-            def read(txn: Any, after: bytes | None = after) -> tuple[list[bytes], list[Any]]:
-                cur = txn.cursor(db=self._db)
-                keys: list[bytes] = []
-                vals: list[Any] = []
-                ok = cur.first() if after is None else cur.set_range(after)
-                if ok and after is not None and cur.key() == after:
-                    ok = cur.next()
-                while ok and len(keys) < batch_rows:
-                    keys.append(cur.key())
-                    if values:
-                        vals.append(cur.value())
-                    ok = cur.next()
-                return keys, vals
-
-            keys, vals = self._read_txn(read)
-            if not keys:
-                return
-            yield keys, vals
-            if len(keys) < batch_rows:
-                return
-            after = keys[-1]
-
-    def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield (ids, rows) batches in id order, every stored row once.
-
-        Raises:
-            StoreClosedError: after close().
-            CorruptStoreError: a row failed its checksum.
-        """
-        self._check_open()
-        if batch_rows < 1:
-            raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
-        return self._items(batch_rows)
-
-    def _items(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for keys, vals in self._scan(batch_rows, values=True):
-            ids = decode_keys(keys)
-            rows = decode_values(ids, vals, self._rec, table=self.spec.table, file=self._file)
-            yield ids, rows.copy()
-
-    def _ids(self) -> np.ndarray:
-        parts = [decode_keys(keys) for keys, _ in self._scan(1 << 16, values=False)]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return self._read_txn(read)
 
     def _len(self) -> int:
         return int(self._read_txn(lambda txn: txn.stat(self._db)["entries"]))

@@ -25,14 +25,13 @@ recovery replays the log up to its first damaged record. `sync_writes=True` sync
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Final, NoReturn, final
 
 import numpy as np
 import rocksdict
 
-from embstore.backend import Backend, BackendSpec
+from embstore.backend import BackendSpec
 from embstore.errors import (
     ConfigError,
     CorruptStoreError,
@@ -47,17 +46,14 @@ from ._keys import (
     PAYLOAD_OFFSET,
     VALUE_LAYOUT,
     SharedHandles,
-    check_options,
-    decode_keys,
-    decode_values,
     encode_keys,
     encode_values,
     record_dtype,
 )
+from ._kv import KeyValueBackend, check_table_meta, table_meta
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend"]
 
-FORMAT: Final = 1
 CF_PREFIX: Final = "t:"
 META_PREFIX: Final = b"embstore/table/"
 _COMPRESSION: Final = {
@@ -104,7 +100,7 @@ def _fail(exc: Exception, what: str) -> NoReturn:
 
 
 @final
-class RocksDBBackend(Backend):
+class RocksDBBackend(KeyValueBackend):
     """One table in a column family of the RocksDB database of its tier directory.
 
     Reads fetch the distinct ids of a batch in key order with one multi-get. Measured on 2M rows
@@ -178,12 +174,6 @@ class RocksDBBackend(Backend):
             _HANDLES.release(self._key, _Shared.close)
             raise
 
-    @classmethod
-    def open(cls, spec: BackendSpec, **options: Any) -> RocksDBBackend:
-        # docstring inherited
-        check_options(cls, options)
-        return cls(spec, **options)
-
     # --- opening --------------------------------------------------------------------------
 
     def _open_db(self) -> _Shared:
@@ -216,19 +206,11 @@ class RocksDBBackend(Backend):
 
     def _open_table(self, shared: _Shared) -> tuple[Any, Any]:
         meta_key = META_PREFIX + self.spec.table.encode()
-        meta = {"format": FORMAT, "dim": self.spec.dim, "dtype": self.spec.dtype.str}
         try:
             stored = self._db.get(meta_key)
         except Exception as exc:
             _fail(exc, f"opening table {self.spec.table!r} in {self._dir}")
-        if stored is not None:
-            found = json.loads(stored)
-            if (found.get("dim"), found.get("dtype")) != (meta["dim"], meta["dtype"]):
-                raise ConfigError(
-                    f"table {self.spec.table!r} in {self._dir} holds rows of dim "
-                    f"{found.get('dim')} dtype {found.get('dtype')}, the spec asks for dim "
-                    f"{self.spec.dim} dtype {self.spec.dtype.str}; open it with its own spec"
-                )
+        check_table_meta(self.spec, self._dir, stored)
         if self._cf_name in shared.column_families:
             cf = self._db.get_column_family(self._cf_name)
         elif self.spec.read_only:
@@ -242,7 +224,7 @@ class RocksDBBackend(Backend):
             # Synced: a reopen must find the spec of every table whose rows it finds.
             sync = rocksdict.WriteOptions()
             sync.sync = True
-            self._db.put(meta_key, json.dumps(meta).encode(), sync)
+            self._db.put(meta_key, json.dumps(table_meta(self.spec)).encode(), sync)
         return cf, self._db.get_column_family_handle(self._cf_name)
 
     # --- Backend --------------------------------------------------------------------------
@@ -260,21 +242,6 @@ class RocksDBBackend(Backend):
         except Exception as exc:
             _fail(exc, f"reading table {self.spec.table!r} in {self._where()}")
         return self._assemble(uniq, inverse, values)
-
-    def _assemble(self, uniq: np.ndarray, inverse: np.ndarray,
-                  values: list[Any]) -> tuple[np.ndarray, np.ndarray]:
-        """Rows and found mask of a batch from the values of its distinct ids (None: absent)."""
-        where = self._where()
-        if None not in values:
-            # Every id stored (the common case): one gather from the checked buffer.
-            rows_u = decode_values(uniq, values, self._rec, table=self.spec.table, file=where)
-            return rows_u[inverse], np.ones(len(inverse), dtype=bool)
-        found_u = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
-        rows_u = np.zeros((len(uniq), self.spec.dim), dtype=self.spec.dtype)
-        if found_u.any():
-            rows_u[found_u] = decode_values(uniq[found_u], [v for v in values if v is not None],
-                                            self._rec, table=self.spec.table, file=where)
-        return rows_u[inverse], found_u[inverse]
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
         batch = rocksdict.WriteBatch(raw_mode=True)
@@ -307,64 +274,32 @@ class RocksDBBackend(Backend):
             self._write(batch)
         return present
 
-    def _scan(self, batch_rows: int, *, values: bool) -> Iterator[tuple[list[bytes], list[bytes]]]:
-        """Yield (keys, values) in key order, batch_rows at a time, checking the scan's status.
-
-        Each batch uses its own iterator that seeks past the previous batch's last key, so no
-        iterator outlives a batch (an open iterator keeps the database open).
-        """
-        after: bytes | None = None
-        while True:
-            self._check_open()
-            keys: list[bytes] = []
-            vals: list[bytes] = []
-            try:
-                it = self._cf.iter()
-                if after is None:
-                    it.seek_to_first()
-                else:
-                    it.seek(after)
-                    if it.valid() and it.key() == after:
-                        it.next()
-                while len(keys) < batch_rows and it.valid():
-                    keys.append(it.key())
-                    if values:
-                        vals.append(it.value())
+    def _scan_page(self, after: bytes | None, limit: int, values: bool
+                   ) -> tuple[list[bytes], list[Any]]:
+        # its own iterator, seeking past the previous page: an open iterator keeps the
+        # database open
+        keys: list[bytes] = []
+        vals: list[bytes] = []
+        try:
+            it = self._cf.iter()
+            if after is None:
+                it.seek_to_first()
+            else:
+                it.seek(after)
+                if it.valid() and it.key() == after:
                     it.next()
-                # An iterator stops (valid() False) on an I/O or checksum error as it does at
-                # the end; only status() tells them apart.
-                it.status()
-                del it
-            except Exception as exc:
-                _fail(exc, f"scanning table {self.spec.table!r} in {self._where()}")
-            if not keys:
-                return
-            yield keys, vals
-            if len(keys) < batch_rows:
-                return
-            after = keys[-1]
-
-    def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield (ids, rows) batches in id order, every stored row once.
-
-        Raises:
-            StoreClosedError: after close().
-            CorruptStoreError: a block or a row failed its checksum (the scan never ends early).
-        """
-        self._check_open()
-        if batch_rows < 1:
-            raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
-        return self._items(batch_rows)
-
-    def _items(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for keys, vals in self._scan(batch_rows, values=True):
-            ids = decode_keys(keys)
-            rows = decode_values(ids, vals, self._rec, table=self.spec.table, file=self._where())
-            yield ids, rows.copy()
-
-    def _ids(self) -> np.ndarray:
-        parts = [decode_keys(keys) for keys, _ in self._scan(1 << 16, values=False)]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            while len(keys) < limit and it.valid():
+                keys.append(it.key())
+                if values:
+                    vals.append(it.value())
+                it.next()
+            # An iterator stops (valid() False) on an I/O or checksum error as it does at the
+            # end; only status() tells them apart.
+            it.status()
+            del it
+        except Exception as exc:
+            _fail(exc, f"scanning table {self.spec.table!r} in {self._where()}")
+        return keys, vals
 
     def _len(self) -> int:
         seq = self._db.latest_sequence_number()

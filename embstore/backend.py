@@ -9,6 +9,7 @@ name equals the class's `name`; the registry finds it and the contract suite tes
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from .errors import (
+    ConfigError,
     DimensionMismatchError,
     DtypeMismatchError,
     InvalidIdsError,
@@ -94,6 +96,14 @@ class Backend(ABC):
             ConfigError: an unknown or invalid option.
             CorruptStoreError: existing files fail their integrity checks.
         """
+        known = {p.name for p in inspect.signature(cls.__init__).parameters.values()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown {cls.name} backend option(s) {unknown}; it takes {sorted(known)}: "
+                "fix the tier's options"
+            )
         return cls(spec, **options)
 
     # --- guards -------------------------------------------------------------------------

@@ -32,13 +32,17 @@ void scatter_add_f64(const int64_t *inverse, int64_t n, int64_t dim, const doubl
                      double *out);
 """
 
-ffibuilder = FFI()
-ffibuilder.cdef(CDEF)
-ffibuilder.set_source(
-    "embstore._kernels._dram_index",
-    (Path(__file__).parent / "dram_index.c").read_text(),
-    extra_compile_args=["-O3", "-std=c99"],
-)
+
+def _builder(module: str, cdef: str, source: str, std: str) -> FFI:
+    """An API-mode builder of `module` from one C file beside this one."""
+    builder = FFI()
+    builder.cdef(cdef)
+    builder.set_source(module, (Path(__file__).parent / source).read_text(),
+                       extra_compile_args=["-O3", f"-std={std}"])
+    return builder
+
+
+ffibuilder = _builder("embstore._kernels._dram_index", CDEF, "dram_index.c", "c99")
 
 CHECKSUM_CDEF = """
 void crc32c_rows(const int64_t *ids, const char *rows, int64_t n, int64_t row_bytes,
@@ -47,13 +51,8 @@ uint32_t crc32c_buffer(const char *data, int64_t len);
 int crc32c_uses_hardware(void);
 """
 
-checksum_ffibuilder = FFI()
-checksum_ffibuilder.cdef(CHECKSUM_CDEF)
-checksum_ffibuilder.set_source(
-    "embstore._kernels._checksum",
-    (Path(__file__).parent / "checksum.c").read_text(),
-    extra_compile_args=["-O3", "-std=gnu99"],
-)
+checksum_ffibuilder = _builder("embstore._kernels._checksum", CHECKSUM_CDEF, "checksum.c",
+                               "gnu99")
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

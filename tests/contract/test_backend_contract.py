@@ -10,6 +10,7 @@ from embstore import registry
 from embstore.backend import Backend, BackendSpec
 from embstore.errors import (
     BackendUnavailableError,
+    ConfigError,
     DimensionMismatchError,
     DtypeMismatchError,
     InvalidIdsError,
@@ -46,6 +47,13 @@ def backend(backend_name, tmp_path):
 
 def _rows(n: int, seed: int = 0, dtype=np.float32) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, DIM)).astype(dtype)
+
+
+def test_an_unknown_option_is_a_config_error_and_creates_nothing(backend_name, tmp_path):
+    cls = registry.load_backend(backend_name)
+    with pytest.raises(ConfigError, match="no_such_option"):
+        cls.open(BackendSpec(path=tmp_path / "tier", dim=DIM, table="t"), no_such_option=1)
+    assert not (tmp_path / "tier").exists()
 
 
 def test_put_then_get_returns_the_rows(backend):

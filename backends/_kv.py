@@ -1,0 +1,110 @@
+"""What the ordered key-value backends (rocksdb, lmdb) share beyond the key and value codecs.
+
+`KeyValueBackend` turns a medium's values of a batch's distinct ids into rows, pages through
+the keys in order (each backend reads one page its own way, `_scan_page`), and builds
+`items`/`ids` on that scan. `check_table_meta` is the dim/dtype check of a reopened table.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from embstore.backend import Backend, BackendSpec
+from embstore.errors import ConfigError
+
+from ._keys import decode_keys, decode_values
+
+__all__ = ["KeyValueBackend", "check_table_meta", "table_meta"]
+
+FORMAT = 1  # of the per-table metadata record
+
+
+def table_meta(spec: BackendSpec) -> dict[str, Any]:
+    """The metadata record stored with a table: format, dim, dtype."""
+    return {"format": FORMAT, "dim": spec.dim, "dtype": spec.dtype.str}
+
+
+def check_table_meta(spec: BackendSpec, where: object, stored: bytes | None) -> None:
+    """Raise ConfigError if the stored metadata record (None: new table) is of another spec."""
+    if stored is None:
+        return
+    found = json.loads(bytes(stored))
+    if (found.get("dim"), found.get("dtype")) != (spec.dim, spec.dtype.str):
+        raise ConfigError(
+            f"table {spec.table!r} in {where} holds rows of dim {found.get('dim')} dtype "
+            f"{found.get('dtype')}, the spec asks for dim {spec.dim} dtype {spec.dtype.str}; "
+            "open it with its own spec"
+        )
+
+
+class KeyValueBackend(Backend):
+    """A backend whose rows are checksummed values under order-preserving 8-byte keys."""
+
+    _rec: np.dtype  # the stored value layout (`_keys.record_dtype`)
+
+    @abstractmethod
+    def _where(self) -> str:
+        """Where the table lives, for error messages."""
+
+    @abstractmethod
+    def _scan_page(self, after: bytes | None, limit: int, values: bool
+                   ) -> tuple[list[bytes], list[Any]]:
+        """Up to `limit` keys in order after `after` (None: from the first), and their values
+        if `values`; raises on a damaged medium rather than returning a short page."""
+
+    def _assemble(self, uniq: np.ndarray, inverse: np.ndarray,
+                  values: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows and found mask of a batch from the values of its distinct ids (None: absent)."""
+        where = self._where()
+        if None not in values:
+            # Every id stored (the common case): one gather from the checked buffer.
+            rows_u = decode_values(uniq, values, self._rec, table=self.spec.table, file=where)
+            return rows_u[inverse], np.ones(len(inverse), dtype=bool)
+        found_u = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+        rows_u = np.zeros((len(uniq), self.spec.dim), dtype=self.spec.dtype)
+        if found_u.any():
+            rows_u[found_u] = decode_values(uniq[found_u], [v for v in values if v is not None],
+                                            self._rec, table=self.spec.table, file=where)
+        return rows_u[inverse], found_u[inverse]
+
+    def _scan(self, batch_rows: int, *, values: bool) -> Iterator[tuple[list[bytes], list[Any]]]:
+        """Yield (keys, values) in key order, `batch_rows` at a time, one page per batch (no
+        iterator or transaction stays open while the caller works)."""
+        after: bytes | None = None
+        while True:
+            self._check_open()
+            keys, vals = self._scan_page(after, batch_rows, values)
+            if not keys:
+                return
+            yield keys, vals
+            if len(keys) < batch_rows:
+                return
+            after = keys[-1]
+
+    def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield (ids, rows) batches in id order, every stored row once.
+
+        Raises:
+            StoreClosedError: after close().
+            CorruptStoreError: the medium or a row failed its checksum (never an early end).
+        """
+        self._check_open()
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
+        return self._items(batch_rows)
+
+    def _items(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for keys, vals in self._scan(batch_rows, values=True):
+            ids = decode_keys(keys)
+            rows = decode_values(ids, vals, self._rec, table=self.spec.table,
+                                 file=self._where())
+            yield ids, rows.copy()
+
+    def _ids(self) -> np.ndarray:
+        parts = [decode_keys(keys) for keys, _ in self._scan(1 << 16, values=False)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
