@@ -79,8 +79,8 @@ class Tier:
                                        if self.slotted else DirtyIds())
         # the policy tracks ids in the backend's own slots where both allow it: a hit then
         # costs the backend's hash probe alone
-        self.shares_index = (isinstance(backend, SupportsSlots)
-                             and isinstance(eviction, SupportsSharedIndex) and len(backend) == 0)
+        self.shares_index = (self.slotted and isinstance(eviction, SupportsSharedIndex)
+                             and len(backend) == 0)
         if self.shares_index:
             eviction.share_index(backend.index)
         # rows held, kept by the chain for tiers it evicts from: some media can only count
