@@ -25,8 +25,9 @@ class DirtyIds:
         """Mark distinct `ids` dirty."""
         self._ids.add(ids)
 
-    def which(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """(dirty bool[N], slots or None) of distinct `ids`."""
+    def which(self, ids: np.ndarray,
+              slots: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(dirty bool[N], slots or None) of distinct `ids` (at `slots`, where known)."""
         return self._ids.find(ids) >= 0, None
 
     def clear(self, ids: np.ndarray, slots: np.ndarray | None) -> None:
@@ -64,9 +65,11 @@ class DirtySlots:
         slots = self._slots(ids, slots)  # first: it may replace the bit array
         self._bits[slots] = True
 
-    def which(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(dirty bool[N], slots int32[N]) of distinct `ids` held by the backend."""
-        slots = self._slots(ids, None)
+    def which(self, ids: np.ndarray,
+              slots: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """(dirty bool[N], slots int32[N]) of distinct `ids` held by the backend (at `slots`,
+        where known)."""
+        slots = self._slots(ids, slots)
         return self._bits[slots] & (slots >= 0), slots
 
     def clear(self, ids: np.ndarray, slots: np.ndarray | None) -> None:

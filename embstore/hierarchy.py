@@ -73,6 +73,7 @@ class Tier:
         self.eviction = eviction
         self.admission = admission
         self.is_bottom = is_bottom
+        self.admits_everything = admission is None or admission.admits_everything
         # a backend with slots of its own keeps its rows' slots at hand: dirty bits per slot
         self.slotted = isinstance(backend, SupportsSlots)
         self.dirty: DirtySet | None = (None if is_bottom else DirtySlots(backend.index)
@@ -113,6 +114,15 @@ class Tier:
         return TierStatistics(level=self.level, backend=self.backend.name,
                               rows=len(self.backend), bytes=self.backend.nbytes(),
                               capacity_rows=self.capacity_rows, **self.counters)
+
+
+def _subset(ids: np.ndarray, rows: np.ndarray,
+            sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`ids[sel], rows[sel]` for ascending distinct positions `sel`; the arrays themselves
+    when `sel` takes them all: a batch-sized copy per call cost more than a policy's work."""
+    if len(sel) == len(ids):
+        return ids, rows
+    return ids[sel], rows[sel]
 
 
 class TableChain:
@@ -192,13 +202,13 @@ class TableChain:
             if len(sel):
                 tier.counters["promotions"] += len(sel)
                 # found below only: none of them is in this tier
-                self._insert(tier, ids[sel], rows[sel], dirty=False, now=now,
+                self._insert(tier, *_subset(ids, rows, sel), dirty=False, now=now,
                              existed=np.zeros(len(sel), dtype=bool))
                 level_of[sel] = tier.level
 
     @staticmethod
     def _admit(tier: Tier, ids: np.ndarray, now: int) -> np.ndarray:
-        if tier.admission is None:
+        if tier.admits_everything:
             return np.ones(len(ids), dtype=bool)
         admitted = np.asarray(tier.admission.admit(ids, now), dtype=bool)
         tier.counters["admissions_rejected"] += int(len(ids) - np.count_nonzero(admitted))
@@ -213,7 +223,7 @@ class TableChain:
         self._absent = None
         written = np.ones(len(ids), dtype=bool)
         bottom = self.tiers[-1]
-        if bottom.admission is not None:
+        if not bottom.admits_everything:
             new = ~self.contains(ids)
             if new.any():
                 written[new] = self._admit(bottom, ids[new], now)
@@ -221,6 +231,10 @@ class TableChain:
                     ids, rows = ids[written], rows[written]
         remaining = np.arange(len(ids))
         for tier in self.tiers[:-1]:
+            if tier.admits_everything:
+                # every id goes here: `_insert` learns which it held from the backend
+                self._insert(tier, *_subset(ids, rows, remaining), dirty=True, now=now)
+                return written
             sub = ids[remaining]
             present = tier.backend.contains(sub)
             want = present.copy()
@@ -234,7 +248,7 @@ class TableChain:
             remaining = remaining[~want]
             if not len(remaining):
                 return written
-        self._insert(bottom, ids[remaining], rows[remaining], dirty=False, now=now)
+        self._insert(bottom, *_subset(ids, rows, remaining), dirty=False, now=now)
         return written
 
     def _insert(self, tier: Tier, ids: np.ndarray, rows: np.ndarray, *, dirty: bool,
@@ -262,7 +276,11 @@ class TableChain:
                 else:
                     tier.eviction.record_access(ids[existed], now)
             if not existed.all():
-                tier.eviction.record_insert(np.ascontiguousarray(ids[~existed]), now)
+                new = ~existed
+                if tier.shares_index:
+                    tier.eviction.record_insert_slots(ids[new], slots[new], now)
+                else:
+                    tier.eviction.record_insert(np.ascontiguousarray(ids[new]), now)
                 tier.rows += int(len(ids) - np.count_nonzero(existed))
         if dirty and tier.dirty is not None:
             tier.dirty.mark(ids, slots)
@@ -271,17 +289,20 @@ class TableChain:
     def _enforce_capacity(self, tier: Tier, now: int) -> None:
         if tier.eviction is None:
             return
-        victims = tier.eviction.expired(now)
+        victims, slots = tier.eviction.expired(now), None
         if tier.capacity_rows is not None:
             over = tier.rows - len(victims) - tier.capacity_rows
-            if over > 0:
+            if over > 0 and tier.shares_index and not len(victims):
+                # the policy knows its victims' slots: no probe to find their dirty bits
+                victims, slots = tier.eviction.choose_victim_slots(over, now)
+            elif over > 0:
                 more = tier.eviction.choose_victims(over, now)
                 victims = np.concatenate([victims, more]) if len(victims) else more
         if not len(victims):
             return
         victims = np.ascontiguousarray(victims, dtype=np.int64)
         if tier.dirty is not None:
-            dirty, slots = tier.dirty.which(victims)
+            dirty, slots = tier.dirty.which(victims, slots)
             if dirty.any():
                 # write-back before drop: the victim's value must exist below first
                 self._write_back(tier, victims[dirty], None if slots is None else slots[dirty],

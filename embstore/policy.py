@@ -85,6 +85,8 @@ class AdmissionPolicy(Policy):
     """Decides which ids may enter a tier."""
 
     kind: ClassVar[str] = "admission"
+    admits_everything: ClassVar[bool] = False
+    """True for a policy whose `admit` is always all True: the tier then skips asking."""
 
     @abstractmethod
     def admit(self, ids: np.ndarray, now: float) -> np.ndarray:
@@ -99,10 +101,11 @@ class AdmissionPolicy(Policy):
 class SupportsSharedIndex(Protocol):
     """An eviction policy that can track ids in the slots of its tier backend's `IdIndex`.
 
-    After `share_index(index)` (called on an empty policy), the tier reports hits by slot
-    with `record_access_slots`, sparing the policy its own hash probe. The backend adds ids
-    to the index before `record_insert` and removes them only after `record_remove` or
-    `choose_victims` untracked them; the policy never modifies the index.
+    After `share_index(index)` (called on an empty policy), the tier reports hits and
+    inserts by slot (`record_access_slots`, `record_insert_slots`) and takes victims with
+    their slots (`choose_victim_slots`), sparing a hash probe per call. The backend adds ids
+    to the index before they are inserted here and removes them only after `record_remove`
+    or a victim choice untracked them; the policy never modifies the index.
     """
 
     def share_index(self, index: IdIndex) -> None:
@@ -110,3 +113,9 @@ class SupportsSharedIndex(Protocol):
 
     def record_access_slots(self, slots: np.ndarray, now: float) -> None:
         """`record_access` for ids given by their slots (int32[N]) in the shared index."""
+
+    def record_insert_slots(self, ids: np.ndarray, slots: np.ndarray, now: float) -> None:
+        """`record_insert` of `ids` that the backend has just added at `slots`."""
+
+    def choose_victim_slots(self, n: int, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """`choose_victims`, with the victims' slots (int32) in the shared index."""

@@ -14,6 +14,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from embstore._kernels._slot_log import ffi as _ffi
+from embstore._kernels._slot_log import lib as _slot_log
 from embstore.index import IdIndex
 from embstore.policy import EvictionPolicy
 
@@ -103,6 +105,17 @@ class Tracked:
         for name, (_, fill) in self._spec.items():
             self.cols[name][fresh] = fill
         return slots
+
+    def insert_at(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Track distinct, untracked `ids` that the shared index holds at `slots`."""
+        if self._owns_index:
+            raise RuntimeError("insert_at needs a shared index (see share_index)")
+        self._grow(self.index.high_water)
+        self._count += len(slots)
+        self.ids[slots] = ids
+        self.alive[slots] = True
+        for name, (_, fill) in self._spec.items():
+            self.cols[name][slots] = fill
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Slots of `ids` that are tracked (int32[M], order of `ids`, duplicates kept)."""
@@ -214,6 +227,29 @@ class SlotLog:
             return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), pos
         return np.concatenate(out), np.concatenate(where), pos
 
+    def reserve(self, extra: int, stamp: np.ndarray, alive: np.ndarray) -> None:
+        """Make room for `extra` appends (compacting, or growing, the log)."""
+        if self.tail + extra > len(self.slots):
+            self._compact(stamp, alive, extra=extra)
+
+    def clock_sweep(self, need: int, live: int, stamp: np.ndarray, alive: np.ndarray,
+                    ref: np.ndarray) -> np.ndarray:
+        """CLOCK's hand from the head: up to `need` victims (int32 slots, their `alive` now
+        cleared); referenced entries passed have `ref` cleared and are re-appended. `live`:
+        the owner's tracked count, which bounds the re-appends."""
+        self.reserve(live, stamp, alive)
+        out = np.empty(max(need, 0), dtype=np.int32)
+        pos = np.array([self.head, self.tail, self.next_stamp], dtype=np.int64)
+        k = _slot_log.clock_sweep(
+            _ffi.cast("int32_t *", self.slots.ctypes.data),
+            _ffi.cast("int64_t *", self.stamps.ctypes.data),
+            _ffi.cast("int64_t *", pos.ctypes.data), _ffi.cast("int64_t *", stamp.ctypes.data),
+            _ffi.cast("uint8_t *", alive.ctypes.data), _ffi.cast("uint8_t *", ref.ctypes.data),
+            len(out), _ffi.cast("int32_t *", out.ctypes.data))
+        self.tail, self.next_stamp = int(pos[1]), int(pos[2])
+        self.advance(int(pos[0]))
+        return out[:k]
+
     def advance(self, pos: int) -> None:
         """Consume the log up to position `pos`."""
         self.head = pos
@@ -288,6 +324,21 @@ class TrackedEviction(EvictionPolicy):
         self._t.ensure(self._t.index.high_water)
         if len(slots):
             self._access(slots, now)
+
+    def record_insert_slots(self, ids: np.ndarray, slots: np.ndarray, now: float) -> None:
+        """`record_insert` of `ids` the backend has just added at `slots` of the shared index.
+
+        Note for implementers: the default ignores the slots and probes the index again.
+        """
+        self.record_insert(ids, now)
+
+    def choose_victim_slots(self, n: int, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """`choose_victims`, with the victims' slots (int32) in the shared index.
+
+        Note for implementers: the default probes the index for the victims' slots.
+        """
+        victims = self.choose_victims(n, now)
+        return victims, self._t.index.find(victims)
 
     def record_remove(self, ids: np.ndarray) -> None:
         # docstring inherited

@@ -20,6 +20,7 @@ class AlwaysAdmission(AdmissionPolicy):
     """
 
     name: ClassVar[str] = "always"
+    admits_everything: ClassVar[bool] = True
 
     def admit(self, ids: np.ndarray, now: float) -> np.ndarray:
         # docstring inherited

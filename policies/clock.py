@@ -17,8 +17,13 @@ class CLOCKEviction(TrackedEviction):
 
     The circle is a FIFO log whose head is the hand. An id accessed since the hand last passed
     has its bit set; the hand clears the bit and moves the id behind itself (re-appends it)
-    instead of evicting it. Inserted ids start with the bit clear. The hand's sweep is done on
-    chunks of the log with numpy, cut at the n-th victim, so a call costs O(entries swept).
+    instead of evicting it. Inserted ids start with the bit clear, at the tail. The hand is a
+    small C loop over the log (`SlotLog.clock_sweep`), so a call costs O(entries swept).
+
+    Ids inserted in one call enter the log in id order when the policy owns its index, so
+    its choices do not depend on the order of ids within a call. Through a shared index
+    (`record_insert_slots`) they enter in the order given, which spares a sort on every
+    promotion; the tier's order is itself deterministic.
 
     Args:
         seed: kept for the common interface; CLOCK uses no randomness.
@@ -36,32 +41,26 @@ class CLOCKEviction(TrackedEviction):
 
     def record_insert(self, ids: np.ndarray, now: float) -> None:
         # docstring inherited
-        if not len(ids):
-            return
-        slots = self._t.insert(np.sort(as_ids(ids)))
-        self._log.push(slots, self._t.cols["stamp"], self._t.alive)
+        if len(ids):
+            slots = self._t.insert(np.sort(as_ids(ids)))
+            self._log.push(slots, self._t.cols["stamp"], self._t.alive)
+
+    def record_insert_slots(self, ids: np.ndarray, slots: np.ndarray, now: float) -> None:
+        # docstring inherited
+        if len(ids):
+            self._t.insert_at(ids, slots)
+            self._log.push(slots, self._t.cols["stamp"], self._t.alive)
+
+    def choose_victim_slots(self, n: int, now: float) -> tuple[np.ndarray, np.ndarray]:
+        # docstring inherited
+        t = self._t
+        slots = self._log.clock_sweep(min(int(n), len(t)), len(t), t.cols["stamp"], t.alive,
+                                      t.cols["ref"])
+        return t.remove_slots(slots), slots
 
     def choose_victims(self, n: int, now: float) -> np.ndarray:
         # docstring inherited
-        need = min(int(n), len(self))
-        ref, stamp, alive = self._t.cols["ref"], self._t.cols["stamp"], self._t.alive
-        victims: list[np.ndarray] = []
-        while need > 0:
-            slots, where, end = self._log.peek_live(max(2 * need, 4096), stamp, alive)
-            is_victim = ~ref[slots]
-            hit = np.flatnonzero(np.cumsum(is_victim) == need)
-            cut = int(hit[0]) + 1 if len(hit) else len(slots)
-            swept = slots[:cut]
-            chosen = swept[is_victim[:cut]]
-            passed = swept[~is_victim[:cut]]
-            self._log.advance(int(where[cut - 1]) + 1 if cut < len(slots) else end)
-            # second chance: clear the bit and put the id behind the hand
-            ref[passed] = False
-            self._log.push(passed, stamp, alive)
-            if len(chosen):
-                victims.append(self._t.remove_slots(chosen))
-                need -= len(chosen)
-        return np.concatenate(victims) if victims else np.zeros(0, dtype=np.int64)
+        return self.choose_victim_slots(n, now)[0]
 
     def config(self) -> dict[str, Any]:
         # docstring inherited

@@ -54,6 +54,14 @@ int crc32c_uses_hardware(void);
 checksum_ffibuilder = _builder("embstore._kernels._checksum", CHECKSUM_CDEF, "checksum.c",
                                "gnu99")
 
+SLOT_LOG_CDEF = """
+int64_t clock_sweep(int32_t *log_slots, int64_t *log_stamps, int64_t *pos,
+                    int64_t *stamp, uint8_t *alive, uint8_t *ref, int64_t need, int32_t *out);
+"""
+
+slot_log_ffibuilder = _builder("embstore._kernels._slot_log", SLOT_LOG_CDEF, "slot_log.c", "c99")
+
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
     checksum_ffibuilder.compile(verbose=True)
+    slot_log_ffibuilder.compile(verbose=True)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from embstore import registry
+from embstore.index import IdIndex
 
 
 def ids_of(*values: int) -> np.ndarray:
@@ -48,10 +49,18 @@ def test_lfu_aging_lets_new_popularity_win() -> None:
     assert plain.choose_victims(1, 61).tolist() == [2]
 
 
-def test_clock_gives_accessed_ids_a_second_chance() -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["own index", "shared index"])
+def test_clock_gives_accessed_ids_a_second_chance(shared: bool) -> None:
     clock = registry.load_policy("clock")()
-    clock.record_insert(ids_of(1, 2, 3, 4), 0)
-    clock.record_access(ids_of(1, 3), 1)
+    if shared:  # as a DRAM tier drives it: slots from the backend's index, hits by slot
+        index = IdIndex()
+        clock.share_index(index)
+        slots, _ = index.add(ids_of(1, 2, 3, 4))
+        clock.record_insert_slots(ids_of(1, 2, 3, 4), slots, 0)
+        clock.record_access_slots(slots[[0, 2]], 1)
+    else:
+        clock.record_insert(ids_of(1, 2, 3, 4), 0)
+        clock.record_access(ids_of(1, 3), 1)
     assert clock.choose_victims(1, 2).tolist() == [2]
     # the hand cleared 1's bit on the way and moved it behind 3 and 4
     assert clock.choose_victims(1, 2).tolist() == [4]

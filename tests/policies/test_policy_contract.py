@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from embstore import registry
-from embstore.policy import AdmissionPolicy, EvictionPolicy
+from embstore.index import IdIndex
+from embstore.policy import AdmissionPolicy, EvictionPolicy, SupportsSharedIndex
 
 EVICTION = registry.policy_names("eviction")
 ADMISSION = registry.policy_names("admission")
@@ -173,3 +174,27 @@ def test_every_policy_has_its_registry_name() -> None:
     for name in EVICTION + ADMISSION:
         assert registry.load_policy(name).name == name
     assert EVICTION and ADMISSION
+
+
+def test_victims_chosen_through_a_shared_index_come_with_their_slots(
+        eviction: EvictionPolicy) -> None:
+    index = IdIndex()
+    assert isinstance(eviction, SupportsSharedIndex)
+    eviction.share_index(index)
+    ids = np.random.default_rng(3).permutation(np.arange(100, 160, dtype=np.int64))
+    slots, _ = index.add(ids)  # the backend adds first, then the tier tells the policy
+    eviction.record_insert_slots(ids, slots, 0)
+    eviction.record_access_slots(slots[::4], 1)
+    victims, victim_slots = eviction.choose_victim_slots(25, 2)
+    assert len(victims) == 25 and len(np.unique(victims)) == 25
+    assert np.isin(victims, ids).all()
+    assert (index.find(victims) == victim_slots).all()
+    assert len(eviction) == 35
+    index.remove(victims)  # the backend frees the slots only after the policy let go
+    fresh = np.arange(500, 510, dtype=np.int64)
+    fresh_slots, _ = index.add(fresh)  # into freed slots
+    eviction.record_insert_slots(fresh, fresh_slots, 3)
+    rest, rest_slots = eviction.choose_victim_slots(100, 4)
+    assert set(rest.tolist()) == (set(ids.tolist()) - set(victims.tolist())) | set(fresh.tolist())
+    assert (index.find(rest) == rest_slots).all()
+    assert len(eviction) == 0
