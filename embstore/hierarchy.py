@@ -9,6 +9,10 @@ The bottom tier is the store of record. Upper tiers are write-back caches:
   into the tier below *before* dropping it, so nothing acknowledged is lost;
 - `flush` writes every dirty row down level by level, then flushes the persistent media.
 
+Write-backs into the bottom tier (when it has no policy of its own) are applied in order on a
+second thread (`_writeback.py`), overlapped with the cache tiers' work; every other use of the
+bottom waits for them first, so reads, flushes and tables are exactly as if written in line.
+
 Invariant: the topmost tier holding an id holds its latest value; a clean copy equals the
 value in the next tier below that holds the id. Cache tiers start empty on open, so after a
 crash the store of record alone defines the table.
@@ -22,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._dirty import DirtyIds, DirtySet, DirtySlots
+from ._writeback import BackgroundWriter, DrainedBackend
 from .backend import Backend, SupportsSlots
 from .index import IdGroups, IdIndex, copy_rows
 from .policy import AdmissionPolicy, EvictionPolicy, SupportsSharedIndex
@@ -131,10 +136,18 @@ class TableChain:
     Every method takes whole batches; ids passed to `put` and `delete` are distinct.
     """
 
-    def __init__(self, tiers: list[Tier], width: int, dtype: np.dtype) -> None:
+    def __init__(self, tiers: list[Tier], width: int, dtype: np.dtype, *,
+                 background_writes: bool = True) -> None:
         self.tiers = tiers
         self.width = width
         self.dtype = dtype
+        # write-backs into the store of record run on a second thread (see _writeback.py);
+        # a bottom tier with a policy of its own (feature expiry) takes them in line
+        self._writer: BackgroundWriter | None = None
+        bottom = tiers[-1]
+        if background_writes and len(tiers) > 1 and bottom.eviction is None:
+            self._writer = BackgroundWriter(bottom.backend)
+            bottom.backend = DrainedBackend(bottom.backend, self._writer)  # type: ignore
         self._clock = 0  # logical time: one tick per batch, so policies replay identically
         # ids the latest read found in no tier; any write forgets them. A training step reads
         # a batch twice (lookup, then apply_gradients), and never-seen ids would otherwise
@@ -316,7 +329,11 @@ class TableChain:
         """Copy the dirty rows `ids` (at `slots` of a slotted tier) into the tier below."""
         rows = tier.backend.rows_at(slots) if slots is not None else tier.backend.get(ids)[0]
         below = self.tiers[tier.level + 1]
-        self._insert(below, ids, rows, dirty=True, now=now)
+        if below.is_bottom and self._writer is not None:
+            # `ids` and `rows` are fresh arrays, the writer's from now on
+            self._writer.submit(np.ascontiguousarray(ids), rows)
+        else:
+            self._insert(below, ids, rows, dirty=True, now=now)
         tier.dirty.clear(ids, slots)
         tier.counters["writebacks"] += len(ids)
 
@@ -379,9 +396,17 @@ class TableChain:
     def close(self) -> None:
         """Close every backend (without flushing caches: call flush first to keep writes)."""
         errors = []
-        for tier in self.tiers:
+        if self._writer is not None:
             try:
-                tier.backend.close()
+                self._writer.close()  # queued write-backs first: they are the bottom's rows
+            except Exception as exc:
+                errors.append(exc)
+        for tier in self.tiers:
+            backend = tier.backend
+            if isinstance(backend, DrainedBackend):
+                backend = backend.wrapped
+            try:
+                backend.close()
             except Exception as exc:  # close the rest, then report the first failure
                 errors.append(exc)
         if errors:

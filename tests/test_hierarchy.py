@@ -53,6 +53,55 @@ def test_a_clean_row_in_a_reused_slot_is_never_written_back(tmp_path, eviction):
                                       np.concatenate([ONES * 1, ONES * 2, ONES * 3]))
 
 
+def _failing_puts(backend, failures: int):  # type: ignore[no-untyped-def]
+    """Make the next `failures` puts of the bottom medium raise, as a full disk would."""
+    medium = backend.wrapped  # under the chain's drained view: the writer's own target
+    real_put = medium.put
+    left = [failures]
+
+    def put(ids, rows):  # type: ignore[no-untyped-def]
+        if left[0]:
+            left[0] -= 1
+            raise E.CapacityError("no space left on device (injected)")
+        real_put(ids, rows)
+
+    medium.put = put
+
+
+@pytest.mark.parametrize("bottom", ["lmdb", "pmem"])
+def test_a_failed_background_write_back_is_raised_and_kept_until_it_succeeds(tmp_path, bottom):
+    """Write-backs into the bottom run on a second thread: a failure surfaces at the next use
+    of the bottom, and the rows stay queued, never lost nor shadowed by an older value."""
+    tiers = [TierSpec("dram", capacity=4, eviction="fifo"), TierSpec(bottom)]
+    ids = np.arange(10)
+    rows = np.arange(40, dtype=np.float32).reshape(10, 4)
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        store.update("t", ids, np.zeros((10, 4), np.float32))
+        store.flush()  # the bottom holds zeros for every id
+        _failing_puts(store._tables["t"].chain.tiers[-1].backend, failures=2)
+        store.update("t", ids, rows)  # 6 dirty rows evicted: their write fails in the thread
+        with pytest.raises(E.CapacityError, match="injected"):
+            store.lookup("t", ids)  # misses read the bottom: the retry fails too
+        # the disk has room again: the queued rows land before any read of the bottom
+        np.testing.assert_array_equal(store.lookup("t", ids), rows)
+        assert store.tier_statistics("t")[1].rows == 10
+    with embstore.open(tmp_path / "s") as store:
+        np.testing.assert_array_equal(store.lookup("t", ids), rows)
+
+
+def test_a_failed_background_write_back_fails_the_flush(tmp_path):
+    tiers = [TierSpec("dram", capacity=2, eviction="lru"), TierSpec("rocksdb")]
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        _failing_puts(store._tables["t"].chain.tiers[-1].backend, failures=2)
+        store.update("t", [1, 2, 3, 4], np.ones((4, 4), np.float32))  # 1, 2 fail in the thread
+        with pytest.raises(E.CapacityError):
+            store.flush()  # nothing may be promised durable while a write-back is stuck
+        store.flush()  # the disk has room again: everything queued lands, then the sync
+        assert store.tier_statistics("t")[1].rows == 4
+    with embstore.open(tmp_path / "s") as store:
+        np.testing.assert_array_equal(store.lookup("t", [1, 2, 3, 4]), np.ones((4, 4)))
+
+
 def test_feature_admission_drops_updates_of_unadmitted_ids(tmp_path):
     tiers = [TierSpec("rocksdb", admission="frequency", admission_options={"threshold": 2})]
     with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:

@@ -86,6 +86,7 @@ def _quiesce() -> None:
 def _record_bottom(store: embstore.EmbeddingStore) -> list[tuple[str, np.ndarray]]:
     """Log every batched read and write the store sends to its bottom tier, in order."""
     backend = store._tables["t"].chain.tiers[-1].backend
+    backend = getattr(backend, "wrapped", backend)  # the medium itself, whichever thread writes
     log: list[tuple[str, np.ndarray]] = []
     get, put = backend.get, backend.put
 

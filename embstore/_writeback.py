@@ -1,0 +1,145 @@
+"""Write-back into the store of record on a second thread, overlapped with the work above it.
+
+A dirty row evicted from the tier just above the bottom must reach the bottom before anyone
+can miss it there. `BackgroundWriter` applies those writes in submission order on one
+thread, while the caller goes on with the cache tiers; the C kernels under `put` release the
+GIL, so on a second core the write costs the caller nothing. `DrainedBackend` stands for the
+bottom backend everywhere else: each use first waits until every queued write is applied, so
+every read, flush, statistic or close sees exactly what the synchronous chain would (the same
+puts, in the same order: tables stay bit-identical).
+
+A write that fails (a full disk, say) stops the queue with the rows still held. The next use
+of the bottom retries the queued writes in order on the calling thread and raises if one fails
+again: nothing is dropped, and no read returns a value older than one waiting in the queue.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .backend import Backend
+
+__all__ = ["BackgroundWriter", "DrainedBackend"]
+
+MAX_PENDING = 4
+"""Batches queued at most; a caller submitting more waits, which bounds the rows held."""
+
+
+class BackgroundWriter:
+    """Applies `backend.put(ids, rows)` calls in order on a daemon thread started on demand.
+
+    The caller hands over `ids` and `rows` and must not change them afterwards.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._jobs: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Queue a write of distinct `ids`; raises (keeping it queued) while an earlier failed
+        write still fails."""
+        with self._cond:
+            self._jobs.append((ids, rows))
+            if self._error is None:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, daemon=True,
+                                                    name="embstore-writeback")
+                    self._thread.start()
+                self._cond.notify_all()
+                while len(self._jobs) > MAX_PENDING and self._error is None:
+                    self._cond.wait()
+            if self._error is not None:
+                self._retry()
+
+    def drain(self) -> None:
+        """Return once every queued write is applied; raises a write that fails again."""
+        with self._cond:
+            while self._jobs and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                self._retry()
+
+    def close(self) -> None:
+        """Apply what is queued, then stop the thread (also when a write fails: then raises)."""
+        try:
+            self.drain()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            if self._thread is not None:
+                self._thread.join()
+
+    def _retry(self) -> None:
+        # called with the lock held while the thread waits on the error: the queued writes
+        # are applied here, in order; the first failure stays queued and is raised
+        while self._jobs:
+            ids, rows = self._jobs[0]
+            self._backend.put(ids, rows)
+            self._jobs.popleft()
+        self._error = None
+        self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while (not self._jobs or self._error is not None) and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                ids, rows = self._jobs[0]
+            try:
+                self._backend.put(ids, rows)
+            except BaseException as exc:  # held for the caller, which retries and raises it
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                self._jobs.popleft()
+                self._cond.notify_all()
+
+
+class DrainedBackend:
+    """The bottom backend as the rest of the store sees it while a `BackgroundWriter` writes
+    to it: every method call (and attribute read) waits for the queued writes first.
+
+    `wrapped` is the backend itself, for the writer and for instrumentation.
+    """
+
+    def __init__(self, backend: Backend, writer: BackgroundWriter) -> None:
+        self.wrapped = backend
+        self._writer = writer
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.wrapped, name)
+        if callable(attr):
+            return _drained_call(self._writer, attr)
+        self._writer.drain()
+        return attr
+
+    def __len__(self) -> int:
+        self._writer.drain()
+        return len(self.wrapped)
+
+    def __repr__(self) -> str:
+        return f"DrainedBackend({self.wrapped!r})"
+
+
+def _drained_call(writer: BackgroundWriter, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` that first waits for `writer`'s queue."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        writer.drain()
+        return fn(*args, **kwargs)
+
+    return call
