@@ -27,6 +27,20 @@ def as_ids(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
+def slots_by_id(ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """`slots` (int32) reordered by ascending `ids` (distinct int64), one radix pass in C."""
+    n = len(ids)
+    ids = as_ids(ids)
+    slots = np.ascontiguousarray(slots, dtype=np.int32)
+    keys = np.empty((2, n), dtype=np.uint64)
+    out = np.empty((2, n), dtype=np.int32)
+    which = _slot_log.slots_by_id(
+        _ffi.cast("int64_t *", ids.ctypes.data), _ffi.cast("int32_t *", slots.ctypes.data), n,
+        _ffi.cast("uint64_t *", keys[0].ctypes.data), _ffi.cast("int32_t *", out[0].ctypes.data),
+        _ffi.cast("uint64_t *", keys[1].ctypes.data), _ffi.cast("int32_t *", out[1].ctypes.data))
+    return out[which]
+
+
 class Tracked:
     """Tracked ids with per-slot numpy columns.
 

@@ -6,7 +6,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
-from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids
+from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids, slots_by_id
 
 __all__ = ["CLOCKEviction"]
 
@@ -20,10 +20,10 @@ class CLOCKEviction(TrackedEviction):
     instead of evicting it. Inserted ids start with the bit clear, at the tail. The hand is a
     small C loop over the log (`SlotLog.clock_sweep`), so a call costs O(entries swept).
 
-    Ids inserted in one call enter the log in id order when the policy owns its index, so
-    its choices do not depend on the order of ids within a call. Through a shared index
-    (`record_insert_slots`) they enter in the order given, which spares a sort on every
-    promotion; the tier's order is itself deterministic.
+    Ids inserted in one call enter the log in id order, so its choices do not depend on the
+    order of ids within a call, and a tier sharing its backend's index evicts exactly as
+    `embstore simulate` predicts. (The order of first occurrence would put a batch's hottest
+    new ids at the front, to be evicted first: 5% more misses on the calibrated trace.)
 
     Args:
         seed: kept for the common interface; CLOCK uses no randomness.
@@ -49,7 +49,7 @@ class CLOCKEviction(TrackedEviction):
         # docstring inherited
         if len(ids):
             self._t.insert_at(ids, slots)
-            self._log.push(slots, self._t.cols["stamp"], self._t.alive)
+            self._log.push(slots_by_id(ids, slots), self._t.cols["stamp"], self._t.alive)
 
     def choose_victim_slots(self, n: int, now: float) -> tuple[np.ndarray, np.ndarray]:
         # docstring inherited

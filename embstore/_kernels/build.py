@@ -57,6 +57,8 @@ checksum_ffibuilder = _builder("embstore._kernels._checksum", CHECKSUM_CDEF, "ch
 SLOT_LOG_CDEF = """
 int64_t clock_sweep(int32_t *log_slots, int64_t *log_stamps, int64_t *pos,
                     int64_t *stamp, uint8_t *alive, uint8_t *ref, int64_t need, int32_t *out);
+int slots_by_id(const int64_t *ids, const int32_t *slots, int64_t n,
+                uint64_t *ka, int32_t *sa, uint64_t *kb, int32_t *sb);
 """
 
 slot_log_ffibuilder = _builder("embstore._kernels._slot_log", SLOT_LOG_CDEF, "slot_log.c", "c99")
