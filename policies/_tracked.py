@@ -120,8 +120,10 @@ class Tracked:
             self.cols[name][fresh] = fill
         return slots
 
-    def insert_at(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Track distinct, untracked `ids` that the shared index holds at `slots`."""
+    def insert_at(self, ids: np.ndarray, slots: np.ndarray,
+                  reset: tuple[str, ...] | None = None) -> None:
+        """Track distinct, untracked `ids` that the shared index holds at `slots`, resetting
+        the columns named in `reset` (all when None; the caller writes the others)."""
         if self._owns_index:
             raise RuntimeError("insert_at needs a shared index (see share_index)")
         self._grow(self.index.high_water)
@@ -129,7 +131,8 @@ class Tracked:
         self.ids[slots] = ids
         self.alive[slots] = True
         for name, (_, fill) in self._spec.items():
-            self.cols[name][slots] = fill
+            if reset is None or name in reset:
+                self.cols[name][slots] = fill
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Slots of `ids` that are tracked (int32[M], order of `ids`, duplicates kept)."""

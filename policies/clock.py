@@ -48,7 +48,7 @@ class CLOCKEviction(TrackedEviction):
     def record_insert_slots(self, ids: np.ndarray, slots: np.ndarray, now: float) -> None:
         # docstring inherited
         if len(ids):
-            self._t.insert_at(ids, slots)
+            self._t.insert_at(ids, slots, reset=("ref",))  # the log's push sets the stamp
             self._log.push(slots_by_id(ids, slots), self._t.cols["stamp"], self._t.alive)
 
     def choose_victim_slots(self, n: int, now: float) -> tuple[np.ndarray, np.ndarray]:
