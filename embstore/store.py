@@ -156,7 +156,13 @@ class EmbeddingStore:
         if found.all():
             return
         miss = np.flatnonzero(~found)
-        rows[miss, : spec.dim] = spec.init(ids[miss], spec.dim, spec.dtype)
+        groups = IdGroups(np.ascontiguousarray(ids[miss]))
+        if groups.has_duplicates:
+            # initializers hash every (id, column): once per distinct id, then copied
+            init = spec.init(groups.unique, spec.dim, spec.dtype)
+            rows[miss, : spec.dim] = init[groups.inverse]
+        else:
+            rows[miss, : spec.dim] = spec.init(groups.unique, spec.dim, spec.dtype)
         if with_state and spec.row_width > spec.dim:
             rows[miss, spec.dim :] = spec.optimizer.initial_state(len(miss), spec.dim, spec.dtype)
 
