@@ -6,7 +6,7 @@ setup(
     cffi_modules=[
         "embstore/_kernels/build.py:ffibuilder",
         "embstore/_kernels/build.py:checksum_ffibuilder",
-        "embstore/_kernels/build.py:slot_log_ffibuilder",
+        "embstore/_kernels/build.py:policy_ffibuilder",
         "embstore/_kernels/build_libpmem.py:ffibuilder",
         "embstore/_kernels/build_libpmem.py:records_ffibuilder",
     ]

@@ -6,8 +6,6 @@ from typing import Any
 
 import numpy as np
 
-from embstore.index import IdGroups
-
 from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids
 
 __all__: list[str] = []
@@ -28,11 +26,9 @@ class RecencyEviction(TrackedEviction):
         self._log = SlotLog()
 
     def _touch(self, slots: np.ndarray, now: float) -> None:
-        # a hashed dedupe in C keeps first occurrences in order: O(batch), where a sort by
-        # id cost more than the tier's own lookup on the hit path
-        slots = IdGroups(slots.astype(np.int64)).unique.astype(np.int32)
-        self._log.push(slots, self._t.cols["stamp"], self._t.alive)
-        self._t.cols["time"][slots] = now
+        # one pass in C; a repeat within the call is known by its stamp, no hashed dedupe
+        self._log.touch(slots, self._t.cols["stamp"], self._t.alive, self._t.cols["time"],
+                        float(now))
 
     def _access(self, slots: np.ndarray, now: float) -> None:
         self._touch(slots, now)

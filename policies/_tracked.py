@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from embstore._kernels._slot_log import ffi as _ffi
-from embstore._kernels._slot_log import lib as _slot_log
+from embstore._kernels._policy_kernels import ffi as _ffi
+from embstore._kernels._policy_kernels import lib as _kernels
 from embstore.index import IdIndex
 from embstore.policy import EvictionPolicy
 
@@ -34,11 +34,26 @@ def slots_by_id(ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
     slots = np.ascontiguousarray(slots, dtype=np.int32)
     keys = np.empty((2, n), dtype=np.uint64)
     out = np.empty((2, n), dtype=np.int32)
-    which = _slot_log.slots_by_id(
+    which = _kernels.slots_by_id(
         _ffi.cast("int64_t *", ids.ctypes.data), _ffi.cast("int32_t *", slots.ctypes.data), n,
         _ffi.cast("uint64_t *", keys[0].ctypes.data), _ffi.cast("int32_t *", out[0].ctypes.data),
         _ffi.cast("uint64_t *", keys[1].ctypes.data), _ffi.cast("int32_t *", out[1].ctypes.data))
     return out[which]
+
+
+def count_accesses(count: np.ndarray, seen: np.ndarray, call: int, slots: np.ndarray) -> None:
+    """`count[s] += 1` (float64) per occurrence of each slot s, and `seen[s] = call` (int64)."""
+    slots = np.ascontiguousarray(slots, dtype=np.int32)
+    _kernels.count_accesses(_ffi.cast("double *", count.ctypes.data),
+                            _ffi.cast("int64_t *", seen.ctypes.data), call,
+                            _ffi.cast("int32_t *", slots.ctypes.data), len(slots))
+
+
+def count_accesses_saturating(freq: np.ndarray, top: int, slots: np.ndarray) -> None:
+    """`freq[s] = min(freq[s] + 1, top)` (uint8) per occurrence of each slot s."""
+    slots = np.ascontiguousarray(slots, dtype=np.int32)
+    _kernels.count_accesses_saturating(_ffi.cast("uint8_t *", freq.ctypes.data), top,
+                                       _ffi.cast("int32_t *", slots.ctypes.data), len(slots))
 
 
 class Tracked:
@@ -198,6 +213,23 @@ class SlotLog:
         self.tail += n
         stamp[slots] = fresh
 
+    def touch(self, slots: np.ndarray, stamp: np.ndarray, alive: np.ndarray,
+              time: np.ndarray | None = None, now: float = 0.0) -> None:
+        """Append each of `slots` (repeats allowed) once, in order of first occurrence, with
+        fresh stamps; sets `time[slot] = now` where `time` (float64) is given."""
+        if not len(slots):
+            return
+        slots = np.ascontiguousarray(slots, dtype=np.int32)
+        self.reserve(len(slots), stamp, alive)
+        pos = np.array([self.head, self.tail, self.next_stamp], dtype=np.int64)
+        _kernels.log_touch(
+            _ffi.cast("int32_t *", self.slots.ctypes.data),
+            _ffi.cast("int64_t *", self.stamps.ctypes.data),
+            _ffi.cast("int64_t *", pos.ctypes.data), _ffi.cast("int64_t *", stamp.ctypes.data),
+            _ffi.cast("int32_t *", slots.ctypes.data), len(slots),
+            _ffi.NULL if time is None else _ffi.cast("double *", time.ctypes.data), now)
+        self.tail, self.next_stamp = int(pos[1]), int(pos[2])
+
     def _compact(self, stamp: np.ndarray, alive: np.ndarray, extra: int) -> None:
         # drop stale entries, then grow if the live ones still leave too little room
         s = self.slots[self.head : self.tail]
@@ -257,7 +289,7 @@ class SlotLog:
         self.reserve(live, stamp, alive)
         out = np.empty(max(need, 0), dtype=np.int32)
         pos = np.array([self.head, self.tail, self.next_stamp], dtype=np.int64)
-        k = _slot_log.clock_sweep(
+        k = _kernels.clock_sweep(
             _ffi.cast("int32_t *", self.slots.ctypes.data),
             _ffi.cast("int64_t *", self.stamps.ctypes.data),
             _ffi.cast("int64_t *", pos.ctypes.data), _ffi.cast("int64_t *", stamp.ctypes.data),

@@ -8,10 +8,9 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from embstore.errors import ConfigError
-from embstore.index import IdGroups
 
 from ._hashing import positions
-from ._tracked import Tracked, TrackedEviction, as_ids, smallest
+from ._tracked import Tracked, TrackedEviction, as_ids, count_accesses, smallest
 
 __all__ = ["LFUEviction"]
 
@@ -106,10 +105,7 @@ class LFUEviction(TrackedEviction):
 
     def _access(self, slots: np.ndarray, now: float) -> None:
         self._calls += 1
-        groups = IdGroups(slots.astype(np.int64))  # hashed, O(batch): no sort on the hit path
-        uniq = groups.unique
-        self._t.cols["count"][uniq] += np.bincount(groups.inverse, minlength=len(uniq))
-        self._t.cols["seen"][uniq] = self._calls
+        count_accesses(self._t.cols["count"], self._t.cols["seen"], self._calls, slots)
 
     def record_insert(self, ids: np.ndarray, now: float) -> None:
         # docstring inherited

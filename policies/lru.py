@@ -13,8 +13,8 @@ __all__ = ["LRUEviction"]
 class LRUEviction(RecencyEviction):
     """Evict the ids whose last access or insert is oldest.
 
-    Recency is the order of calls; ids touched in the same call leave in id order. Costs
-    O(batch) per call amortised (see `RecencyEviction`).
+    Recency is the order of calls; ids touched in the same call leave in the order of their
+    first occurrence in it. Costs O(batch) per call amortised (see `RecencyEviction`).
 
     Args:
         seed: kept for the common interface; LRU uses no randomness.

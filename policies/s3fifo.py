@@ -7,9 +7,8 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from embstore.errors import ConfigError
-from embstore.index import IdGroups
 
-from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids
+from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids, count_accesses_saturating
 
 __all__ = ["S3FIFOEviction"]
 
@@ -66,11 +65,7 @@ class S3FIFOEviction(TrackedEviction):
         self._ghost_log = SlotLog()
 
     def _access(self, slots: np.ndarray, now: float) -> None:
-        groups = IdGroups(slots.astype(np.int64))  # hashed, O(batch): no sort on the hit path
-        uniq = groups.unique
-        counts = np.bincount(groups.inverse, minlength=len(uniq))
-        freq = self._t.cols["freq"]
-        freq[uniq] = np.minimum(freq[uniq].astype(np.int64) + counts, _MAX_FREQ)
+        count_accesses_saturating(self._t.cols["freq"], _MAX_FREQ, slots)
 
     def record_insert(self, ids: np.ndarray, now: float) -> None:
         # docstring inherited

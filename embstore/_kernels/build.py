@@ -54,16 +54,22 @@ int crc32c_uses_hardware(void);
 checksum_ffibuilder = _builder("embstore._kernels._checksum", CHECKSUM_CDEF, "checksum.c",
                                "gnu99")
 
-SLOT_LOG_CDEF = """
+POLICY_CDEF = """
 int64_t clock_sweep(int32_t *log_slots, int64_t *log_stamps, int64_t *pos,
                     int64_t *stamp, uint8_t *alive, uint8_t *ref, int64_t need, int32_t *out);
+int64_t log_touch(int32_t *log_slots, int64_t *log_stamps, int64_t *pos, int64_t *stamp,
+                  const int32_t *slots, int64_t n, double *time, double now);
 int slots_by_id(const int64_t *ids, const int32_t *slots, int64_t n,
                 uint64_t *ka, int32_t *sa, uint64_t *kb, int32_t *sb);
+void count_accesses(double *count, int64_t *seen, int64_t call, const int32_t *slots,
+                    int64_t n);
+void count_accesses_saturating(uint8_t *freq, uint8_t max, const int32_t *slots, int64_t n);
 """
 
-slot_log_ffibuilder = _builder("embstore._kernels._slot_log", SLOT_LOG_CDEF, "slot_log.c", "c99")
+policy_ffibuilder = _builder("embstore._kernels._policy_kernels", POLICY_CDEF,
+                             "policy_kernels.c", "c99")
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
     checksum_ffibuilder.compile(verbose=True)
-    slot_log_ffibuilder.compile(verbose=True)
+    policy_ffibuilder.compile(verbose=True)

@@ -17,13 +17,13 @@ def sorted_victims(policy, n: int, now: float = 100) -> list[int]:  # type: igno
     return sorted(policy.choose_victims(n, now).tolist())
 
 
-def test_lru_evicts_least_recently_used_ties_by_id() -> None:
+def test_lru_evicts_least_recently_used_ties_by_first_occurrence() -> None:
     lru = registry.load_policy("lru")()
-    lru.record_insert(ids_of(5, 1, 3, 2, 4), 0)  # one call: recency ties break by id
-    lru.record_access(ids_of(1, 1, 2), 1)
+    lru.record_insert(ids_of(5, 1, 4, 2, 3), 0)  # one call: ties keep the call's order
+    lru.record_access(ids_of(2, 1, 2, 1), 1)  # repeats count once, at their first place
     lru.record_access(ids_of(5), 2)
-    assert lru.choose_victims(2, 3).tolist() == [3, 4]
-    assert lru.choose_victims(3, 3).tolist() == [1, 2, 5]
+    assert lru.choose_victims(2, 3).tolist() == [4, 3]
+    assert lru.choose_victims(3, 3).tolist() == [2, 1, 5]
 
 
 def test_lfu_keeps_the_frequent_ids() -> None:

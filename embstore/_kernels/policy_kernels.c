@@ -1,11 +1,11 @@
-/* Sweeps of the eviction policies' lazy FIFO logs (policies/_tracked.py, `SlotLog`).
+/* Per-slot kernels of the eviction policies (policies/_tracked.py): sweeps of their lazy
+ * FIFO logs (`SlotLog`) and access counters.
  *
  * A log is an array of (slot, stamp) entries read from `head`; an entry is live while
  * alive[slot] holds and stamp[slot] equals the entry's stamp, so re-appending a slot with a
- * fresh stamp makes its older entries stale. Why C: the hand of CLOCK takes one branch per
- * entry, and the numpy version (peek a chunk of live entries, cut at the n-th victim, re-push
- * the passed ones) made several passes and temporaries per chunk; on a cache tier it cost
- * more than the tier's hash probes.
+ * fresh stamp makes its older entries stale. Why C: these run on every hit or eviction of a
+ * cache tier, one branch per entry; the numpy versions made several passes, temporaries and
+ * a hashed dedupe per call, and cost more than the tier's own hash probes.
  */
 #include <stdint.h>
 
@@ -81,4 +81,46 @@ int slots_by_id(const int64_t *ids, const int32_t *slots, int64_t n,
         in_b = !in_b;
     }
     return in_b;
+}
+
+/* LRU's touch: append each slot at the tail with a fresh stamp, once per call, in order of
+ * first occurrence; a slot whose stamp is already from this call (>= the call's first
+ * stamp, pos[2] on entry) is a repeat and skipped, so no hash dedupe is needed. Writes
+ * time[slot] = now when time is not NULL. The caller leaves room for n appends. Updates
+ * pos[1..2]; returns the number appended. */
+int64_t log_touch(int32_t *log_slots, int64_t *log_stamps, int64_t *pos, int64_t *stamp,
+                  const int32_t *slots, int64_t n, double *time, double now) {
+    int64_t tail = pos[1], first = pos[2], next = pos[2];
+    for (int64_t j = 0; j < n; j++) {
+        int32_t s = slots[j];
+        if (stamp[s] >= first) continue;
+        stamp[s] = next;
+        log_slots[tail] = s;
+        log_stamps[tail] = next;
+        tail++;
+        next++;
+        if (time) time[s] = now;
+    }
+    int64_t appended = tail - pos[1];
+    pos[1] = tail;
+    pos[2] = next;
+    return appended;
+}
+
+/* LFU's access: count[slot] += 1 and seen[slot] = call for every slot, repeats included
+ * (each counts), in one pass where numpy needed a hashed dedupe and a bincount. */
+void count_accesses(double *count, int64_t *seen, int64_t call, const int32_t *slots,
+                    int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        count[slots[j]] += 1.0;
+        seen[slots[j]] = call;
+    }
+}
+
+/* S3-FIFO's access: a small saturating counter per slot, one step per occurrence. */
+void count_accesses_saturating(uint8_t *freq, uint8_t max, const int32_t *slots, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        uint8_t *f = &freq[slots[j]];
+        if (*f < max) (*f)++;
+    }
 }
