@@ -1,4 +1,5 @@
-"""Crash durability of every persistent backend: SIGKILL a real writer, reopen, check each row.
+"""Crash durability of every persistent backend, alone and as the bottom tier under a DRAM
+cache: SIGKILL a real writer, reopen, check each row.
 
 A child process writes steps of puts and deletes, flushes every FLUSH_EVERY steps and reports
 each flush that returned ("ack <step>") on its stdout. The parent kills it with SIGKILL at a
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import embstore
 from embstore import registry
 from embstore.backend import BackendSpec
 from embstore.errors import BackendUnavailableError
@@ -77,6 +79,30 @@ while True:
     step += 1
 '''
 
+# The same schedule through a store whose DRAM cache tier holds half a step's rows: every
+# step evicts dirty rows, written back into the persistent bottom tier on a second thread.
+CHILD_TIERED = '''
+import json, sys
+import embstore
+from embstore import TableSpec, TierSpec
+
+cfg = json.loads(sys.argv[1])
+globals().update(cfg["constants"])
+exec(cfg["schedule"])
+store = embstore.open(cfg["path"], tables=[TableSpec("crash", dim=DIM)],
+                      tiers=[TierSpec("dram", capacity=PUTS // 2, eviction="clock"),
+                             TierSpec(cfg["name"])])
+step = 0
+while True:
+    put, delete = step_ids(cfg["seed"], step)
+    store.update("crash", put, step_rows(put, step))
+    store.delete("crash", delete)
+    if step % FLUSH_EVERY == FLUSH_EVERY - 1:
+        store.flush()
+        print("ack", step, flush=True)
+    step += 1
+'''
+
 CONSTANTS = {"DIM": DIM, "ID_SPACE": ID_SPACE, "PUTS": PUTS, "DELETES": DELETES,
              "FLUSH_EVERY": FLUSH_EVERY}
 _namespace: dict = dict(CONSTANTS)
@@ -98,11 +124,12 @@ def _persistent_backends() -> list:
     return params
 
 
-def _run_and_kill(name: str, path: Path, seed: int, rng: np.random.Generator) -> list[int]:
+def _run_and_kill(name: str, path: Path, seed: int, rng: np.random.Generator,
+                  child_code: str = CHILD) -> list[int]:
     """Run the writer, SIGKILL it at a random point, return every step it acknowledged."""
     cfg = {"name": name, "path": str(path), "seed": seed, "constants": CONSTANTS,
            "schedule": SCHEDULE}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(cfg)],
+    child = subprocess.Popen([sys.executable, "-c", child_code, json.dumps(cfg)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     acks: list[int] = []
     try:
@@ -147,21 +174,39 @@ def _allowed_states(seed: int, last_ack: int) -> dict[int, set[int | None]]:
     return allowed
 
 
+def _read_backend(name: str, path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, found) of `ids` in the table the backend-level writer left."""
+    with registry.load_backend(name).open(BackendSpec(path=path, dim=DIM, table="crash")) as b:
+        rows, found = b.get(ids)
+        assert set(b.ids().tolist()) == set(ids[found].tolist())
+    return rows, found
+
+
+def _read_store(name: str, path: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, found) of `ids` in the store the tiered writer left (stored rows only)."""
+    rows = np.zeros((len(ids), DIM), dtype=np.float32)
+    found = np.zeros(len(ids), dtype=bool)
+    with embstore.open(path) as store:
+        for batch_ids, weights, _ in store.items("crash"):
+            at = np.searchsorted(ids, batch_ids)
+            assert (ids[at] == batch_ids).all(), "a row for an id no step wrote"
+            rows[at], found[at] = weights, True
+    return rows, found
+
+
+@pytest.mark.parametrize("layout", ["backend", "dram cache over it"])
 @pytest.mark.parametrize("name", _persistent_backends())
-def test_every_acknowledged_flush_survives_sigkill(name, tmp_path):
-    cls = registry.load_backend(name)
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
+def test_every_acknowledged_flush_survives_sigkill(name, layout, tmp_path):
+    tiered = layout != "backend"
+    rng = np.random.default_rng(zlib.crc32(f"{name} {layout}".encode()))
     for trial in range(TRIALS):
         path = tmp_path / f"trial{trial}"
         seed = 1000 * trial + 7
-        acks = _run_and_kill(name, path, seed, rng)
+        acks = _run_and_kill(name, path, seed, rng, CHILD_TIERED if tiered else CHILD)
         assert acks == sorted(acks) and acks
         allowed = _allowed_states(seed, acks[-1])
         ids = np.array(sorted(allowed), dtype=np.int64)
-        with cls.open(BackendSpec(path=path, dim=DIM, table="crash")) as backend:
-            rows, found = backend.get(ids)
-            stored = set(backend.ids().tolist())
-        assert stored == set(ids[found].tolist())
+        rows, found = (_read_store if tiered else _read_backend)(name, path, ids)
         for i, row, hit in zip(ids.tolist(), rows, found.tolist(), strict=True):
             if not hit:
                 assert None in allowed[i], (
