@@ -78,7 +78,6 @@ class Tier:
         self.eviction = eviction
         self.admission = admission
         self.is_bottom = is_bottom
-        self.admits_everything = admission is None or admission.admits_everything
         # a backend with slots of its own keeps its rows' slots at hand: dirty bits per slot
         self.slotted = isinstance(backend, SupportsSlots)
         self.dirty: DirtySet | None = (None if is_bottom else DirtySlots(backend.index)
@@ -221,7 +220,7 @@ class TableChain:
 
     @staticmethod
     def _admit(tier: Tier, ids: np.ndarray, now: int) -> np.ndarray:
-        if tier.admits_everything:
+        if tier.admission is None:  # admit all ("always" is opened as None)
             return np.ones(len(ids), dtype=bool)
         admitted = np.asarray(tier.admission.admit(ids, now), dtype=bool)
         tier.counters["admissions_rejected"] += int(len(ids) - np.count_nonzero(admitted))
@@ -236,7 +235,7 @@ class TableChain:
         self._absent = None
         written = np.ones(len(ids), dtype=bool)
         bottom = self.tiers[-1]
-        if not bottom.admits_everything:
+        if bottom.admission is not None:
             new = ~self.contains(ids)
             if new.any():
                 written[new] = self._admit(bottom, ids[new], now)
@@ -244,7 +243,7 @@ class TableChain:
                     ids, rows = ids[written], rows[written]
         remaining = np.arange(len(ids))
         for tier in self.tiers[:-1]:
-            if tier.admits_everything:
+            if tier.admission is None:
                 # every id goes here: `_insert` learns which it held from the backend
                 self._insert(tier, *_subset(ids, rows, remaining), dirty=True, now=now)
                 return written
@@ -305,12 +304,13 @@ class TableChain:
         victims, slots = tier.eviction.expired(now), None
         if tier.capacity_rows is not None:
             over = tier.rows - len(victims) - tier.capacity_rows
-            if over > 0 and tier.shares_index and not len(victims):
-                # the policy knows its victims' slots: no probe to find their dirty bits
-                victims, slots = tier.eviction.choose_victim_slots(over, now)
-            elif over > 0:
-                more = tier.eviction.choose_victims(over, now)
-                victims = np.concatenate([victims, more]) if len(victims) else more
+            if over > 0:
+                if tier.shares_index and not len(victims):
+                    # the policy knows its victims' slots: no probe to find their dirty bits
+                    victims, slots = tier.eviction.choose_victim_slots(over, now)
+                else:
+                    more = tier.eviction.choose_victims(over, now)
+                    victims = np.concatenate([victims, more]) if len(victims) else more
         if not len(victims):
             return
         victims = np.ascontiguousarray(victims, dtype=np.int64)

@@ -85,8 +85,6 @@ class AdmissionPolicy(Policy):
     """Decides which ids may enter a tier."""
 
     kind: ClassVar[str] = "admission"
-    admits_everything: ClassVar[bool] = False
-    """True for a policy whose `admit` is always all True: the tier then skips asking."""
 
     @abstractmethod
     def admit(self, ids: np.ndarray, now: float) -> np.ndarray:

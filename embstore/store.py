@@ -156,13 +156,10 @@ class EmbeddingStore:
         if found.all():
             return
         miss = np.flatnonzero(~found)
+        # initializers hash every (id, column): once per distinct id, then copied
         groups = IdGroups(np.ascontiguousarray(ids[miss]))
-        if groups.has_duplicates:
-            # initializers hash every (id, column): once per distinct id, then copied
-            init = spec.init(groups.unique, spec.dim, spec.dtype)
-            rows[miss, : spec.dim] = init[groups.inverse]
-        else:
-            rows[miss, : spec.dim] = spec.init(groups.unique, spec.dim, spec.dtype)
+        init = spec.init(groups.unique, spec.dim, spec.dtype)
+        rows[miss, : spec.dim] = init[groups.inverse] if groups.has_duplicates else init
         if with_state and spec.row_width > spec.dim:
             rows[miss, spec.dim :] = spec.optimizer.initial_state(len(miss), spec.dim, spec.dtype)
 

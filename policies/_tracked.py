@@ -16,7 +16,7 @@ import numpy as np
 
 from embstore._kernels._policy_kernels import ffi as _ffi
 from embstore._kernels._policy_kernels import lib as _kernels
-from embstore.index import IdIndex
+from embstore.index import IdIndex, _ptr
 from embstore.policy import EvictionPolicy
 
 __all__: list[str] = []
@@ -34,26 +34,24 @@ def slots_by_id(ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
     slots = np.ascontiguousarray(slots, dtype=np.int32)
     keys = np.empty((2, n), dtype=np.uint64)
     out = np.empty((2, n), dtype=np.int32)
-    which = _kernels.slots_by_id(
-        _ffi.cast("int64_t *", ids.ctypes.data), _ffi.cast("int32_t *", slots.ctypes.data), n,
-        _ffi.cast("uint64_t *", keys[0].ctypes.data), _ffi.cast("int32_t *", out[0].ctypes.data),
-        _ffi.cast("uint64_t *", keys[1].ctypes.data), _ffi.cast("int32_t *", out[1].ctypes.data))
+    which = _kernels.slots_by_id(_ptr("int64_t *", ids), _ptr("int32_t *", slots), n,
+                                 _ptr("uint64_t *", keys[0]), _ptr("int32_t *", out[0]),
+                                 _ptr("uint64_t *", keys[1]), _ptr("int32_t *", out[1]))
     return out[which]
 
 
 def count_accesses(count: np.ndarray, seen: np.ndarray, call: int, slots: np.ndarray) -> None:
     """`count[s] += 1` (float64) per occurrence of each slot s, and `seen[s] = call` (int64)."""
     slots = np.ascontiguousarray(slots, dtype=np.int32)
-    _kernels.count_accesses(_ffi.cast("double *", count.ctypes.data),
-                            _ffi.cast("int64_t *", seen.ctypes.data), call,
-                            _ffi.cast("int32_t *", slots.ctypes.data), len(slots))
+    _kernels.count_accesses(_ptr("double *", count), _ptr("int64_t *", seen), call,
+                            _ptr("int32_t *", slots), len(slots))
 
 
 def count_accesses_saturating(freq: np.ndarray, top: int, slots: np.ndarray) -> None:
     """`freq[s] = min(freq[s] + 1, top)` (uint8) per occurrence of each slot s."""
     slots = np.ascontiguousarray(slots, dtype=np.int32)
-    _kernels.count_accesses_saturating(_ffi.cast("uint8_t *", freq.ctypes.data), top,
-                                       _ffi.cast("int32_t *", slots.ctypes.data), len(slots))
+    _kernels.count_accesses_saturating(_ptr("uint8_t *", freq), top, _ptr("int32_t *", slots),
+                                       len(slots))
 
 
 class Tracked:
@@ -221,14 +219,20 @@ class SlotLog:
             return
         slots = np.ascontiguousarray(slots, dtype=np.int32)
         self.reserve(len(slots), stamp, alive)
-        pos = np.array([self.head, self.tail, self.next_stamp], dtype=np.int64)
-        _kernels.log_touch(
-            _ffi.cast("int32_t *", self.slots.ctypes.data),
-            _ffi.cast("int64_t *", self.stamps.ctypes.data),
-            _ffi.cast("int64_t *", pos.ctypes.data), _ffi.cast("int64_t *", stamp.ctypes.data),
-            _ffi.cast("int32_t *", slots.ctypes.data), len(slots),
-            _ffi.NULL if time is None else _ffi.cast("double *", time.ctypes.data), now)
+        pos = self._positions()
+        _kernels.log_touch(_ptr("int32_t *", self.slots), _ptr("int64_t *", self.stamps),
+                           _ptr("int64_t *", pos), _ptr("int64_t *", stamp),
+                           _ptr("int32_t *", slots), len(slots),
+                           _ffi.NULL if time is None else _ptr("double *", time), now)
+        self._moved_to(pos)
+
+    def _positions(self) -> np.ndarray:
+        """(head, tail, next stamp) for a C kernel to update in place (see `_moved_to`)."""
+        return np.array([self.head, self.tail, self.next_stamp], dtype=np.int64)
+
+    def _moved_to(self, pos: np.ndarray) -> None:
         self.tail, self.next_stamp = int(pos[1]), int(pos[2])
+        self.advance(int(pos[0]))
 
     def _compact(self, stamp: np.ndarray, alive: np.ndarray, extra: int) -> None:
         # drop stale entries, then grow if the live ones still leave too little room
@@ -288,15 +292,12 @@ class SlotLog:
         the owner's tracked count, which bounds the re-appends."""
         self.reserve(live, stamp, alive)
         out = np.empty(max(need, 0), dtype=np.int32)
-        pos = np.array([self.head, self.tail, self.next_stamp], dtype=np.int64)
-        k = _kernels.clock_sweep(
-            _ffi.cast("int32_t *", self.slots.ctypes.data),
-            _ffi.cast("int64_t *", self.stamps.ctypes.data),
-            _ffi.cast("int64_t *", pos.ctypes.data), _ffi.cast("int64_t *", stamp.ctypes.data),
-            _ffi.cast("uint8_t *", alive.ctypes.data), _ffi.cast("uint8_t *", ref.ctypes.data),
-            len(out), _ffi.cast("int32_t *", out.ctypes.data))
-        self.tail, self.next_stamp = int(pos[1]), int(pos[2])
-        self.advance(int(pos[0]))
+        pos = self._positions()
+        k = _kernels.clock_sweep(_ptr("int32_t *", self.slots), _ptr("int64_t *", self.stamps),
+                                 _ptr("int64_t *", pos), _ptr("int64_t *", stamp),
+                                 _ptr("uint8_t *", alive), _ptr("uint8_t *", ref), len(out),
+                                 _ptr("int32_t *", out))
+        self._moved_to(pos)
         return out[:k]
 
     def advance(self, pos: int) -> None:

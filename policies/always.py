@@ -20,7 +20,6 @@ class AlwaysAdmission(AdmissionPolicy):
     """
 
     name: ClassVar[str] = "always"
-    admits_everything: ClassVar[bool] = True
 
     def admit(self, ids: np.ndarray, now: float) -> np.ndarray:
         # docstring inherited

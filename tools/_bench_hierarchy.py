@@ -110,16 +110,13 @@ def _in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
         return pool.apply(fn, args)
 
 
-def _workload(args: argparse.Namespace) -> tuple[list[np.ndarray], list[np.ndarray], int]:
-    """The trace batches, their gradients and the DRAM tier's rows, the same in every process."""
+def _trace(args: argparse.Namespace) -> tuple[list[np.ndarray], int]:
+    """The trace batches and the distinct ids they touch, the same in every process."""
     lookups = 1 << 18 if args.quick else 1 << 20
     trace = [b for big in synthesize(args.batches * args.batch // lookups + 1, seed=7,
                                      lookups=lookups)
              for b in np.array_split(big, max(1, len(big) // args.batch))][: args.batches]
-    rng = np.random.default_rng(3)
-    grads = [rng.standard_normal((len(b), DIM)).astype(np.float32) * 0.01 for b in trace]
-    distinct = len(np.unique(np.concatenate(trace)))
-    return trace, grads, max(1, distinct // 10)
+    return trace, len(np.unique(np.concatenate(trace)))
 
 
 def _spec() -> TableSpec:
@@ -130,7 +127,10 @@ def _train(args: argparse.Namespace, path: Path | None,
            bottom: str | None) -> tuple[float, list[Any]]:
     """Seconds to train the trace on a DRAM-only store (`bottom` None) or through a DRAM tier
     over `bottom`; with a bottom, its batched reads and writes are saved beside `path`."""
-    trace, grads, cache_rows = _workload(args)
+    trace, distinct = _trace(args)
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal((len(b), DIM)).astype(np.float32) * 0.01 for b in trace]
+    cache_rows = max(1, distinct // 10)
     tiers = None if bottom is None else [
         TierSpec("dram", capacity=cache_rows, eviction=args.eviction, admission=args.admission),
         TierSpec(bottom)]
@@ -173,21 +173,23 @@ def _replay_seconds(backend: str, path: Path, log_file: Path, width: int) -> flo
 
 def end_to_end(args: argparse.Namespace, root: Path) -> None:
     """Train the calibrated trace through a 10x-oversubscribed DRAM tier."""
-    trace, _, cache_rows = _workload(args)
+    trace, distinct = _trace(args)
+    cache_rows = max(1, distinct // 10)
     n_ids = sum(len(b) for b in trace)
-    distinct = len(np.unique(np.concatenate(trace)))
     bottoms = [b for b in args.bottoms.split(",") if b in registry.available_backend_names()]
-    best: dict[str, float] = {}
+    best: dict[str, float] = {}  # seconds of training, per contender
+    best_replay: dict[str, float] = {}  # seconds of the raw bottom replay, per bottom
+    stats: dict[str, list[Any]] = {}
     for r in range(args.e2e_repeats):  # contenders in turn, so noise hits all alike
         for name in ["dram-only", *bottoms]:
             path = None if name == "dram-only" else root / f"e2e-{name}-{r}"
-            t, stats = _in_fresh_process(_train, args, path, None if path is None else name)
+            t, stats[name] = _in_fresh_process(_train, args, path,
+                                               None if path is None else name)
             best[name] = min(t, best.get(name, t))
             if path is not None:
                 replay = _in_fresh_process(_replay_seconds, name, root / f"replay-{name}-{r}",
                                            path.with_suffix(".log.npz"), _spec().row_width)
-                best[f"{name} replay"] = min(replay, best.get(f"{name} replay", replay))
-                best[f"{name} stats"] = stats
+                best_replay[name] = min(replay, best_replay.get(name, replay))
     print(f"end to end: {len(trace)} batches of {args.batch:,} ids from the calibrated trace "
           f"(profile 2021), {distinct:,} distinct ids x {DIM}; DRAM tier {cache_rows:,} rows "
           f"({args.eviction}, admission {args.admission}); lookup + row-wise Adagrad step per "
@@ -198,8 +200,8 @@ def end_to_end(args: argparse.Namespace, root: Path) -> None:
         if bottom not in bottoms:
             print(f"  ({bottom}: unavailable, skipped)")
             continue
-        top, low = best[f"{bottom} stats"]
-        t_bottom = best[f"{bottom} replay"]
+        top, low = stats[bottom]
+        t_bottom = best_replay[bottom]
         print(f"  {bottom}: DRAM tier hit ratio {top.hits / top.lookups:.1%} "
               f"({top.misses:,} misses, {low.lookups:,} distinct reads below, "
               f"{top.writebacks:,} write-backs); the raw {bottom} backend replays those "
