@@ -12,6 +12,7 @@ __all__ = [
     "CapacityError",
     "ConfigError",
     "CorruptStoreError",
+    "DeviceMismatchError",
     "DimensionMismatchError",
     "DtypeMismatchError",
     "EmbstoreError",
@@ -65,6 +66,10 @@ class DimensionMismatchError(InvalidValuesError):
 
 class DtypeMismatchError(InvalidValuesError, TypeError):
     """Rows or gradients are not of the table's dtype."""
+
+
+class DeviceMismatchError(InvalidValuesError):
+    """A tensor is on another device than the module it is given to (torch adapter)."""
 
 
 class NonFiniteValueError(InvalidValuesError):

@@ -1,0 +1,291 @@
+"""The machinery behind the torch modules: plan a forward, fetch its rows, pool, update.
+
+A forward is done in three steps, so that the pipeline can run the first two ahead of time on
+a background thread:
+
+1. `prepare`: check the inputs and group each table's ids (all features of one table share one
+   lookup of their distinct ids, `IdGroups`: first-occurrence order, with the map back);
+2. `fetch`: look up the distinct rows in the store and stage them on the module's device;
+3. `run`: pool the rows with torch (`torch.embedding_bag`, the kernel behind
+   torch.nn.EmbeddingBag) and, when training, connect the result to autograd.
+
+The backward pass turns the pooled gradient into one gradient row per input position (scaled
+by its per-sample weight, divided by its bag's size for "mean"; "max" routes each column to
+the row that won it), sums the rows of each distinct id in position order, and hands them to
+the table's fused optimizer with `EmbeddingStore.apply_gradients`. That is bit for bit the
+store's own ``apply_gradients(ids, per_position_grads)``: no dense [num_embeddings, dim]
+gradient exists, and there is nothing for a torch optimizer to step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..index import IdGroups
+from ..store import EmbeddingStore
+from ._inputs import BagInput
+
+__all__ = ["MODES", "FeaturePlan", "ForwardPlan", "TablePlan", "fetch", "prepare", "run"]
+
+MODES = {"sum": 0, "mean": 1, "max": 2}
+"""Pooling modes, with torch.embedding_bag's code for each; "none" (unpooled) is extra."""
+
+# one leaf that requires grad, so that autograd calls the backward of a lookup whose inputs
+# need no gradient of their own; its gradient is always None, so nothing accumulates on it
+_TRIGGER = torch.zeros((), requires_grad=True)
+
+
+@dataclass
+class FeaturePlan:
+    """One feature's ids within its table's lookup."""
+
+    name: str
+    bags: BagInput
+    start: int
+    """Position of the feature's first id among the table's concatenated ids."""
+
+
+@dataclass
+class TablePlan:
+    """The distinct ids one forward needs from one table, and (once fetched) their rows."""
+
+    table: str
+    features: list[FeaturePlan]
+    groups: IdGroups
+    padding: int | None
+    """Index into `groups.unique` of the padding id, None when absent or not set."""
+    rows: torch.Tensor | None = None
+    """[U, dim] rows of `groups.unique` on the module's device, once fetched."""
+    inverse: torch.Tensor | None = None
+    """int64[N] on the module's device: the distinct row of each position."""
+    ready: Any = None
+    """A CUDA event the consumer waits on before using `rows`, or None."""
+    fetched_at: int = 0
+    """The pipeline's update count when the rows were read (for refreshing them)."""
+
+
+@dataclass
+class ForwardPlan:
+    """Everything one forward of one module needs: its tables' plans, in feature order."""
+
+    args: tuple[Any, ...]
+    """The forward's arguments, as given: a staged plan serves the call with these objects."""
+    tables: list[TablePlan]
+    order: list[str]
+    """Feature names in output order."""
+
+
+def prepare(args: tuple[Any, ...], features: Sequence[tuple[str, str, BagInput]],
+            padding_idx: int | None) -> ForwardPlan:
+    """Group the ids of `features` ((name, table, bags), in output order) by table."""
+    by_table: dict[str, list[tuple[str, BagInput]]] = {}
+    for name, table, bags in features:
+        by_table.setdefault(table, []).append((name, bags))
+    tables = []
+    for table, feats in by_table.items():
+        plans, parts, start = [], [], 0
+        for name, bags in feats:
+            plans.append(FeaturePlan(name, bags, start))
+            parts.append(bags.ids)
+            start += len(bags.ids)
+        ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        groups = IdGroups(np.ascontiguousarray(ids))
+        padding = None
+        if padding_idx is not None:
+            hit = np.flatnonzero(groups.unique == padding_idx)
+            padding = int(hit[0]) if len(hit) else None
+        tables.append(TablePlan(table, plans, groups, padding))
+    return ForwardPlan(args, tables, [name for name, _, _ in features])
+
+
+def lookup_rows(store: EmbeddingStore, table: str, ids: np.ndarray) -> torch.Tensor:
+    """Rows of distinct `ids` from the store as a C-contiguous CPU tensor [len(ids), dim]."""
+    rows = store.lookup(table, ids)
+    return torch.from_numpy(np.ascontiguousarray(rows))
+
+
+def fetch(store: EmbeddingStore, plan: ForwardPlan, device: torch.device) -> None:
+    """Look up every table's distinct rows of `plan` and put them on `device`."""
+    for tp in plan.tables:
+        rows = lookup_rows(store, tp.table, tp.groups.unique)
+        inverse = torch.from_numpy(tp.groups.inverse)
+        if device.type != "cpu":
+            rows, inverse = rows.to(device), inverse.to(device)
+        tp.rows, tp.inverse = rows, inverse
+
+
+# --- pooling -------------------------------------------------------------------------------
+
+def _pool(rows: torch.Tensor, inverse: torch.Tensor, fp: FeaturePlan, mode: str,
+          padding: int | None) -> tuple[torch.Tensor, ...]:
+    """torch.embedding_bag over the distinct rows: (pooled [B, dim], offset2bag, bag_size,
+    max_indices)."""
+    n = len(fp.bags.ids)
+    inv = inverse[fp.start: fp.start + n]
+    offsets = torch.from_numpy(fp.bags.offsets).to(rows.device)
+    return torch.embedding_bag(rows, inv, offsets, False, MODES[mode], False,
+                               fp.bags.per_sample_weights, True, padding)
+
+
+def _unpooled(rows: torch.Tensor, inverse: torch.Tensor, fp: FeaturePlan,
+              padding: int | None) -> torch.Tensor:
+    n = len(fp.bags.ids)
+    inv = inverse[fp.start: fp.start + n]
+    out = rows.index_select(0, inv)
+    if padding is not None:
+        out = out.masked_fill((inv == padding)[:, None], 0.0)
+    return out
+
+
+def _forward_outputs(tp: TablePlan, mode: str) -> tuple[list[torch.Tensor], list[Any]]:
+    assert tp.rows is not None and tp.inverse is not None
+    outs, saved = [], []
+    for fp in tp.features:
+        if mode == "none":
+            outs.append(_unpooled(tp.rows, tp.inverse, fp, tp.padding))
+            saved.append(None)
+        else:
+            pooled, offset2bag, bag_size, max_indices = _pool(tp.rows, tp.inverse, fp, mode,
+                                                              tp.padding)
+            outs.append(pooled)
+            saved.append((offset2bag, bag_size, max_indices))
+    return outs, saved
+
+
+# --- backward ------------------------------------------------------------------------------
+
+def _position_grads(tp: TablePlan, fp: FeaturePlan, mode: str, grad: torch.Tensor,
+                    saved: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradient of each position of one feature [N, dim], and of its per-sample weights."""
+    assert tp.rows is not None and tp.inverse is not None
+    n = len(fp.bags.ids)
+    inv = tp.inverse[fp.start: fp.start + n]
+    if mode == "none":
+        return grad.reshape(n, -1), None
+    _, bag_size, _ = saved
+    # torch's sum mode leaves offset2bag empty: the bag of each position, from the offsets
+    offsets = fp.bags.offsets
+    offset2bag = torch.from_numpy(np.repeat(np.arange(len(offsets) - 1), np.diff(offsets)))
+    offset2bag = offset2bag.to(grad.device)
+    per_bag = grad.index_select(0, offset2bag)
+    if mode == "mean":
+        per_bag = per_bag / bag_size.index_select(0, offset2bag).clamp(min=1)[:, None] \
+            .to(grad.dtype)
+    psw_grad = None
+    psw = fp.bags.per_sample_weights
+    if psw is not None:
+        if psw.requires_grad:
+            psw_grad = (per_bag * tp.rows.index_select(0, inv)).sum(dim=1)
+            if tp.padding is not None:
+                psw_grad = psw_grad.masked_fill(inv == tp.padding, 0.0)
+        per_bag = per_bag * psw.detach()[:, None]
+    return per_bag, psw_grad
+
+
+def _max_grads(tp: TablePlan, grad: torch.Tensor, saved: Any) -> torch.Tensor:
+    """Per distinct row [U, dim]: each pooled column's gradient goes to the row that won it."""
+    assert tp.rows is not None
+    _, bag_size, max_indices = saved
+    won = (bag_size > 0)[:, None]  # an empty bag has no winner (torch reports row 0)
+    out = torch.zeros_like(tp.rows)
+    return out.scatter_add_(0, max_indices, grad * won)
+
+
+UpdateHook = Callable[[EmbeddingStore, str, np.ndarray], None]
+_listeners: list[UpdateHook] = []
+_listeners_lock = threading.Lock()
+
+
+def add_update_listener(hook: UpdateHook) -> None:
+    """Call `hook(store, table, ids)` after every update the modules apply (pipelines)."""
+    with _listeners_lock:
+        _listeners.append(hook)
+
+
+def remove_update_listener(hook: UpdateHook) -> None:
+    """Stop calling `hook`."""
+    with _listeners_lock:
+        if hook in _listeners:
+            _listeners.remove(hook)
+
+
+def _apply(store: EmbeddingStore, tp: TablePlan, grads: np.ndarray, *, summed: bool) -> None:
+    """Apply the table's optimizer: `grads` per position ([N, dim]) or per distinct id."""
+    unique = tp.groups.unique
+    if not summed:
+        grads = tp.groups.sum_rows(grads) if tp.groups.has_duplicates else grads
+    if tp.padding is not None:
+        keep = np.ones(len(unique), dtype=bool)
+        keep[tp.padding] = False
+        unique, grads = unique[keep], grads[keep]
+    grads = np.ascontiguousarray(grads)
+    store.apply_gradients(tp.table, unique, grads)
+    with _listeners_lock:
+        hooks = list(_listeners)
+    for hook in hooks:
+        hook(store, tp.table, unique)
+
+
+class _TableFunction(torch.autograd.Function):
+    """Forward: pooled outputs of one table's features. Backward: the store's update."""
+
+    @staticmethod
+    def forward(ctx: Any, trigger: torch.Tensor, store: EmbeddingStore, tp: TablePlan,
+                mode: str, *weights: torch.Tensor) -> Any:
+        outs, saved = _forward_outputs(tp, mode)
+        ctx.store, ctx.tp, ctx.mode, ctx.saved = store, tp, mode, saved
+        ctx.set_materialize_grads(True)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        tp, mode = ctx.tp, ctx.mode
+        weight_grads: list[torch.Tensor | None] = []
+        if mode == "max":
+            total = None
+            for g, saved in zip(grads, ctx.saved):
+                part = _max_grads(tp, g, saved)
+                total = part if total is None else total + part
+            assert total is not None
+            _apply(ctx.store, tp, total.detach().cpu().numpy(), summed=True)
+        else:
+            parts = []
+            for fp, g, saved in zip(tp.features, grads, ctx.saved):
+                pos, wg = _position_grads(tp, fp, mode, g, saved)
+                parts.append(pos)
+                if fp.bags.per_sample_weights is not None:
+                    weight_grads.append(wg)
+            pos_all = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if tp.padding is not None:
+                pos_all = pos_all.masked_fill((tp.inverse == tp.padding)[:, None], 0.0)
+            _apply(ctx.store, tp, np.ascontiguousarray(pos_all.detach().cpu().numpy()),
+                   summed=False)
+        return (None, None, None, None, *weight_grads)
+
+
+def run(store: EmbeddingStore, plan: ForwardPlan, mode: str, *, train: bool
+        ) -> list[torch.Tensor]:
+    """Outputs of every feature of `plan`, in the order the plan's features were given.
+
+    With `train`, the outputs are connected to autograd and their backward updates the store.
+    """
+    outs: dict[str, torch.Tensor] = {}
+    for tp in plan.tables:
+        if tp.ready is not None:
+            torch.cuda.current_stream(tp.rows.device).wait_event(tp.ready)  # type: ignore
+            tp.ready = None
+        if train:
+            weights = [fp.bags.per_sample_weights for fp in tp.features
+                       if fp.bags.per_sample_weights is not None]
+            results = _TableFunction.apply(_TRIGGER, store, tp, mode, *weights)
+        else:
+            results, _ = _forward_outputs(tp, mode)
+        for fp, out in zip(tp.features, results):
+            outs[fp.name] = out
+    return [outs[name] for name in plan.order]

@@ -1,0 +1,186 @@
+"""Checks of the torch adapter's inputs, done before anything reaches the store.
+
+Each function turns torch.nn.EmbeddingBag-style arguments into numpy arrays the store takes,
+or raises an `embstore.errors` class saying what was wrong; nothing is looked up or changed
+before every check has passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import DeviceMismatchError, InvalidIdsError, InvalidValuesError
+
+__all__ = ["BagInput", "bag_input", "flat_ids", "jagged_input"]
+
+
+@dataclass(frozen=True)
+class BagInput:
+    """One batch of bags, checked.
+
+    Attributes:
+        ids: int64[N], every id of every bag, bag after bag (a view of the caller's tensor
+            where it is already int64 on the CPU: read, never written).
+        offsets: int64[B + 1], bag b holds ``ids[offsets[b]:offsets[b + 1]]``.
+        per_sample_weights: float[N] on the module's device, or None.
+    """
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    per_sample_weights: torch.Tensor | None
+
+    @property
+    def num_bags(self) -> int:
+        """B, the number of bags."""
+        return len(self.offsets) - 1
+
+
+def _check_device(what: str, tensor: torch.Tensor, device: torch.device) -> None:
+    if tensor.device != device:
+        raise DeviceMismatchError(
+            f"{what} is on {tensor.device} but the module is on {device}; move it with "
+            f".to({str(device)!r}) or move the module"
+        )
+
+
+def flat_ids(what: str, tensor: object, device: torch.device) -> np.ndarray:
+    """The ids in `tensor` (an integer tensor of any shape) as a C-contiguous int64[N]."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidIdsError(f"{what} must be a torch.Tensor of integer ids, got "
+                              f"{type(tensor).__name__}")
+    _check_device(what, tensor, device)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise InvalidIdsError(
+            f"{what} must hold integer ids, got dtype {tensor.dtype}; convert whole-number "
+            "ids with .long()"
+        )
+    ids = tensor.detach().reshape(-1)
+    if ids.device.type != "cpu":
+        ids = ids.cpu()
+    if ids.dtype != torch.int64:
+        ids = ids.to(torch.int64)
+    return np.ascontiguousarray(ids.numpy())
+
+
+def _offsets(offsets: object, n: int, include_last_offset: bool,
+             device: torch.device) -> np.ndarray:
+    if not isinstance(offsets, torch.Tensor):
+        raise InvalidIdsError(f"offsets must be a 1-D integer torch.Tensor, got "
+                              f"{type(offsets).__name__}")
+    _check_device("offsets", offsets, device)
+    if offsets.dim() != 1 or offsets.dtype.is_floating_point or offsets.dtype == torch.bool:
+        raise InvalidIdsError(
+            f"offsets must be a 1-D integer tensor, got dtype {offsets.dtype} and shape "
+            f"{tuple(offsets.shape)}"
+        )
+    off = offsets.detach().cpu().to(torch.int64).numpy()
+    if include_last_offset:
+        if len(off) < 1:
+            raise InvalidIdsError("with include_last_offset=True, offsets needs at least one "
+                                  "element (the end of the input)")
+        if off[-1] != n:
+            raise InvalidIdsError(
+                f"with include_last_offset=True the last offset must equal the input's "
+                f"length {n}, got {int(off[-1])}"
+            )
+    else:
+        off = np.append(off, n)
+    if len(off) > 1 and off[0] != 0:
+        raise InvalidIdsError(f"offsets[0] must be 0 (the first bag starts at the input's "
+                              f"start), got {int(off[0])}")
+    steps = np.diff(off)
+    if len(steps) and steps.min() < 0:
+        bad = int(np.flatnonzero(steps < 0)[0])
+        raise InvalidIdsError(
+            f"offsets must be non-decreasing and within the input (length {n}); offset "
+            f"{bad + 1} is {int(off[bad + 1])} after {int(off[bad])}"
+        )
+    return np.ascontiguousarray(off)
+
+
+def _weights(per_sample_weights: object, n: int, device: torch.device,
+             dtype: torch.dtype) -> torch.Tensor:
+    w = per_sample_weights
+    if not isinstance(w, torch.Tensor):
+        raise InvalidValuesError(f"per_sample_weights must be a torch.Tensor, got "
+                                 f"{type(w).__name__}")
+    _check_device("per_sample_weights", w, device)
+    if w.dtype != dtype:
+        raise InvalidValuesError(
+            f"per_sample_weights must have the table's dtype {dtype}, got {w.dtype}"
+        )
+    if w.numel() != n:
+        raise InvalidValuesError(
+            f"per_sample_weights must have one weight per id ({n}), got shape "
+            f"{tuple(w.shape)}"
+        )
+    return w.reshape(-1)
+
+
+def bag_input(input: object, offsets: object, per_sample_weights: object, *, mode: str,
+              include_last_offset: bool, device: torch.device,
+              dtype: torch.dtype) -> BagInput:
+    """Check torch.nn.EmbeddingBag's forward arguments and return them as a `BagInput`.
+
+    Args:
+        input: LongTensor [N] with `offsets`, or [B, L] (B bags of L ids) without.
+        offsets: LongTensor [B] (or [B + 1] with `include_last_offset`), or None.
+        per_sample_weights: tensor shaped like `input`, "sum" mode only, or None.
+
+    Raises:
+        InvalidIdsError: float ids, a wrong shape, bad offsets.
+        InvalidValuesError: per_sample_weights of the wrong shape or dtype, or with a mode
+            other than "sum".
+        DeviceMismatchError: an argument on another device than the module.
+    """
+    if not isinstance(input, torch.Tensor):
+        raise InvalidIdsError(f"input must be a torch.Tensor of ids, got {type(input).__name__}")
+    if input.dim() == 2:
+        if offsets is not None:
+            raise InvalidIdsError("a 2-D input is a batch of fixed-length bags; offsets must be "
+                                  "None then (pass a 1-D input to use offsets)")
+        b, length = input.shape
+        ids = flat_ids("input", input, device)
+        off = np.arange(0, (b + 1) * length, length, dtype=np.int64)[: b + 1]
+    elif input.dim() == 1:
+        if offsets is None:
+            raise InvalidIdsError("a 1-D input needs offsets (where each bag starts); or pass "
+                                  "a 2-D input [bags, ids per bag]")
+        ids = flat_ids("input", input, device)
+        off = _offsets(offsets, len(ids), include_last_offset, device)
+    else:
+        raise InvalidIdsError(f"input must be 1-D (with offsets) or 2-D (bags x ids), got "
+                              f"shape {tuple(input.shape)}")
+    weights = None
+    if per_sample_weights is not None:
+        if mode != "sum":
+            raise InvalidValuesError(
+                f"per_sample_weights are only supported with mode='sum' (as in torch), "
+                f"got mode={mode!r}"
+            )
+        weights = _weights(per_sample_weights, len(ids), device, dtype)
+    return BagInput(ids, off, weights)
+
+
+def jagged_input(feature: str, values: object, lengths: object, device: torch.device,
+                 dtype: torch.dtype, weights: object = None) -> BagInput:
+    """Check one feature of a jagged batch: `values` LongTensor [N], `lengths` [B]."""
+    ids = flat_ids(f"feature {feature!r} values", values, device)
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 \
+            or lengths.dtype.is_floating_point:
+        raise InvalidIdsError(f"feature {feature!r}: lengths must be a 1-D integer tensor")
+    _check_device(f"feature {feature!r} lengths", lengths, device)
+    lens = lengths.detach().cpu().to(torch.int64).numpy()
+    if len(lens) and lens.min() < 0:
+        raise InvalidIdsError(f"feature {feature!r}: lengths must be >= 0, got "
+                              f"{int(lens.min())}")
+    off = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=off[1:])
+    if off[-1] != len(ids):
+        raise InvalidIdsError(f"feature {feature!r}: lengths add up to {int(off[-1])} but "
+                              f"there are {len(ids)} values")
+    w = None if weights is None else _weights(weights, len(ids), device, dtype)
+    return BagInput(ids, off, w)

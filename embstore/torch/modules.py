@@ -1,0 +1,359 @@
+"""torch.nn modules whose embedding tables live in an embstore store.
+
+The modules hold no parameters: a forward looks up the rows it needs in the store, and in
+training the backward applies each table's fused optimizer in the store. A model that holds
+them saves its dense part with ``torch.save(model.state_dict())`` as usual and its tables with
+``store.checkpoint``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ConfigError, InvalidIdsError
+from ..store import EmbeddingStore
+from ._core import MODES, ForwardPlan, fetch, prepare, run
+from ._inputs import BagInput, bag_input, flat_ids, jagged_input
+
+__all__ = ["Embedding", "EmbeddingBag", "EmbeddingBagCollection", "KeyedEmbeddings"]
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether `a` and `b` are the very same arguments (identity of every tensor)."""
+    if a is b:
+        return True
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return False
+
+
+class _StoreModule(nn.Module):
+    """Common base: the store, the device, and the plan staged by a pipeline."""
+
+    def __init__(self, store: EmbeddingStore, tables: list[str], padding_idx: int | None,
+                 mode: str) -> None:
+        super().__init__()
+        if not isinstance(store, EmbeddingStore):
+            raise ConfigError(f"store must be an open embstore.EmbeddingStore, got "
+                              f"{type(store).__name__}")
+        if mode not in MODES and mode != "none":
+            raise ConfigError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        self.store = store
+        self.mode = mode
+        self._specs = {t: store.table_spec(t) for t in tables}  # UnknownTableError
+        dtypes = {s.dtype for s in self._specs.values()}
+        if len(dtypes) != 1:
+            raise ConfigError(f"tables of one module must share a dtype, got {sorted(map(str, dtypes))}")
+        self._dtype = _torch_dtype(dtypes.pop())
+        self.padding_idx = self._padding(padding_idx)
+        # no tensors of the module's own: the anchor only follows .to(device) and is not saved
+        self.register_buffer("_anchor", torch.empty(0), persistent=False)
+        self._staged: ForwardPlan | None = None
+
+    def _padding(self, padding_idx: int | None) -> int | None:
+        if padding_idx is None:
+            return None
+        if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+            raise ConfigError(f"padding_idx must be an int or None, got {padding_idx!r}")
+        if padding_idx < 0:
+            sizes = {s.num_embeddings for s in self._specs.values()}
+            if len(sizes) != 1 or None in sizes:
+                raise ConfigError("a negative padding_idx counts from num_embeddings; declare "
+                                  "num_embeddings in the TableSpec or give a non-negative id")
+            n = sizes.pop()
+            assert n is not None
+            if padding_idx < -n:
+                raise ConfigError(f"padding_idx {padding_idx} is below -num_embeddings ({-n})")
+            padding_idx += n
+        for spec in self._specs.values():
+            if spec.num_embeddings is not None and padding_idx >= spec.num_embeddings:
+                raise ConfigError(f"padding_idx {padding_idx} is outside table {spec.name!r} "
+                                  f"(num_embeddings {spec.num_embeddings})")
+        return padding_idx
+
+    @property
+    def device(self) -> torch.device:
+        """The device outputs are on (follows ``module.to(device)``)."""
+        return self._anchor.device
+
+    def _features(self, args: tuple[Any, ...]) -> list[tuple[str, str, BagInput]]:
+        """(feature, table, bags) of each output, in output order; checks the arguments."""
+        raise NotImplementedError
+
+    def prepare_forward(self, *args: Any) -> ForwardPlan:
+        """Check `args` (as forward takes them) and group their ids; nothing is read yet."""
+        return prepare(args, self._features(args), self.padding_idx)
+
+    def fetch_forward(self, plan: ForwardPlan) -> None:
+        """Look up the rows `plan` needs and put them on the module's device."""
+        fetch(self.store, plan, self.device)
+
+    def stage(self, plan: ForwardPlan) -> None:
+        """Serve the next forward with exactly `plan.args` from `plan` (used by pipelines)."""
+        self._staged = plan
+
+    def _outputs(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
+        plan = self._staged
+        if plan is not None and _same(plan.args, args):
+            self._staged = None
+        else:
+            plan = self.prepare_forward(*args)
+            self.fetch_forward(plan)
+        return run(self.store, plan, self.mode, train=self.training and torch.is_grad_enabled())
+
+
+class EmbeddingBag(_StoreModule):
+    """Pooled lookups of one store table, with torch.nn.EmbeddingBag's calling convention.
+
+    The backward pass applies the table's fused optimizer (its `TableSpec.optimizer`) in the
+    store; no dense gradient exists and the module has no parameters for a torch optimizer.
+    Forward in ``eval()`` mode or under ``torch.no_grad()`` changes nothing in the store.
+
+    Args:
+        store: an open store.
+        table: the table's name.
+        mode: "sum", "mean" or "max".
+        padding_idx: an id excluded from every bag and never updated (negative: counted
+            from the table's num_embeddings).
+        include_last_offset: offsets carry a last element, the input's length (as torch).
+
+    Example::
+
+        bag = embstore.torch.EmbeddingBag(store, "user", mode="sum")
+        pooled = bag(torch.tensor([3, 1, 4, 1, 5]), torch.tensor([0, 2]))  # [2, dim]
+        pooled.sum().backward()                                           # updates the store
+
+    Raises:
+        UnknownTableError: no such table. ConfigError: a bad mode or padding_idx.
+    """
+
+    def __init__(self, store: EmbeddingStore, table: str, mode: str = "mean",
+                 padding_idx: int | None = None, include_last_offset: bool = False) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        super().__init__(store, [table], padding_idx, mode)
+        self.table = table
+        self.include_last_offset = bool(include_last_offset)
+        spec = self._specs[table]
+        self.embedding_dim = spec.dim
+        self.num_embeddings = spec.num_embeddings
+
+    def _features(self, args: tuple[Any, ...]) -> list[tuple[str, str, BagInput]]:
+        input, offsets, weights = args
+        bags = bag_input(input, offsets, weights, mode=self.mode,
+                         include_last_offset=self.include_last_offset, device=self.device,
+                         dtype=self._dtype)
+        return [("", self.table, bags)]
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Pool the rows of each bag.
+
+        Args:
+            input: LongTensor [N] of ids with `offsets`, or [B, L] (B bags of L ids).
+            offsets: LongTensor [B] where each bag starts ([B + 1] with include_last_offset).
+            per_sample_weights: [N] (or [B, L]) weights of the table dtype, "sum" mode only.
+
+        Returns:
+            Tensor [B, embedding_dim] on the module's device.
+
+        Raises:
+            InvalidIdsError, InvalidValuesError, DeviceMismatchError: bad arguments (the
+            store is unchanged).
+        """
+        return self._outputs((input, offsets, per_sample_weights))[0]
+
+    def extra_repr(self) -> str:
+        return f"table={self.table!r}, embedding_dim={self.embedding_dim}, mode={self.mode!r}"
+
+
+class Embedding(_StoreModule):
+    """Unpooled lookups of one store table: torch.nn.Embedding's calling convention.
+
+    Args:
+        store: an open store.
+        table: the table's name.
+        padding_idx: an id whose output is zeros and which is never updated.
+
+    Example::
+
+        emb = embstore.torch.Embedding(store, "item")
+        rows = emb(torch.tensor([[1, 2], [3, 1]]))   # [2, 2, dim]
+    """
+
+    def __init__(self, store: EmbeddingStore, table: str,
+                 padding_idx: int | None = None) -> None:
+        super().__init__(store, [table], padding_idx, "none")
+        self.table = table
+        spec = self._specs[table]
+        self.embedding_dim = spec.dim
+        self.num_embeddings = spec.num_embeddings
+
+    def _features(self, args: tuple[Any, ...]) -> list[tuple[str, str, BagInput]]:
+        ids = flat_ids("input", args[0], self.device)
+        return [("", self.table, BagInput(ids, np.zeros(0, dtype=np.int64), None))]
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Rows of `input`.
+
+        Args:
+            input: LongTensor of ids, any shape [*].
+
+        Returns:
+            Tensor [*, embedding_dim] on the module's device.
+        """
+        if not isinstance(input, torch.Tensor):
+            raise InvalidIdsError(f"input must be a torch.Tensor of ids, got "
+                                  f"{type(input).__name__}")
+        out = self._outputs((input,))[0]
+        return out.reshape(*input.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"table={self.table!r}, embedding_dim={self.embedding_dim}"
+
+
+class KeyedEmbeddings:
+    """Pooled embeddings of several features side by side, like TorchRec's KeyedTensor.
+
+    `values()` is [B, sum of the features' dims]; feature k occupies the columns
+    ``offset_per_key()[k]:offset_per_key()[k + 1]``.
+    """
+
+    def __init__(self, keys: list[str], values: torch.Tensor, lengths: list[int]) -> None:
+        self._keys = keys
+        self._values = values
+        self._lengths = lengths
+        self._offsets = [0, *np.cumsum(lengths).tolist()]
+
+    def keys(self) -> list[str]:
+        """Feature names, in column order."""
+        return list(self._keys)
+
+    def values(self) -> torch.Tensor:
+        """[B, sum of dims]: every feature's pooled rows, concatenated in key order."""
+        return self._values
+
+    def length_per_key(self) -> list[int]:
+        """The embedding dim of each feature."""
+        return list(self._lengths)
+
+    def offset_per_key(self) -> list[int]:
+        """Column where each feature starts, plus the total width."""
+        return list(self._offsets)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        """[B, dim] of one feature (a view of `values()`)."""
+        k = self._keys.index(key)
+        return self._values[:, self._offsets[k]: self._offsets[k + 1]]
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """{feature: [B, dim]}."""
+        return {k: self[k] for k in self._keys}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __repr__(self) -> str:
+        return f"KeyedEmbeddings(keys={self._keys}, values={tuple(self._values.shape)})"
+
+
+class EmbeddingBagCollection(_StoreModule):
+    """Pooled lookups of several features, each through a store table: TorchRec's shape.
+
+    Features that share a table cost one store lookup of their distinct ids together, and one
+    fused update.
+
+    Args:
+        store: an open store.
+        tables: {feature: table name}; its order is the output's column order.
+        mode: "sum", "mean" or "max", for every feature.
+        padding_idx: an id excluded from every bag and never updated.
+
+    Example::
+
+        ebc = embstore.torch.EmbeddingBagCollection(store, {"user": "user", "ad": "ad"})
+        out = ebc({"user": (values, lengths), "ad": (values2, lengths2)})
+        out.values()     # [B, dim_user + dim_ad]
+    """
+
+    def __init__(self, store: EmbeddingStore, tables: Mapping[str, str], mode: str = "sum",
+                 padding_idx: int | None = None) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        if not isinstance(tables, Mapping) or not tables:
+            raise ConfigError("tables must be a non-empty mapping {feature: table name}")
+        super().__init__(store, sorted(set(tables.values())), padding_idx, mode)
+        self.feature_names = list(tables)
+        self.tables = dict(tables)
+        self.embedding_dims = [self._specs[tables[f]].dim for f in self.feature_names]
+
+    def _features(self, args: tuple[Any, ...]) -> list[tuple[str, str, BagInput]]:
+        features = args[0]
+        if all(hasattr(features, m) for m in ("keys", "values", "lengths")) \
+                and not isinstance(features, Mapping):
+            # a torchrec KeyedJaggedTensor (duck-typed: torchrec need not be installed)
+            keys = list(features.keys())
+            values, lengths = features.values(), features.lengths()
+            weights = getattr(features, "weights_or_none", lambda: None)()
+            per_key = lengths.reshape(len(keys), -1) if len(keys) else lengths
+            starts = np.concatenate([[0], np.cumsum(per_key.sum(dim=1).cpu().numpy())])
+            given = {k: (values[int(starts[i]):int(starts[i + 1])], per_key[i],
+                         None if weights is None else weights[int(starts[i]):int(starts[i + 1])])
+                     for i, k in enumerate(keys)}
+        elif isinstance(features, Mapping):
+            given = {}
+            for k, v in features.items():
+                if not isinstance(v, (tuple, list)) or len(v) not in (2, 3):
+                    raise InvalidIdsError(f"feature {k!r}: give (values, lengths) or (values, "
+                                          f"lengths, weights), got {type(v).__name__}")
+                given[k] = (v[0], v[1], v[2] if len(v) == 3 else None)
+        else:
+            raise InvalidIdsError("features must be a KeyedJaggedTensor or a mapping "
+                                  f"{{feature: (values, lengths)}}, got {type(features).__name__}")
+        missing = [f for f in self.feature_names if f not in given]
+        unknown = [f for f in given if f not in self.tables]
+        if missing or unknown:
+            raise InvalidIdsError(f"features {sorted(given)} do not match the collection's "
+                                  f"{self.feature_names} (missing {missing}, unknown {unknown})")
+        out = []
+        batch = None
+        for f in self.feature_names:
+            values, lengths, weights = given[f]
+            if weights is not None and self.mode != "sum":
+                raise InvalidIdsError(f"feature {f!r}: per-sample weights need mode='sum'")
+            bags = jagged_input(f, values, lengths, self.device, self._dtype, weights)
+            if batch is None:
+                batch = bags.num_bags
+            elif bags.num_bags != batch:
+                raise InvalidIdsError(f"feature {f!r} has {bags.num_bags} bags, the first "
+                                      f"feature {batch}: every feature needs one bag per sample")
+            out.append((f, self.tables[f], bags))
+        return out
+
+    def forward(self, features: Any) -> KeyedEmbeddings:
+        """Pool every feature's bags.
+
+        Args:
+            features: a torchrec KeyedJaggedTensor, or {feature: (values [N_f], lengths [B])}
+                (optionally with per-sample weights [N_f] as a third element).
+
+        Returns:
+            KeyedEmbeddings: values() [B, sum of dims], in the collection's feature order.
+        """
+        outs = self._outputs((features,))
+        values = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        return KeyedEmbeddings(self.feature_names, values, self.embedding_dims)
+
+    def extra_repr(self) -> str:
+        return f"tables={self.tables}, mode={self.mode!r}"

@@ -1,0 +1,216 @@
+"""`TrainPipeline`: look up the next batches' rows while the current batch computes.
+
+A background thread walks the batches ahead of the training loop: for each one it checks the
+sparse inputs, groups their ids and looks up the distinct rows in the store (on a GPU: into
+pinned host memory, then onto the device on a side CUDA stream), up to `depth` batches ahead.
+The loop gets the same batch objects in order, and each module's forward on the very
+arguments that were staged uses the staged rows instead of asking the store.
+
+Exactness: rows staged for batch j were read before the updates of the steps before j had
+all been applied. Every update the modules apply is logged (a count, the table and the ids);
+when batch j's turn comes, the staged rows of every id updated since they were read are read
+again, so batch j sees exactly what the loop without the pipeline would see, bit for bit.
+The count is read before each lookup and bumped after each update, so an update that raced a
+lookup is refreshed rather than missed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, EmbstoreError
+from ..index import IdIndex
+from ..store import EmbeddingStore
+from ._core import ForwardPlan, add_update_listener, lookup_rows, remove_update_listener
+from .modules import _StoreModule
+
+__all__ = ["TrainPipeline"]
+
+B = TypeVar("B")
+_END = object()
+
+
+class TrainPipeline(Generic[B]):
+    """Iterate `batches` with the store rows of the next `depth` batches fetched ahead.
+
+    Args:
+        batches: the training batches, consumed by the pipeline's thread in order.
+        inputs: ``inputs(batch) -> {module: args}``: for each embstore module the model will
+            call on this batch, the arguments it will be called with (a tuple, or one object
+            for a single argument), as the very objects the model passes.
+        depth: batches staged ahead of the one being trained (>= 1).
+        exact: refresh staged rows that earlier steps updated (default). False trains on rows
+            up to `depth` steps stale, which is cheaper and no longer bit-identical.
+
+    Example::
+
+        with embstore.torch.TrainPipeline(loader, inputs=lambda b: {ebc: b.sparse}) as pipe:
+            for batch in pipe:
+                loss = loss_fn(model(batch.dense, batch.sparse), batch.labels)
+                optimizer.zero_grad(); loss.backward(); optimizer.step()
+
+    An error in the background thread (the batches' iterator, a lookup) is raised by the next
+    step of the loop. Leaving the ``with`` block, or `close()`, stops and joins the thread.
+    """
+
+    def __init__(self, batches: Iterable[B], inputs: Callable[[B], Mapping[Any, Any]], *,
+                 depth: int = 2, exact: bool = True) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
+        self._inputs = inputs
+        self._exact = exact
+        self._batches = iter(batches)
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._slots = threading.Semaphore(depth + 1)  # the batch in training + depth ahead
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._count = 0  # updates applied so far
+        self._log: list[tuple[int, EmbeddingStore, str, np.ndarray]] = []
+        self._outstanding: list[int] = []  # the count when each staged batch was read
+        self._holding = False
+        self._done = False
+        self._stream: Any = None
+        self._touched: set[_StoreModule] = set()
+        add_update_listener(self._on_update)
+        self._thread = threading.Thread(target=self._run, name="embstore-pipeline",
+                                        daemon=True)
+        self._thread.start()
+
+    # --- background thread ------------------------------------------------------------------
+
+    def _on_update(self, store: EmbeddingStore, table: str, ids: np.ndarray) -> None:
+        with self._lock:
+            self._count += 1
+            if self._outstanding and self._exact:  # else no staged rows can be stale
+                self._log.append((self._count, store, table, ids))
+
+    def _run(self) -> None:
+        try:
+            for batch in self._batches:
+                while not self._slots.acquire(timeout=0.1):
+                    if self._stop.is_set():
+                        return
+                if self._stop.is_set():
+                    return
+                with self._lock:
+                    read_at = self._count
+                    self._outstanding.append(read_at)
+                staged = []
+                for module, args in self._inputs(batch).items():
+                    if not isinstance(module, _StoreModule):
+                        raise ConfigError(f"inputs(batch) must map embstore.torch modules to "
+                                          f"their arguments, got a {type(module).__name__}")
+                    try:
+                        plan = module.prepare_forward(*(args if isinstance(args, tuple)
+                                                        else (args,)))
+                    except EmbstoreError:
+                        continue  # the forward itself checks again and raises in order
+                    self._fetch(module, plan, read_at)
+                    staged.append((module, plan))
+                self._queue.put((batch, staged, read_at, None))
+        except BaseException as exc:  # handed to the training loop, never lost
+            self._queue.put((None, [], None, exc))
+            return
+        self._queue.put(_END)
+
+    def _fetch(self, module: _StoreModule, plan: ForwardPlan, read_at: int) -> None:
+        device = module.device
+        if device.type != "cuda":
+            module.fetch_forward(plan)
+        else:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            for tp in plan.tables:
+                rows = lookup_rows(module.store, tp.table, tp.groups.unique).pin_memory()
+                inverse = torch.from_numpy(tp.groups.inverse).pin_memory()
+                with torch.cuda.stream(self._stream):
+                    tp.rows = rows.to(device, non_blocking=True)
+                    tp.inverse = inverse.to(device, non_blocking=True)
+                    tp.ready = torch.cuda.Event()
+                    tp.ready.record(self._stream)
+                tp.pinned = (rows, inverse)  # type: ignore[attr-defined]  # alive until copied
+        for tp in plan.tables:
+            tp.fetched_at = read_at
+
+    # --- training loop ----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[B]:
+        return self
+
+    def __next__(self) -> B:
+        if self._done:
+            raise StopIteration
+        if self._holding:
+            self._slots.release()  # the previous batch is done: one more may be read ahead
+            self._holding = False
+        item = self._queue.get()
+        if item is _END:
+            self.close()
+            raise StopIteration
+        batch, staged, read_at, exc = item
+        if exc is not None:
+            self.close()
+            raise exc
+        self._holding = True
+        self._refresh(staged, read_at)
+        for module, plan in staged:
+            module.stage(plan)
+            self._touched.add(module)
+        return batch
+
+    def _refresh(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int) -> None:
+        """Read again the staged rows that updates since `read_at` have changed."""
+        with self._lock:
+            self._outstanding.remove(read_at)
+            log = [entry for entry in self._log if entry[0] > read_at]
+            low = min(self._outstanding, default=self._count)
+            self._log = [entry for entry in self._log if entry[0] > low]
+        if not log or not self._exact:
+            return
+        for module, plan in staged:
+            for tp in plan.tables:
+                changed = [ids for _, store, table, ids in log
+                           if store is module.store and table == tp.table]
+                if not changed:
+                    continue
+                index = IdIndex(2 * sum(len(c) for c in changed))
+                for ids in changed:
+                    index.add(np.ascontiguousarray(ids[index.find(ids) < 0]))
+                pos = np.flatnonzero(index.find(tp.groups.unique) >= 0)
+                if not len(pos):
+                    continue
+                fresh = lookup_rows(module.store, tp.table, tp.groups.unique[pos])
+                assert tp.rows is not None
+                if tp.ready is not None:  # the staged copy must land before it is patched
+                    torch.cuda.current_stream(tp.rows.device).wait_event(tp.ready)
+                    tp.ready = None
+                tp.rows.index_copy_(0, torch.from_numpy(pos).to(tp.rows.device),
+                                    fresh.to(tp.rows.device))
+
+    def close(self) -> None:
+        """Stop the background thread and wait for it; unused staged rows are dropped."""
+        if self._done:
+            return
+        self._done = True
+        self._stop.set()
+        remove_update_listener(self._on_update)
+        while self._thread.is_alive():
+            try:  # unblock a thread waiting to queue
+                self._queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self._thread.join()
+        for module in self._touched:
+            module._staged = None
+
+    def __enter__(self) -> TrainPipeline[B]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

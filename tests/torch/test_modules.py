@@ -1,0 +1,284 @@
+"""The torch modules against torch.nn.EmbeddingBag / Embedding trained by torch.optim."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import embstore
+import embstore.torch as et
+from embstore.errors import (
+    ConfigError,
+    DeviceMismatchError,
+    InvalidIdsError,
+    InvalidValuesError,
+    UnknownTableError,
+)
+
+ROWS, DIM = 40, 8
+
+
+def _store(optimizer, tiers=None, path=None, **spec):
+    spec.setdefault("num_embeddings", ROWS)
+    table = embstore.TableSpec("t", dim=DIM, init=embstore.init.Uniform(-0.5, 0.5, seed=3),
+                               optimizer=optimizer, **spec)
+    return embstore.open(path, tables=[table], tiers=tiers)
+
+
+def _table(store):
+    """Every row's weights and optimizer state, without creating rows."""
+    ids = np.arange(ROWS)
+    return store.lookup("t", ids).copy(), store.lookup_state("t", ids).copy()
+
+
+def _batches(seed, steps, *, bags=6, max_len=5, weights=False, padding=None):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        lengths = rng.integers(0, max_len + 1, size=bags)
+        ids = rng.integers(0, ROWS // 2, size=int(lengths.sum()))  # many repeats
+        if padding is not None and len(ids):
+            ids[rng.random(len(ids)) < 0.3] = padding
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        psw = rng.standard_normal(len(ids)).astype(np.float32) if weights else None
+        target = rng.standard_normal((bags, DIM)).astype(np.float32)
+        out.append((torch.from_numpy(ids), torch.from_numpy(offsets),
+                    None if psw is None else torch.from_numpy(psw), torch.from_numpy(target)))
+    return out
+
+
+OPTIMIZERS = {
+    "sgd": (lambda: embstore.optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    "adagrad": (lambda: embstore.optim.Adagrad(lr=0.1),
+                lambda p: torch.optim.Adagrad(p, lr=0.1)),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("mode,weights,padding", [
+    ("sum", False, None), ("sum", True, None), ("sum", True, 7), ("mean", False, None),
+    ("mean", False, 7), ("max", False, None), ("max", False, 7)])
+def test_embedding_bag_trains_like_torch(opt, mode, weights, padding):
+    make_store_opt, make_torch_opt = OPTIMIZERS[opt]
+    store = _store(make_store_opt())
+    ours = et.EmbeddingBag(store, "t", mode=mode, padding_idx=padding)
+    initial, _ = _table(store)
+    ref = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(initial.copy()), freeze=False,
+                                                mode=mode, padding_idx=padding)
+    torch_opt = make_torch_opt(ref.parameters())
+    for step, (ids, offsets, psw, target) in enumerate(
+            _batches(1, 6, weights=weights, padding=padding)):
+        psw_ours = None if psw is None else psw.clone().requires_grad_()
+        psw_ref = None if psw is None else psw.clone().requires_grad_()
+        out = ours(ids, offsets, psw_ours)
+        expected = ref(ids, offsets, per_sample_weights=psw_ref)
+        if step == 0:  # same rows, same kernel: the forward is bit-identical
+            assert torch.equal(out, expected)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        ((out - target) ** 2).sum().backward()
+        ((expected - target) ** 2).sum().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        if psw is not None:
+            torch.testing.assert_close(psw_ours.grad, psw_ref.grad, rtol=1e-5, atol=1e-5)
+    weights_now, _ = _table(store)
+    mask = np.ones(ROWS, dtype=bool)
+    if padding is not None:
+        mask[padding] = False  # excluded from every bag: never written, still its init
+        assert store.lookup("t", np.array([padding]))[0].tolist() == initial[padding].tolist()
+    np.testing.assert_allclose(weights_now[mask], ref.weight.detach().numpy()[mask],
+                               rtol=1e-5, atol=1e-5)
+    assert not np.allclose(weights_now, initial)  # it did train
+
+
+def test_embedding_bag_accepts_2d_input_and_include_last_offset():
+    store = _store(embstore.optim.SGD(lr=0.1))
+    initial, _ = _table(store)
+    ref = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(initial.copy()), mode="sum")
+    bag = et.EmbeddingBag(store, "t", mode="sum")
+    x = torch.tensor([[1, 2, 3], [4, 4, 1]])
+    assert torch.equal(bag(x), ref(x))
+    last = et.EmbeddingBag(store, "t", mode="sum", include_last_offset=True)
+    ids, off = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 4])
+    assert torch.equal(last(ids, off), ref(ids, torch.tensor([0, 1])))
+
+
+def test_embedding_trains_like_torch_embedding():
+    store = _store(embstore.optim.SGD(lr=0.5))
+    initial, _ = _table(store)
+    initial[3] = 0  # a new torch.nn.Embedding's padding row: ours reads zeros there
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(initial.copy()), freeze=False,
+                                             padding_idx=3)
+    ours = et.Embedding(store, "t", padding_idx=3)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        x = torch.from_numpy(rng.integers(0, 10, size=(3, 5)))
+        out, expected = ours(x), ref(x)
+        assert out.shape == (3, 5, DIM)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        (out * out).sum().backward()
+        (expected * expected).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    trained = _table(store)[0][:10]
+    trained[3] = 0
+    np.testing.assert_allclose(trained, ref.weight.detach().numpy()[:10], rtol=1e-5, atol=1e-6)
+
+
+def test_collection_concatenates_features_and_shares_one_lookup_per_table():
+    tables = [embstore.TableSpec(name, dim=d, init=embstore.init.Uniform(-1, 1, seed=i),
+                                 optimizer=embstore.optim.SGD(lr=0.1))
+              for i, (name, d) in enumerate([("a", 4), ("b", 6)])]
+    store = embstore.open(None, tables=tables)
+    ebc = et.EmbeddingBagCollection(store, {"f1": "a", "f2": "b", "f3": "a"}, mode="sum")
+    feats = {"f1": (torch.tensor([1, 2, 3]), torch.tensor([2, 1])),
+             "f2": (torch.tensor([5]), torch.tensor([0, 1])),
+             "f3": (torch.tensor([3, 3, 9]), torch.tensor([1, 2]))}
+    before = store.tier_statistics("a")[0].lookups
+    out = ebc(feats)
+    # f1 and f3 share table "a": one lookup of its distinct ids {1, 2, 3, 9}
+    assert store.tier_statistics("a")[0].lookups - before == 4
+    assert out.keys() == ["f1", "f2", "f3"]
+    assert out.values().shape == (2, 4 + 6 + 4)
+    assert out.offset_per_key() == [0, 4, 10, 14]
+    for name, table in ebc.tables.items():
+        values, lengths = feats[name]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+        single = et.EmbeddingBag(store, table, mode="sum")
+        assert torch.equal(out[name], single(values, offsets))
+    # the backward of shared features sums their gradients per id, in feature order
+    out.values().sum().backward()
+    grads = np.ones((7, 4), np.float32)
+    expected_store = embstore.open(None, tables=tables)
+    expected_store.apply_gradients("a", np.array([1, 2, 3, 3, 3, 9]), grads[:6])
+    np.testing.assert_array_equal(store.lookup("a", np.arange(12)),
+                                  expected_store.lookup("a", np.arange(12)))
+
+
+def test_collection_takes_a_keyed_jagged_tensor():
+    torchrec = pytest.importorskip("torchrec", reason="torchrec not installed (the 'torchrec' "
+                                   "extra)")
+    store = _store(embstore.optim.SGD(lr=0.1))
+    ebc = et.EmbeddingBagCollection(store, {"x": "t", "y": "t"})
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(
+        keys=["x", "y"], values=torch.tensor([1, 2, 3, 4, 5]),
+        lengths=torch.tensor([2, 1, 0, 2]))
+    out = ebc(kjt)
+    by_dict = ebc({"x": (torch.tensor([1, 2, 3]), torch.tensor([2, 1])),
+                   "y": (torch.tensor([4, 5]), torch.tensor([0, 2]))})
+    assert torch.equal(out.values(), by_dict.values())
+
+
+@pytest.mark.parametrize("how", ["eval", "no_grad"])
+def test_forward_without_training_changes_nothing(tmp_path, how):
+    store = _store(embstore.optim.Adagrad(lr=0.1), path=tmp_path / "s",
+                   tiers=[embstore.TierSpec("dram", capacity=8), embstore.TierSpec("lmdb")])
+    bag = et.EmbeddingBag(store, "t", mode="sum")
+    bag(torch.tensor([1, 2]), torch.tensor([0])).sum().backward()
+    table = _table(store)
+    rows = store.num_rows("t")
+    if how == "eval":
+        bag.eval()
+        out = bag(torch.arange(30), torch.tensor([0, 10]))
+        assert not out.requires_grad
+    else:
+        with torch.no_grad():
+            bag(torch.arange(30), torch.tensor([0, 10]))
+    assert store.num_rows("t") == rows
+    np.testing.assert_array_equal(_table(store)[0], table[0])
+    np.testing.assert_array_equal(_table(store)[1], table[1])
+    store.close()
+
+
+BAD_CALLS = [
+    ("float ids", lambda b: b(torch.tensor([1.0, 2.0]), torch.tensor([0])), InvalidIdsError),
+    ("id out of range", lambda b: b(torch.tensor([1, ROWS]), torch.tensor([0])),
+     InvalidIdsError),
+    ("negative id", lambda b: b(torch.tensor([-1, 2]), torch.tensor([0])), InvalidIdsError),
+    ("offsets decrease", lambda b: b(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1])),
+     InvalidIdsError),
+    ("offsets past input", lambda b: b(torch.tensor([1, 2]), torch.tensor([0, 5])),
+     InvalidIdsError),
+    ("offsets not from 0", lambda b: b(torch.tensor([1, 2]), torch.tensor([1])),
+     InvalidIdsError),
+    ("float offsets", lambda b: b(torch.tensor([1, 2]), torch.tensor([0.0])), InvalidIdsError),
+    ("1-D without offsets", lambda b: b(torch.tensor([1, 2])), InvalidIdsError),
+    ("2-D with offsets", lambda b: b(torch.tensor([[1, 2]]), torch.tensor([0])),
+     InvalidIdsError),
+    ("3-D input", lambda b: b(torch.zeros((1, 1, 1), dtype=torch.long)), InvalidIdsError),
+    ("weights of wrong length", lambda b: b(torch.tensor([1, 2]), torch.tensor([0]),
+                                            torch.ones(3)), InvalidValuesError),
+    ("weights of wrong dtype", lambda b: b(torch.tensor([1, 2]), torch.tensor([0]),
+                                           torch.ones(2, dtype=torch.float64)),
+     InvalidValuesError),
+    ("input on another device", lambda b: b.to("meta")(torch.tensor([1]), torch.tensor([0])),
+     DeviceMismatchError),
+    ("ids not a tensor", lambda b: b([1, 2], torch.tensor([0])), InvalidIdsError),
+]
+
+
+@pytest.mark.parametrize("what,call,error", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_raises_and_changes_nothing(what, call, error):
+    store = _store(embstore.optim.SGD(lr=0.1))
+    bag = et.EmbeddingBag(store, "t", mode="sum")
+    bag(torch.tensor([1, 2]), torch.tensor([0])).sum().backward()
+    before = _table(store)
+    with pytest.raises(error):
+        call(bag)
+    assert store.num_rows("t") == 2
+    np.testing.assert_array_equal(_table(store)[0], before[0])
+
+
+def test_weights_with_max_pooling_are_refused():
+    store = _store(embstore.optim.SGD(lr=0.1))
+    bag = et.EmbeddingBag(store, "t", mode="max")
+    with pytest.raises(InvalidValuesError, match="mode='sum'"):
+        bag(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))
+    assert store.num_rows("t") == 0
+
+
+def test_bad_construction():
+    store = _store(embstore.optim.SGD(lr=0.1))
+    with pytest.raises(UnknownTableError):
+        et.EmbeddingBag(store, "nope")
+    with pytest.raises(ConfigError):
+        et.EmbeddingBag(store, "t", mode="median")
+    with pytest.raises(ConfigError):
+        et.EmbeddingBag(store, "t", padding_idx=ROWS)
+    with pytest.raises(ConfigError):
+        et.EmbeddingBag("not a store", "t")
+    assert et.EmbeddingBag(store, "t", padding_idx=-1).padding_idx == ROWS - 1
+
+
+def test_model_state_dict_holds_only_the_dense_part(tmp_path):
+    store = _store(embstore.optim.SGD(lr=0.1), path=tmp_path / "s")
+    model = torch.nn.ModuleDict({"bag": et.EmbeddingBag(store, "t", mode="sum"),
+                                 "dense": torch.nn.Linear(DIM, 1)})
+    assert set(model.state_dict()) == {"dense.weight", "dense.bias"}
+    assert [p.shape for p in model.parameters()] == [(1, DIM), (1,)]
+    torch.save(model.state_dict(), tmp_path / "dense.pt")
+    model(torch.tensor([1])) if False else None
+    loss = model["dense"](model["bag"](torch.tensor([[1, 2]]))).sum()
+    loss.backward()
+    ckpt = store.checkpoint(tmp_path / "ckpt", step=1)
+    with embstore.open(ckpt) as saved:
+        np.testing.assert_array_equal(saved.lookup("t", np.arange(4)),
+                                      store.lookup("t", np.arange(4)))
+    store.close()
+
+
+def test_same_training_gives_identical_tables_on_any_tier_chain(tmp_path):
+    results = []
+    for i, tiers in enumerate([None, [embstore.TierSpec("dram", capacity=5),
+                                      embstore.TierSpec("rocksdb")]]):
+        store = _store(embstore.optim.RowWiseAdagrad(lr=0.1), tiers=tiers,
+                       path=None if tiers is None else tmp_path / f"s{i}")
+        bag = et.EmbeddingBag(store, "t", mode="mean")
+        for ids, offsets, _, target in _batches(4, 8):
+            ((bag(ids, offsets) - target) ** 2).sum().backward()
+        results.append(_table(store))
+        store.close()
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
