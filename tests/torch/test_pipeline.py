@@ -1,0 +1,213 @@
+"""TrainPipeline: exact results, errors handed over, no thread left behind, CUDA staging."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import embstore
+import embstore.torch as et
+
+ROWS = 200
+
+
+@dataclass
+class Batch:
+    dense: torch.Tensor
+    sparse: dict
+    label: torch.Tensor
+
+
+def _batches(n, *, seed=0, overlap=0.9, bags=16):
+    """Consecutive batches share most ids (the case where staleness would show)."""
+    rng = np.random.default_rng(seed)
+    hot = rng.integers(0, ROWS, size=40)
+    out = []
+    for _ in range(n):
+        sparse = {}
+        for f in ("a", "b"):
+            lengths = rng.integers(1, 4, size=bags)
+            n_ids = int(lengths.sum())
+            ids = np.where(rng.random(n_ids) < overlap, rng.choice(hot, size=n_ids),
+                           rng.integers(0, ROWS, size=n_ids))
+            sparse[f] = (torch.from_numpy(ids), torch.from_numpy(lengths))
+        out.append(Batch(torch.from_numpy(rng.standard_normal((bags, 4)).astype(np.float32)),
+                         sparse, torch.from_numpy(rng.random(bags).astype(np.float32))))
+    return out
+
+
+class Model(torch.nn.Module):
+    def __init__(self, store):
+        super().__init__()
+        self.ebc = et.EmbeddingBagCollection(store, {"a": "t", "b": "u"}, mode="sum")
+        torch.manual_seed(0)
+        self.top = torch.nn.Linear(4 + 8 + 8, 1)
+
+    def forward(self, batch):
+        pooled = self.ebc(batch.sparse).values()
+        return self.top(torch.cat([batch.dense, pooled], dim=1)).squeeze(1)
+
+
+def _store(path=None, tiers=None):
+    specs = [embstore.TableSpec(name, dim=8, init=embstore.init.Uniform(-0.1, 0.1, seed=i),
+                                optimizer=embstore.optim.RowWiseAdagrad(lr=0.5))
+             for i, name in enumerate(("t", "u"))]
+    return embstore.open(path, tables=specs, tiers=tiers)
+
+
+def _train(store, batches, *, depth=None, exact=True):
+    model = Model(store)
+    opt = torch.optim.SGD(model.top.parameters(), lr=0.1)
+
+    def step(batch):
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(batch), batch.label)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    if depth is None:
+        for batch in batches:
+            step(batch)
+    else:
+        with et.TrainPipeline(batches, inputs=lambda b: {model.ebc: b.sparse}, depth=depth,
+                              exact=exact) as pipe:
+            seen = []
+            for batch in pipe:
+                step(batch)
+                seen.append(batch)
+        assert seen == list(batches)  # the same objects, in order
+    tables = {t: (store.lookup(t, np.arange(ROWS)), store.lookup_state(t, np.arange(ROWS)))
+              for t in ("t", "u")}
+    return tables, [p.detach().clone() for p in model.top.parameters()]
+
+
+def _assert_identical(a, b):
+    for t in a[0]:
+        np.testing.assert_array_equal(a[0][t][0], b[0][t][0])
+        np.testing.assert_array_equal(a[0][t][1], b[0][t][1])
+    for p, q in zip(a[1], b[1]):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_pipeline_is_bit_identical_to_the_plain_loop(depth):
+    batches = _batches(12)
+    plain = _train(_store(), batches)
+    piped = _train(_store(), batches, depth=depth)
+    _assert_identical(plain, piped)
+
+
+def test_pipeline_over_a_small_cache_is_bit_identical(tmp_path):
+    batches = _batches(10, seed=3)
+    tiers = [embstore.TierSpec("dram", capacity=30), embstore.TierSpec("rocksdb")]
+    with _store(tmp_path / "a", tiers) as s:
+        plain = _train(s, batches)
+    with _store(tmp_path / "b", tiers) as s:
+        piped = _train(s, batches, depth=3)
+    _assert_identical(plain, piped)
+
+
+def test_without_refresh_the_rows_are_stale():
+    # the check above has teeth: skipping the refresh of updated rows changes the result
+    batches = _batches(8)
+    plain = _train(_store(), batches)
+    stale = _train(_store(), batches, depth=2, exact=False)
+    assert not np.array_equal(plain[0]["t"][0], stale[0]["t"][0])
+
+
+def test_forward_on_other_arguments_falls_back_to_the_store():
+    store = _store()
+    batches = _batches(3)
+    model = Model(store)
+    with et.TrainPipeline(batches, inputs=lambda b: {model.ebc: b.sparse}) as pipe:
+        for batch in pipe:
+            copy = {k: (v[0].clone(), v[1].clone()) for k, v in batch.sparse.items()}
+            expected = store.lookup("t", copy["a"][0].numpy())
+            out = model.ebc(copy)
+            assert out["a"].shape == (16, 8)
+            assert np.array_equal(expected, store.lookup("t", copy["a"][0].numpy()))
+
+
+def _pipeline_threads():
+    return [t for t in threading.enumerate() if t.name == "embstore-pipeline"]
+
+
+def test_an_error_in_the_background_is_raised_at_the_next_step():
+    store = _store()
+    model = Model(store)
+    good = _batches(3)
+
+    def batches():
+        yield from good
+        raise RuntimeError("the data loader broke")
+
+    steps = 0
+    with pytest.raises(RuntimeError, match="data loader broke"):
+        with et.TrainPipeline(batches(), inputs=lambda b: {model.ebc: b.sparse}) as pipe:
+            for batch in pipe:
+                model(batch).sum().backward()
+                steps += 1
+    assert steps == 3
+    assert not _pipeline_threads()
+
+
+def test_a_lookup_error_in_the_background_is_raised_in_order():
+    store = embstore.open(None, tables=[embstore.TableSpec("t", dim=8, num_embeddings=ROWS),
+                                        embstore.TableSpec("u", dim=8)])
+    model = Model(store)
+    batches = _batches(3)
+    batches[1].sparse["a"] = (torch.tensor([ROWS + 5]), torch.ones(16, dtype=torch.long))
+    steps = 0
+    with pytest.raises(embstore.errors.InvalidIdsError):
+        with et.TrainPipeline(batches, inputs=lambda b: {model.ebc: b.sparse}) as pipe:
+            for batch in pipe:
+                model(batch)
+                steps += 1
+    assert steps == 1
+
+
+def test_leaving_early_stops_the_thread():
+    store = _store()
+    model = Model(store)
+    with et.TrainPipeline(_batches(50), inputs=lambda b: {model.ebc: b.sparse}, depth=3) as pipe:
+        next(pipe)
+        assert _pipeline_threads()
+    assert not _pipeline_threads()
+    assert model.ebc._staged is None
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(embstore.errors.ConfigError):
+        et.TrainPipeline([], inputs=lambda b: {}, depth=0)
+    with pytest.raises(embstore.errors.ConfigError), \
+            et.TrainPipeline([1], inputs=lambda b: {"not a module": b}) as pipe:
+        next(pipe)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_staging_is_bit_identical_to_the_cpu_loop():
+    batches = _batches(10)
+    plain = _train(_store(), batches)
+    store = _store()
+    model = Model(store).cuda()
+    opt = torch.optim.SGD(model.top.parameters(), lr=0.1)
+    gpu_batches = [Batch(b.dense.cuda(), {k: (v[0].cuda(), v[1].cuda())
+                                          for k, v in b.sparse.items()}, b.label.cuda())
+                   for b in batches]
+    with et.TrainPipeline(gpu_batches, inputs=lambda b: {model.ebc: b.sparse}) as pipe:
+        for batch in pipe:
+            out = model(batch)
+            assert out.is_cuda
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(out, batch.label)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    for t in ("t", "u"):
+        # the dense part runs on another device (other kernels): tables agree to rounding
+        np.testing.assert_allclose(store.lookup(t, np.arange(ROWS)), plain[0][t][0],
+                                   rtol=1e-4, atol=1e-5)
