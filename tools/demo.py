@@ -1,106 +1,374 @@
-"""`embstore demo`: the store on a synthetic recommendation workload, reporting what happened.
+"""`embstore demo`: train a small DLRM whose embedding tables live in the store.
 
-Two tables, as a DLRM would have them: a small hot table held entirely in DRAM and a large
-one on RocksDB behind a small DRAM cache. Batches of Zipf-distributed ids are looked up and
-trained with fused row-wise Adagrad; the store is flushed, reopened from its path alone, and
-checked against rows saved before closing.
+A bottom MLP over dense features, one embstore table per sparse feature (fused row-wise Adagrad
+inside the store), a pairwise dot interaction and a top MLP learn a synthetic click stream
+drawn by a hidden ground-truth model (tools/_dlrm.py). By default each table lives on RocksDB
+behind a DRAM tier of a tenth of its rows, and the next batches' rows are fetched on a
+background thread (embstore.torch.TrainPipeline) while the current batch computes.
+
+Everything random is seeded and the dense part runs on a fixed number of threads with
+deterministic algorithms, so the final tables are the same bit for bit with or without the
+pipeline and the DRAM tier: the run ends with a `digest:` line of every table's rows and
+optimizer state to show it. With `--path DIR` the store (DIR/store) and the dense part
+(DIR/dense.pt: weights, optimizer, step and history) are kept, and running again on the same
+path continues the same training and click stream where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-import embstore
-from embstore import TableSpec, TierSpec
-from embstore.workload import ZipfIds
+from ._dlrm import ClickStream, DemoConfig, auc, build_model, make_store, table_bytes, table_digest
 
 __all__ = ["register", "run"]
+
+DENSE_FILE = "dense.pt"
+STORE_DIR = "store"
+TORCH_THREADS = 1
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `demo` subcommand."""
-    p = sub.add_parser("demo", help="run the store on a synthetic workload and report")
-    p.add_argument("--path", help="store directory (default: a temporary one)")
-    p.add_argument("--batches", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=16384)
-    p.add_argument("--rows", type=int, default=1_000_000, help="distinct ids of the big table")
-    p.add_argument("--cache-rows", type=int, default=50_000, help="DRAM cache of the big table")
+    p = sub.add_parser("demo", help="train a small DLRM through the store and report",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=_non_negative, default=300,
+                   help="training steps of this run (default 300)")
+    p.add_argument("--batch-size", type=_positive, default=2048, help="samples per step (2048)")
+    p.add_argument("--rows", type=_positive, default=1_000_000,
+                   help="ids per sparse feature, i.e. rows of each of the 8 tables (1,000,000)")
+    p.add_argument("--path", metavar="DIR",
+                   help="keep the run in DIR (store and dense part); run again to resume")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="look rows up in line instead of on a background thread")
+    p.add_argument("--all-dram", action="store_true",
+                   help="keep every row in DRAM instead of RocksDB behind a DRAM tier")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG of the loss and AUC curves")
+    p.add_argument("--eval-samples", type=_positive, default=8192,
+                   help="held-out samples (8192)")
+    p.add_argument("--evals", type=_positive, default=10,
+                   help="held-out evaluations during the run (10)")
+    p.add_argument("--seed", type=_non_negative, default=0)
+    p.add_argument("--json", action="store_true", help="print the final figures as JSON")
     p.set_defaults(func=run)
 
 
-def _report_tiers(store: embstore.EmbeddingStore) -> None:
-    for name, info in store.stats().items():
-        for tier in info["tiers"]:
-            ratio = tier.hits / tier.lookups if tier.lookups else 0.0
-            cap = "unbounded" if tier.capacity_rows is None else f"cap {tier.capacity_rows:,}"
-            print(f"  {name:<6} tier {tier.level} {tier.backend:<8} {cap:<14} "
-                  f"lookups {tier.lookups:>10,}  hit ratio {ratio:6.1%}  rows {tier.rows:>9,}  "
-                  f"promoted {tier.promotions:>8,}  evicted {tier.evictions:>8,}  "
-                  f"written back {tier.writebacks:>8,}")
+def _fail(message: str) -> int:
+    print(f"embstore demo: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    """A tqdm bar on a terminal, else None."""
+    if not enabled or total == 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="step", dynamic_ncols=True, leave=True)
+
+
+def _evaluate(model: Any, held_out: Any) -> tuple[float, float]:
+    """(AUC, mean log loss) of `model` on the held-out batch."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        logits = model(held_out)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, held_out.labels)
+    model.train()
+    return auc(held_out.labels.numpy(), logits.numpy()), float(loss)
+
+
+def _save_dense(path: Path, state: dict[str, Any]) -> None:
+    """torch.save `state` to `path` atomically (temporary file, fsync, rename, fsync dir)."""
+    import torch
+
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tier_report(store: Any) -> list[dict[str, Any]]:
+    """Per tier level, summed over the tables: backend, lookups, hits, hit ratio."""
+    levels: dict[int, dict[str, Any]] = {}
+    for info in store.stats().values():
+        for t in info["tiers"]:
+            lv = levels.setdefault(t.level, {"level": t.level, "backend": t.backend,
+                                             "lookups": 0, "hits": 0, "rows": 0,
+                                             "capacity_rows": 0, "evictions": 0})
+            lv["lookups"] += t.lookups
+            lv["hits"] += t.hits
+            lv["rows"] += t.rows
+            lv["evictions"] += t.evictions
+            lv["capacity_rows"] = (None if t.capacity_rows is None or lv["capacity_rows"] is None
+                                   else lv["capacity_rows"] + t.capacity_rows)
+    for lv in levels.values():
+        lv["hit_ratio"] = lv["hits"] / lv["lookups"] if lv["lookups"] else 0.0
+    return [levels[k] for k in sorted(levels)]
+
+
+def _plot(file: str, history: dict[str, list], quiet: bool) -> str | None:
+    """Write the loss and AUC curves to `file`; the reason if it could not."""
+    try:
+        import matplotlib
+    except ImportError:
+        return ("matplotlib is not installed, so no plot was written "
+                "(pip install matplotlib, or the package's [plot] extra)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = np.array([s for s, _ in history["train"]])
+    losses = np.array([v for _, v in history["train"]])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if len(losses):
+        ax1.plot(steps, losses, lw=0.6, alpha=0.35, color="C0", label="training batch")
+        w = max(1, len(losses) // 30)
+        if len(losses) > w:
+            smooth = np.convolve(losses, np.ones(w) / w, mode="valid")
+            ax1.plot(steps[w - 1:], smooth, color="C0", label=f"mean of {w} steps")
+    ev = history["eval"]
+    if ev:
+        ax1.plot([e[0] for e in ev], [e[2] for e in ev], "o-", color="C1", label="held-out")
+        ax2.plot([e[0] for e in ev], [e[1] for e in ev], "o-", color="C1")
+    ax1.set(xlabel="step", ylabel="log loss (BCE)", title="loss")
+    ax1.legend()
+    ax2.axhline(0.5, color="grey", lw=0.8, ls="--")
+    ax2.set(xlabel="step", ylabel="AUC", title="held-out AUC")
+    fig.tight_layout()
+    try:
+        fig.savefig(file, dpi=100)
+    except OSError as exc:
+        return f"could not write the plot to {file}: {exc.strerror or exc}"
+    finally:
+        plt.close(fig)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demonstration; exit 1 if the reopened store disagrees with what was saved."""
+    """Train the DLRM for `--steps` steps (resuming from `--path`), then report."""
+    try:
+        import torch
+
+        import embstore.torch as et
+    except ImportError as exc:
+        return _fail(f"the demo needs torch ({exc}); install the package with its [torch] extra")
+    previous = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+    torch.set_num_threads(TORCH_THREADS)
+    torch.use_deterministic_algorithms(True)
+    try:
+        return _run(args, torch, et)
+    finally:
+        torch.set_num_threads(previous[0])
+        torch.use_deterministic_algorithms(previous[1])
+
+
+def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
+    cfg = DemoConfig(rows=args.rows, seed=args.seed)
+    layout = "all-dram" if args.all_dram else "dram+rocksdb"
     tmp = None
     if args.path is None:
         tmp = tempfile.TemporaryDirectory(prefix="embstore-demo-")
-        path = Path(tmp.name) / "store"
+        run_dir = Path(tmp.name)
     else:
-        path = Path(args.path)
-    optimizer = embstore.optim.RowWiseAdagrad(lr=0.05)
-    tables = [
-        TableSpec("hot", dim=16, init=embstore.init.Uniform(-0.05, 0.05, seed=1),
-                  optimizer=optimizer),
-        TableSpec("big", dim=64, init=embstore.init.Uniform(-0.05, 0.05, seed=2),
-                  optimizer=optimizer,
-                  tiers=(TierSpec("dram", capacity=args.cache_rows, eviction="clock"),
-                         TierSpec("rocksdb"))),
-    ]
-    hot_ids, big_ids = ZipfIds(10_000, 1.2, seed=1), ZipfIds(args.rows, 1.05, seed=2)
-    rng = np.random.default_rng(0)
-    print(f"store at {path}: table 'hot' 10,000 ids x 16 all in DRAM; table 'big' "
-          f"{args.rows:,} ids x 64 on rocksdb behind a {args.cache_rows:,}-row DRAM cache")
-    t0 = time.perf_counter()
-    looked_up = 0
-    with embstore.open(path, tables=tables) as store:
-        for _ in range(args.batches):
-            for name, zipf in (("hot", hot_ids), ("big", big_ids)):
-                ids = zipf.ids[zipf.ranks(args.batch_size)]
-                rows = store.lookup(name, ids)
-                # a stand-in for the model's backward pass: pull rows towards a fixed target
-                grads = (rows - 0.01 * np.sign(rows + 1e-9)).astype(np.float32)
-                grads += rng.standard_normal(grads.shape, dtype=np.float32) * 0.01
-                store.apply_gradients(name, ids, grads)
-                looked_up += len(ids)
-        elapsed = time.perf_counter() - t0
-        print(f"trained {args.batches} batches x {args.batch_size:,} ids x 2 tables "
-              f"({looked_up:,} lookups + as many gradient rows) in {elapsed:.1f} s: "
-              f"{2 * looked_up / elapsed:,.0f} rows/s")
-        _report_tiers(store)
-        probe = big_ids.ids[:1000]
-        saved_rows = store.lookup("big", probe)
-        saved_state = store.lookup_state("big", probe)
-        t1 = time.perf_counter()
+        run_dir = Path(args.path)
+        if run_dir.exists() and not run_dir.is_dir():
+            return _fail(f"{run_dir} is a file; give --path a directory")
+    store_path, dense_path = run_dir / STORE_DIR, run_dir / DENSE_FILE
+    saved = None
+    if dense_path.exists():
+        try:
+            saved = torch.load(dense_path, weights_only=False)
+            saved_cfg, saved_layout = saved["config"], saved["layout"]
+        except Exception as exc:  # a damaged or foreign file: say so, no traceback
+            return _fail(f"cannot read {dense_path} ({exc}); remove {run_dir} to start over")
+        if saved_cfg != cfg.to_json():
+            diff = ", ".join(f"{k} {saved_cfg.get(k)} (now {v})"
+                             for k, v in cfg.to_json().items() if saved_cfg.get(k) != v)
+            return _fail(f"{run_dir} holds a run made with other settings: {diff}; "
+                         "use the same --rows and --seed, or another --path")
+        if saved_layout != layout:
+            return _fail(f"{run_dir} holds a {saved_layout} store; run again "
+                         f"{'with' if saved_layout == 'all-dram' else 'without'} --all-dram")
+    elif (store_path / "MANIFEST.json").exists():
+        return _fail(f"{store_path} exists but {dense_path} does not (an interrupted first "
+                     f"run?); remove {run_dir} to start over")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    stream = ClickStream(cfg)
+    held_out = stream.held_out(args.eval_samples)
+    torch.manual_seed(cfg.seed)
+    out = sys.stdout
+    quiet = args.json
+    t_open = time.perf_counter()
+    with make_store(cfg, store_path, all_dram=args.all_dram) as store:
+        ebc = et.EmbeddingBagCollection(store, dict(zip(cfg.feature_names(), cfg.table_names())),
+                                        mode="sum")
+        model = build_model(cfg, ebc)
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.dense_lr)
+        step0 = 0
+        history: dict[str, list] = {"train": [], "eval": []}
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+            step0, history = saved["step"], saved["history"]
+        loss_fn = torch.nn.BCEWithLogitsLoss()
+        dram_rows = None if args.all_dram else cfg.features * max(1, int(cfg.rows * 0.1))
+        if not quiet:
+            where = "in DRAM" if args.all_dram else "on rocksdb behind a DRAM tier of " \
+                f"{dram_rows:,} rows ({dram_rows * (cfg.dim + 1) * 4 / 2**20:,.1f} MiB, " \
+                f"1/{table_bytes(cfg) / (dram_rows * (cfg.dim + 1) * 4):.0f} of the tables)"
+            print(f"DLRM: {cfg.dense} dense features -> bottom MLP; {cfg.features} sparse "
+                  f"features -> tables of {cfg.rows:,} x {cfg.dim} "
+                  f"({table_bytes(cfg) / 2**20:,.0f} MiB with row-wise Adagrad state) {where}; "
+                  f"dot interaction -> top MLP", file=out)
+            print(f"{'resuming at step ' + format(step0, ',') if step0 else 'training'}: "
+                  f"{args.steps:,} steps x {args.batch_size:,} samples, "
+                  f"{'in-line lookups' if args.no_pipeline else 'pipelined lookups'}; "
+                  f"run in {run_dir if tmp is None else 'a temporary directory'}", file=out)
+
+        auc0, eval_loss0 = _evaluate(model, held_out)
+        if not history["eval"] or history["eval"][-1][0] != step0:
+            history["eval"].append((step0, auc0, eval_loss0))
+        bar = _progress(args.steps, sys.stderr.isatty() and not quiet)
+        evals = min(args.evals, args.steps) if args.steps else 0
+        bounds = [step0 + round(args.steps * (i + 1) / evals) for i in range(evals)]
+        losses: list[float] = []
+        train_s = 0.0
+        step = step0
+        interrupted = False
+        try:
+            for stop in bounds:
+                batches = (stream.batch(k, args.batch_size) for k in range(step, stop))
+                t0 = time.perf_counter()
+                if args.no_pipeline:
+                    pipe = None
+                    it = batches
+                else:
+                    pipe = et.TrainPipeline(batches, inputs=lambda b: {ebc: b.sparse}, depth=2)
+                    it = pipe.__enter__()
+                try:
+                    for batch in it:
+                        loss = loss_fn(model(batch), batch.labels)
+                        opt.zero_grad()
+                        loss.backward()
+                        opt.step()
+                        value = float(loss.detach())
+                        losses.append(value)
+                        history["train"].append((step, value))
+                        step += 1
+                        if bar is not None:
+                            bar.update(1)
+                            if step % 5 == 0:
+                                dt = train_s + time.perf_counter() - t0
+                                bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}",
+                                                samples_s=f"{len(losses) * args.batch_size / dt:,.0f}")
+                finally:
+                    if pipe is not None:
+                        pipe.__exit__(*sys.exc_info())
+                train_s += time.perf_counter() - t0
+                history["eval"].append((step, *_evaluate(model, held_out)))
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            if bar is not None:
+                bar.close()
+        trained = step - step0
+        tiers = _tier_report(store)
         store.flush()
-        print(f"flush: every dirty cache row written down to rocksdb and synced in "
-              f"{time.perf_counter() - t1:.2f} s")
-        counts = {name: store.num_rows(name) for name in store.tables}
-    with embstore.open(path) as store:
-        ok = (np.array_equal(store.lookup("big", probe), saved_rows)
-              and np.array_equal(store.lookup_state("big", probe), saved_state)
-              and all(store.num_rows(n) == c for n, c in counts.items()))
-        print(f"reopened from the path alone: {counts['hot']:,} + {counts['big']:,} rows; "
-              f"the 1,000 hottest 'big' rows and their Adagrad state "
-              f"{'match' if ok else 'DO NOT match'} what was saved")
-        info = store.describe()
-    disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    print(f"on disk: {disk / 2**20:,.1f} MiB in {path}; "
-          f"big table {info['tables']['big']['rows']:,} rows")
+        digest = table_digest(store)
+        stored_rows = {name: store.num_rows(name) for name in store.tables}
+        if tmp is None:
+            _save_dense(dense_path, {"config": cfg.to_json(), "layout": layout, "step": step,
+                                     "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                     "history": history})
+    wall = time.perf_counter() - t_open
+
+    final_auc, final_eval_loss = history["eval"][-1][1], history["eval"][-1][2]
+    window = max(1, min(20, len(losses) // 10))
+    figures = {
+        "steps": trained, "step": step, "batch_size": args.batch_size, "rows": cfg.rows,
+        "tables": cfg.features, "layout": layout, "pipeline": not args.no_pipeline,
+        "loss_start": float(np.mean(losses[:window])) if losses else None,
+        "loss_end": float(np.mean(losses[-window:])) if losses else None,
+        "held_out_loss_start": eval_loss0, "held_out_loss_end": final_eval_loss,
+        "auc_start": auc0, "auc": final_auc,
+        "samples_per_s": trained * args.batch_size / train_s if train_s else None,
+        "train_s": train_s, "wall_s": wall,
+        "tiers": tiers, "stored_rows": sum(stored_rows.values()),
+        "interrupted": interrupted, "digest": digest,
+    }
+    plot_note = _plot(args.plot, history, quiet) if args.plot else None
+    if quiet:
+        figures["plot"] = None if plot_note or not args.plot else args.plot
+        print(json.dumps(figures), file=out)
+    else:
+        if interrupted:
+            print(f"interrupted at step {step:,}; the run so far is saved", file=out)
+        if losses:
+            print(f"loss (mean of {window} batches): start {figures['loss_start']:.4f}  "
+                  f"end {figures['loss_end']:.4f}", file=out)
+        print(f"held-out ({args.eval_samples:,} samples): log loss {eval_loss0:.4f} -> "
+              f"{final_eval_loss:.4f}, AUC {auc0:.4f} -> {final_auc:.4f}", file=out)
+        if train_s:
+            print(f"throughput: {figures['samples_per_s']:,.0f} samples/s "
+                  f"({trained:,} steps in {train_s:.1f} s; {wall:.1f} s in all)", file=out)
+        for t in tiers:
+            cap = "unbounded" if t["capacity_rows"] is None else f"{t['capacity_rows']:,} rows"
+            print(f"tier {t['level']} {t['backend']:<8} ({cap}): hit ratio "
+                  f"{t['hit_ratio']:6.1%} of {t['lookups']:,} lookups; holds {t['rows']:,} rows",
+                  file=out)
+        print(f"stored rows: {figures['stored_rows']:,} over {cfg.features} tables", file=out)
+        if tmp is None:
+            print(f"kept in {run_dir} (step {step:,}); run again with --path {run_dir} to "
+                  "continue", file=out)
+        if args.plot and plot_note is None:
+            print(f"plot: {args.plot}", file=out)
+        if plot_note:
+            print(f"note: {plot_note}", file=out)
+        print(f"digest: {digest}", file=out)
     if tmp is not None:
         tmp.cleanup()
-    return 0 if ok else 1
+    if interrupted:
+        return 130
+    if not math.isfinite(figures["loss_end"] or 0.0):
+        return _fail("the loss is not finite")
+    return 0

@@ -1,0 +1,354 @@
+"""Training steps through embstore.torch against torch.nn.EmbeddingBag, FBGEMM and an all-DRAM model.
+
+Two parts, each ratio measured in the same run with interleaved repeats:
+
+- `step`: one training step (forward, backward, fused row-wise Adagrad update) of
+  `embstore.torch.EmbeddingBag` over an all-DRAM table, against torch.nn.EmbeddingBag
+  (sparse=True) stepped by torch.optim.Adagrad, and against FBGEMM's CPU table-batched
+  embedding bag with its fused EXACT_ROWWISE_ADAGRAD (where fbgemm_gpu is installed). All hold
+  the same weights, loaded before timing, and see the same bags (uniform or Zipf ids) and the
+  same output gradients. embstore and FBGEMM apply the same rule, so their tables are compared
+  after the timed steps.
+- `demo`: training steps of the `embstore demo` DLRM with its tables on RocksDB behind a DRAM
+  tier of a tenth of their rows, pipelined and in line, against the same model with every
+  row in DRAM (pipelined and in line; the faster is the baseline), and the dense compute alone
+  (the same model on embeddings that are plain tensors). The tiered store is first trained
+  until its tables hold several times its DRAM tier, so the timed steps read and write the
+  bottom tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+from ._benchutil import interleaved_medians, print_table
+
+LR, EPS = 0.01, 1e-8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `embstore bench torch`."""
+    parser.add_argument("--rows", type=int, default=10_000_000,
+                        help="rows of the step part's table (10,000,000)")
+    parser.add_argument("--dim", type=int, default=64, help="embedding dim (64)")
+    parser.add_argument("--bag", type=int, default=20, help="ids per bag (20)")
+    parser.add_argument("--batch", type=int, default=4096, help="bags per step (4096)")
+    parser.add_argument("--dist", default="uniform,zipf",
+                        help="id distributions of the step part: uniform, zipf (both)")
+    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (1.05)")
+    parser.add_argument("--parts", default="step,demo", help="parts to run: step, demo (both)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed steps per contender (15)")
+    parser.add_argument("--demo-rows", type=int, default=1_000_000,
+                        help="ids per feature of the demo model's 8 tables (1,000,000)")
+    parser.add_argument("--demo-batch", type=int, default=2048,
+                        help="samples per step of the demo model (2048)")
+    parser.add_argument("--demo-chunk", type=int, default=10,
+                        help="demo steps per timed repeat (10)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+
+
+def _split(text: str, allowed: tuple[str, ...], what: str) -> list[str] | None:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in allowed]
+    if bad or not items:
+        print(f"embstore bench torch: error: {what} must be a comma-separated list of "
+              f"{', '.join(allowed)}; got {text!r}")
+        return None
+    return items
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen parts; exit 1 if a check of the results fails."""
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"embstore bench torch: error: needs torch ({exc}); install the [torch] extra")
+        return 2
+    parts = _split(args.parts, ("step", "demo"), "--parts")
+    dists = _split(args.dist, ("uniform", "zipf"), "--dist")
+    if parts is None or dists is None:
+        return 2
+    if args.quick:
+        args.rows, args.batch, args.repeats = 20_000, 256, 3
+        args.demo_rows, args.demo_batch, args.demo_chunk = 5_000, 256, 3
+    for name in ("rows", "dim", "bag", "batch", "repeats", "demo_rows", "demo_batch",
+                 "demo_chunk"):
+        if getattr(args, name) < 1:
+            print(f"embstore bench torch: error: --{name.replace('_', '-')} must be at least 1")
+            return 2
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    print("torch threads: 1 (every contender single-threaded)")
+    try:
+        rc = 0
+        if "step" in parts:
+            rc = max(rc, _step_part(args, dists, torch))
+        if "demo" in parts:
+            rc = max(rc, _demo_part(args, torch))
+        return rc
+    finally:
+        torch.set_num_threads(previous)
+
+
+# --- part 1: one EmbeddingBag training step --------------------------------------------------
+
+
+def _fbgemm(rows: int, dim: int) -> tuple[Any, str]:
+    """FBGEMM's CPU TBE with fused exact row-wise Adagrad, or (None, why not)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from fbgemm_gpu.split_embedding_configs import EmbOptimType
+            from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+                EmbeddingLocation,
+                PoolingMode,
+            )
+            from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+                ComputeDevice,
+                SplitTableBatchedEmbeddingBagsCodegen,
+            )
+
+            tbe = SplitTableBatchedEmbeddingBagsCodegen(
+                [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+                optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS,
+                pooling_mode=PoolingMode.SUM, device="cpu")
+    except Exception as exc:  # not installed, or built for another torch
+        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+    return tbe, ""
+
+
+def _step_part(args: argparse.Namespace, dists: list[str], torch: Any) -> int:
+    import embstore
+    import embstore.torch as et
+    from embstore.optim import RowWiseAdagrad
+
+    rows, dim, bag, batch = args.rows, args.dim, args.bag, args.batch
+    n_ids = batch * bag
+    rng = np.random.default_rng(args.seed)
+    # id of row i in the store: scattered over the id space as hashed ids are
+    mult = np.uint64(int(rng.integers(1, 2**62)) * 2 + 1)
+
+    def store_ids(pos: np.ndarray) -> np.ndarray:
+        return (pos.astype(np.uint64) * mult).view(np.int64)
+
+    t0 = time.perf_counter()
+    weights = torch.empty(rows, dim)
+    chunk = 1 << 20
+    for start in range(0, rows, chunk):
+        stop = min(rows, start + chunk)
+        weights[start:stop] = torch.from_numpy(
+            rng.uniform(-0.05, 0.05, size=(stop - start, dim)).astype(np.float32))
+    store = embstore.open(None, tables=[embstore.TableSpec(
+        "t", dim=dim, optimizer=RowWiseAdagrad(LR, eps=EPS))])
+    for start in range(0, rows, chunk):
+        stop = min(rows, start + chunk)
+        store.update("t", store_ids(np.arange(start, stop)), weights[start:stop].numpy())
+    ours = et.EmbeddingBag(store, "t", mode="sum")
+    ref = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, _weight=weights.clone())
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=LR, eps=EPS)
+    tbe, why = _fbgemm(rows, dim)
+    if tbe is not None:
+        with torch.no_grad():
+            tbe.split_embedding_weights()[0].copy_(weights)
+    del weights
+    print(f"step: loaded {rows:,} x {dim} float32 into embstore (DRAM tier), "
+          f"torch.nn.EmbeddingBag{'' if tbe is None else ' and FBGEMM'} "
+          f"in {time.perf_counter() - t0:.1f} s")
+    if tbe is None:
+        print(f"step: FBGEMM skipped: fbgemm_gpu not usable here ({why}); "
+              "pip install fbgemm-gpu-cpu matching the installed torch")
+
+    offsets = torch.arange(0, n_ids, bag, dtype=torch.int64)
+    tbe_offsets = torch.arange(0, n_ids + 1, bag, dtype=torch.int64)
+    grad_rng = torch.Generator().manual_seed(args.seed)
+    grads = [torch.randn(batch, dim, generator=grad_rng) * 0.1 for _ in range(4)]
+    rc = 0
+    for dist in dists:
+        if dist == "uniform":
+            positions = [torch.from_numpy(rng.integers(0, rows, n_ids)) for _ in
+                         range(args.repeats)]
+        else:
+            from embstore.workload import ZipfIds
+
+            zipf = ZipfIds(rows, args.zipf, seed=args.seed + 1)
+            # Zipf ranks map to row positions through a permutation, so hot rows are scattered
+            perm = np.random.default_rng(args.seed + 2).permutation(rows)
+            positions = [torch.from_numpy(perm[zipf.ranks(n_ids)]) for _ in range(args.repeats)]
+        ids = [torch.from_numpy(store_ids(p.numpy())) for p in positions]
+        distinct = float(np.mean([len(np.unique(p.numpy())) for p in positions]))
+
+        def step_embstore(i: int) -> None:
+            ours(ids[i], offsets).backward(grads[i % 4])
+
+        def step_torch(i: int) -> None:
+            ref_opt.zero_grad(set_to_none=True)
+            ref(positions[i], offsets).backward(grads[i % 4])
+            ref_opt.step()
+
+        def step_fbgemm(i: int) -> None:
+            tbe(positions[i], tbe_offsets).backward(grads[i % 4])
+
+        contenders = {"torch": step_torch, "embstore": step_embstore}
+        if tbe is not None:
+            contenders["fbgemm"] = step_fbgemm
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            med = interleaved_medians(contenders, args.repeats)
+        table = [("torch.nn.EmbeddingBag(sparse) + optim.Adagrad", n_ids / med["torch"],
+                  med["torch"] / med["torch"])]
+        if tbe is not None:
+            table.append(("FBGEMM CPU TBE, fused row-wise Adagrad", n_ids / med["fbgemm"],
+                          med["torch"] / med["fbgemm"]))
+        table.append(("embstore.torch.EmbeddingBag, row-wise Adagrad", n_ids / med["embstore"],
+                      med["torch"] / med["embstore"]))
+        print_table(f"step ({dist}): {batch:,} bags x {bag} ids ({distinct:,.0f} distinct rows) "
+                    f"from {rows:,} x {dim}; ratios to torch", table)
+        print(f"ratio embstore/torch ({dist}): {med['torch'] / med['embstore']:.2f}")
+        if tbe is not None:
+            ratio = med["fbgemm"] / med["embstore"]
+            print(f"ratio embstore/fbgemm ({dist}): {ratio:.2f} (target >= 1.0)")
+            # the same rule applied to the same steps in the same order: the tables agree
+            # to float32 rounding (each sums duplicate ids in its own order)
+            sample = np.unique(positions[-1].numpy())[:2000]
+            mine = store.lookup("t", store_ids(sample))
+            theirs = tbe.split_embedding_weights()[0][torch.from_numpy(sample)].numpy()
+            if not np.allclose(mine, theirs, rtol=1e-3, atol=1e-5):
+                print(f"error ({dist}): embstore and FBGEMM tables disagree after the same "
+                      "row-wise Adagrad steps")
+                rc = 1
+        else:
+            print(f"ratio embstore/fbgemm ({dist}): skipped (FBGEMM not installed)")
+    store.close()
+    return rc
+
+
+# --- part 2: the demo's DLRM through a tiered store --------------------------------------------
+
+
+class _Contender:
+    """One copy of the demo model on its own store, trained chunk by chunk."""
+
+    def __init__(self, cfg: Any, store: Any, *, pipeline: bool, torch: Any) -> None:
+        import embstore.torch as et
+
+        from ._dlrm import build_model
+
+        self.store, self.pipeline, self.torch, self.et = store, pipeline, torch, et
+        torch.manual_seed(cfg.seed)
+        self.ebc = et.EmbeddingBagCollection(
+            store, dict(zip(cfg.feature_names(), cfg.table_names())), mode="sum")
+        self.model = build_model(cfg, self.ebc)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.dense_lr)
+        self.loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    def train(self, batches: list[Any]) -> None:
+        if self.pipeline:
+            with self.et.TrainPipeline(batches, inputs=lambda b: {self.ebc: b.sparse},
+                                       depth=2) as pipe:
+                for b in pipe:
+                    self._step(b)
+        else:
+            for b in batches:
+                self._step(b)
+
+    def _step(self, b: Any) -> None:
+        loss = self.loss_fn(self.model(b), b.labels)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+
+def _demo_part(args: argparse.Namespace, torch: Any) -> int:
+    from ._dlrm import ClickStream, DemoConfig, build_model, make_store, table_digest
+
+    cfg = DemoConfig(rows=args.demo_rows, seed=args.seed)
+    stream = ClickStream(cfg)
+    chunk, reps = args.demo_chunk, args.repeats
+    tmp = tempfile.TemporaryDirectory(prefix="embstore-bench-torch-")
+    t0 = time.perf_counter()
+    tiered = make_store(cfg, f"{tmp.name}/tiered", all_dram=False)
+    dram = make_store(cfg, None, all_dram=True)
+    contenders = {
+        "tiered, pipelined": _Contender(cfg, tiered, pipeline=True, torch=torch),
+        "tiered, in line": _Contender(cfg, tiered, pipeline=False, torch=torch),
+        "all DRAM, pipelined": _Contender(cfg, dram, pipeline=True, torch=torch),
+        "all DRAM, in line": _Contender(cfg, dram, pipeline=False, torch=torch),
+    }
+    # warm up: train until the tiered tables hold several times their DRAM tier (the timed
+    # steps then miss into RocksDB as a long run does); the all-DRAM store gets the same steps
+    cache_rows = sum(t.capacity_rows or 0 for info in tiered.stats().values()
+                     for t in info["tiers"])
+    step, warm_steps = 0, 0
+    max_warm = 40 if args.quick else 400
+    while warm_steps < max_warm:
+        batches = [stream.batch(k, args.demo_batch) for k in range(step, step + chunk)]
+        contenders["tiered, in line"].train(batches)
+        contenders["all DRAM, in line"].train(batches)
+        step += chunk
+        warm_steps += chunk
+        if sum(tiered.num_rows(n) for n in tiered.tables) >= 3 * cache_rows:
+            break
+    stored = sum(tiered.num_rows(n) for n in tiered.tables)
+    print(f"demo: warmed up {warm_steps} steps x {args.demo_batch:,} samples in "
+          f"{time.perf_counter() - t0:.1f} s; the tiered tables hold {stored:,} rows, "
+          f"{stored / cache_rows:.1f}x their DRAM tier of {cache_rows:,} rows "
+          f"(1/10 of {cfg.features} x {cfg.rows:,})")
+
+    # every contender trains on the same chunks; pairs sharing a store take turns on it, so
+    # each store sees every chunk exactly twice and the two stores stay equal
+    n_chunks = reps + 2
+    chunks = [[stream.batch(k, args.demo_batch) for k in range(step + c * chunk,
+                                                                 step + (c + 1) * chunk)]
+              for c in range(n_chunks)]
+    dense_model = build_model(cfg, None)
+    dense_opt = torch.optim.Adam(dense_model.parameters(), lr=cfg.dense_lr)
+    emb_rng = torch.Generator().manual_seed(args.seed)
+    embs = [torch.randn(args.demo_batch, cfg.features * cfg.dim, generator=emb_rng) * 0.05
+            for _ in range(chunk)]
+
+    def compute_alone(i: int) -> None:
+        for b, e in zip(chunks[i], embs):
+            e = e.requires_grad_()
+            logits = dense_model.interact(dense_model.bottom(b.dense), e)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
+            dense_opt.zero_grad()
+            loss.backward()
+            dense_opt.step()
+
+    fns = {name: (lambda i, c=c: c.train(chunks[i])) for name, c in contenders.items()}
+    fns["compute alone"] = compute_alone
+    med = interleaved_medians(fns, reps)
+    samples = chunk * args.demo_batch
+    base_name = min(("all DRAM, pipelined", "all DRAM, in line"), key=lambda n: med[n])
+    base = med[base_name]
+    table = [(f"{name}{' [baseline]' if name == base_name else ''}", samples / med[name],
+              base / med[name]) for name in fns]
+    print_table(f"demo: DLRM training steps ({cfg.features} tables of {cfg.rows:,} x {cfg.dim}, "
+                f"{args.demo_batch:,} samples per step, {chunk} steps per repeat); samples/s, "
+                f"ratios to the faster all-DRAM run", table)
+    stats = tiered.stats()
+    hits = sum(info["tiers"][0].hits for info in stats.values())
+    lookups = sum(info["tiers"][0].lookups for info in stats.values())
+    print(f"demo: tiered DRAM-tier hit ratio {hits / max(lookups, 1):.1%}; bottom tier holds "
+          f"{sum(info['tiers'][-1].rows for info in stats.values()):,} rows")
+    ratio = base / med["tiered, pipelined"]
+    print(f"ratio tiered pipelined / all-DRAM: {ratio:.2f} (target >= 0.8)")
+    print(f"ratio tiered in line / all-DRAM: {base / med['tiered, in line']:.2f}")
+    print(f"ratio compute alone / all-DRAM: {base / med['compute alone']:.2f}")
+    tiered.flush()
+    same = table_digest(tiered) == table_digest(dram)
+    tiered.close()
+    dram.close()
+    tmp.cleanup()
+    if not same:
+        print("error: the tiered and all-DRAM stores differ after the same training steps")
+        return 1
+    print("demo: the tiered and all-DRAM tables are identical after the same steps (digest)")
+    return 0
