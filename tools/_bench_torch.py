@@ -1,4 +1,4 @@
-"""Training steps through embstore.torch against torch.nn.EmbeddingBag, FBGEMM and an all-DRAM model.
+"""Training steps through embstore.torch vs torch.nn.EmbeddingBag, FBGEMM and an all-DRAM model.
 
 Two parts, each ratio measured in the same run with interleaved repeats:
 
@@ -184,15 +184,15 @@ def _step_part(args: argparse.Namespace, dists: list[str], torch: Any) -> int:
         ids = [torch.from_numpy(store_ids(p.numpy())) for p in positions]
         distinct = float(np.mean([len(np.unique(p.numpy())) for p in positions]))
 
-        def step_embstore(i: int) -> None:
+        def step_embstore(i: int, ids: list = ids) -> None:
             ours(ids[i], offsets).backward(grads[i % 4])
 
-        def step_torch(i: int) -> None:
+        def step_torch(i: int, positions: list = positions) -> None:
             ref_opt.zero_grad(set_to_none=True)
             ref(positions[i], offsets).backward(grads[i % 4])
             ref_opt.step()
 
-        def step_fbgemm(i: int) -> None:
+        def step_fbgemm(i: int, positions: list = positions) -> None:
             tbe(positions[i], tbe_offsets).backward(grads[i % 4])
 
         contenders = {"torch": step_torch, "embstore": step_embstore}
@@ -243,7 +243,7 @@ class _Contender:
         self.store, self.pipeline, self.torch, self.et = store, pipeline, torch, et
         torch.manual_seed(cfg.seed)
         self.ebc = et.EmbeddingBagCollection(
-            store, dict(zip(cfg.feature_names(), cfg.table_names())), mode="sum")
+            store, cfg.feature_tables(), mode="sum")
         self.model = build_model(cfg, self.ebc)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.dense_lr)
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
@@ -314,8 +314,8 @@ def _demo_part(args: argparse.Namespace, torch: Any) -> int:
             for _ in range(chunk)]
 
     def compute_alone(i: int) -> None:
-        for b, e in zip(chunks[i], embs):
-            e = e.requires_grad_()
+        for b, e in zip(chunks[i], embs, strict=True):
+            e = e.detach().requires_grad_()
             logits = dense_model.interact(dense_model.bottom(b.dense), e)
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
             dense_opt.zero_grad()
@@ -328,11 +328,13 @@ def _demo_part(args: argparse.Namespace, torch: Any) -> int:
     samples = chunk * args.demo_batch
     base_name = min(("all DRAM, pipelined", "all DRAM, in line"), key=lambda n: med[n])
     base = med[base_name]
-    table = [(f"{name}{' [baseline]' if name == base_name else ''}", samples / med[name],
-              base / med[name]) for name in fns]
-    print_table(f"demo: DLRM training steps ({cfg.features} tables of {cfg.rows:,} x {cfg.dim}, "
-                f"{args.demo_batch:,} samples per step, {chunk} steps per repeat); samples/s, "
-                f"ratios to the faster all-DRAM run", table)
+    print(f"demo: DLRM training steps ({cfg.features} tables of {cfg.rows:,} x {cfg.dim}, "
+          f"{args.demo_batch:,} samples per step, {chunk} steps per repeat); ratios to the "
+          "faster all-DRAM run")
+    print(f"  {'contender':<44}{'samples/s':>14}{'ratio':>9}")
+    for name in fns:
+        label = f"{name}{' [baseline]' if name == base_name else ''}"
+        print(f"  {label:<44}{samples / med[name]:>14,.0f}{base / med[name]:>8.2f}x")
     stats = tiered.stats()
     hits = sum(info["tiers"][0].hits for info in stats.values())
     lookups = sum(info["tiers"][0].lookups for info in stats.values())

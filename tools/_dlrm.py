@@ -54,6 +54,10 @@ class DemoConfig:
     def feature_names(self) -> list[str]:
         return [f"f{i}" for i in range(self.features)]
 
+    def feature_tables(self) -> dict[str, str]:
+        """Feature -> table: feature f<i> is looked up in table t<i>."""
+        return {f"f{i}": f"t{i}" for i in range(self.features)}
+
     def zipf_exponent(self, f: int) -> float:
         """Skew of feature `f`: from 1.05 (user-like, long tail) to 1.3 (small hot set)."""
         return 1.05 + 0.25 * f / max(self.features - 1, 1)

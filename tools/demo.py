@@ -240,8 +240,7 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
     quiet = args.json
     t_open = time.perf_counter()
     with make_store(cfg, store_path, all_dram=args.all_dram) as store:
-        ebc = et.EmbeddingBagCollection(store, dict(zip(cfg.feature_names(), cfg.table_names())),
-                                        mode="sum")
+        ebc = et.EmbeddingBagCollection(store, cfg.feature_tables(), mode="sum")
         model = build_model(cfg, ebc)
         opt = torch.optim.Adam(model.parameters(), lr=cfg.dense_lr)
         step0 = 0
@@ -298,9 +297,10 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
                         if bar is not None:
                             bar.update(1)
                             if step % 5 == 0:
-                                dt = train_s + time.perf_counter() - t0
+                                rate = len(losses) * args.batch_size / (
+                                    train_s + time.perf_counter() - t0)
                                 bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}",
-                                                samples_s=f"{len(losses) * args.batch_size / dt:,.0f}")
+                                                samples_s=f"{rate:,.0f}")
                 finally:
                     if pipe is not None:
                         pipe.__exit__(*sys.exc_info())

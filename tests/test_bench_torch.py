@@ -1,0 +1,26 @@
+"""`embstore bench torch --quick`: both parts run and print their ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from embstore.tools.cli import main  # noqa: E402
+
+
+def test_bench_torch_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "torch", "--quick"]) == 0
+    out = capsys.readouterr().out
+    for dist in ("uniform", "zipf"):
+        assert f"ratio embstore/torch ({dist}):" in out
+        assert f"ratio embstore/fbgemm ({dist}):" in out  # a ratio, or why it was skipped
+    assert "ratio tiered pipelined / all-DRAM:" in out
+    assert "ratio tiered in line / all-DRAM:" in out
+    assert "ratio compute alone / all-DRAM:" in out
+    assert "tables are identical" in out
+
+
+def test_bench_torch_bad_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "torch", "--quick", "--parts", "nope"]) == 2
+    assert "--parts" in capsys.readouterr().out

@@ -1,0 +1,96 @@
+"""`embstore demo`: a short DLRM training run, its determinism promise, and resuming."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("torch")
+
+from embstore.tools.cli import main  # noqa: E402
+
+SMALL = ["--rows", "20000", "--batch-size", "512", "--evals", "2", "--eval-samples", "2048"]
+
+
+def _demo(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    rc = main(["demo", *SMALL, *args])
+    return rc, capsys.readouterr().out
+
+
+def _digest(out: str) -> str:
+    found = re.findall(r"^digest: ([0-9a-f]{64})$", out, re.M)
+    assert len(found) == 1, out
+    return found[0]
+
+
+def test_short_run_learns_and_prints_a_digest(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _demo(capsys, "--steps", "30", "--json")
+    assert rc == 0
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert figures["steps"] == 30
+    assert figures["loss_end"] < figures["loss_start"] - 0.02
+    assert figures["held_out_loss_end"] < figures["held_out_loss_start"]
+    assert figures["auc"] > 0.53
+    assert [t["backend"] for t in figures["tiers"]] == ["dram", "rocksdb"]
+    assert 0 < figures["tiers"][0]["hit_ratio"] < 1
+    assert re.fullmatch(r"[0-9a-f]{64}", figures["digest"])
+    rc, out = _demo(capsys, "--steps", "2")
+    assert rc == 0
+    for text in ("loss (mean of", "AUC", "samples/s", "tier 0 dram", "tier 1 rocksdb"):
+        assert text in out
+    _digest(out)
+
+
+def test_digest_same_without_pipeline_and_all_in_dram(capsys: pytest.CaptureFixture[str]) -> None:
+    digests = []
+    for flags in ([], ["--no-pipeline"], ["--all-dram"], ["--all-dram", "--no-pipeline"]):
+        rc, out = _demo(capsys, "--steps", "8", *flags)
+        assert rc == 0, out
+        digests.append(_digest(out))
+    assert len(set(digests)) == 1, digests
+
+
+def test_resume_continues_where_the_first_run_stopped(tmp_path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(tmp_path / "run")
+    rc, out = _demo(capsys, "--steps", "5", "--path", path)
+    assert rc == 0 and "step 5" in out
+    rc, out = _demo(capsys, "--steps", "4", "--path", path, "--no-pipeline")
+    assert rc == 0
+    assert "resuming at step 5" in out
+    resumed = _digest(out)
+    # the same 9 steps in one run: the same tables, bit for bit
+    rc, out = _demo(capsys, "--steps", "9")
+    assert rc == 0
+    assert _digest(out) == resumed
+    rc, out = _demo(capsys, "--steps", "0", "--path", path, "--json")
+    assert rc == 0 and json.loads(out)["step"] == 9
+
+
+def test_resume_with_other_settings_is_refused(tmp_path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(tmp_path / "run")
+    assert _demo(capsys, "--steps", "1", "--path", path)[0] == 0
+    assert main(["demo", "--rows", "30000", "--steps", "1", "--path", path]) == 2
+    err = capsys.readouterr().err
+    assert "rows 20000 (now 30000)" in err and "Traceback" not in err
+    assert main(["demo", *SMALL, "--steps", "1", "--path", path, "--all-dram"]) == 2
+    assert "without --all-dram" in capsys.readouterr().err
+
+
+def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in (["--steps", "-1"], ["--batch-size", "0"], ["--rows", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["demo", *bad])
+        assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "curves.png"
+    rc, out = _demo(capsys, "--steps", "3", "--plot", str(png))
+    assert rc == 0 and f"plot: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
