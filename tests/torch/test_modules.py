@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -282,3 +284,42 @@ def test_same_training_gives_identical_tables_on_any_tier_chain(tmp_path):
         store.close()
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_rowwise_adagrad_matches_fbgemm_tbe(mode):
+    with warnings.catch_warnings():  # fbgemm warns about its optional GPU-only modules
+        warnings.simplefilter("ignore")
+        pytest.importorskip("fbgemm_gpu", reason="fbgemm-gpu-cpu not installed (the "
+                            "'fbgemm' extra)")
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+        from fbgemm_gpu.tbe.config.embedding_config import (
+            ComputeDevice,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+
+    store = _store(embstore.optim.RowWiseAdagrad(lr=0.1, eps=1e-8))
+    ours = et.EmbeddingBag(store, "t", mode=mode)
+    initial, _ = _table(store)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(ROWS, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1, eps=1e-8,
+        pooling_mode=PoolingMode.SUM if mode == "sum" else PoolingMode.MEAN, device="cpu")
+    with torch.no_grad():
+        tbe.split_embedding_weights()[0].copy_(torch.from_numpy(initial))
+    for ids, offsets, _, target in _batches(2, 6):
+        out = ours(ids, offsets)
+        expected = tbe(ids, torch.cat([offsets, torch.tensor([len(ids)])]))
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        ((out - target) ** 2).sum().backward()
+        ((expected - target) ** 2).sum().backward()
+    weights, state = _table(store)
+    np.testing.assert_allclose(weights, tbe.split_embedding_weights()[0].detach().numpy(),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(state[:, 0], tbe.split_optimizer_states()[0][0].numpy(),
+                               rtol=1e-5, atol=1e-6)
+    assert not np.allclose(weights, initial)
