@@ -68,6 +68,8 @@ class TablePlan:
     """A CUDA event the consumer waits on before using `rows`, or None."""
     fetched_at: int = 0
     """The pipeline's update count when the rows were read (for refreshing them)."""
+    pinned: Any = None
+    """Pinned host copies being transferred to the device: kept alive until they land."""
 
 
 @dataclass
@@ -277,8 +279,13 @@ def run(store: EmbeddingStore, plan: ForwardPlan, mode: str, *, train: bool
     """
     outs: dict[str, torch.Tensor] = {}
     for tp in plan.tables:
-        if tp.ready is not None:
-            torch.cuda.current_stream(tp.rows.device).wait_event(tp.ready)  # type: ignore
+        if tp.ready is not None:  # staged on a side stream: wait for the copy, and keep
+            # the allocator from reusing the memory while this stream still reads it
+            assert tp.rows is not None and tp.inverse is not None
+            stream = torch.cuda.current_stream(tp.rows.device)
+            stream.wait_event(tp.ready)
+            tp.rows.record_stream(stream)
+            tp.inverse.record_stream(stream)
             tp.ready = None
         if train:
             weights = [fp.bags.per_sample_weights for fp in tp.features

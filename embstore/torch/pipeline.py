@@ -134,7 +134,7 @@ class TrainPipeline(Generic[B]):
                     tp.inverse = inverse.to(device, non_blocking=True)
                     tp.ready = torch.cuda.Event()
                     tp.ready.record(self._stream)
-                tp.pinned = (rows, inverse)  # type: ignore[attr-defined]  # alive until copied
+                tp.pinned = (rows, inverse)
         for tp in plan.tables:
             tp.fetched_at = read_at
 
@@ -188,7 +188,11 @@ class TrainPipeline(Generic[B]):
                 fresh = lookup_rows(module.store, tp.table, tp.groups.unique[pos])
                 assert tp.rows is not None
                 if tp.ready is not None:  # the staged copy must land before it is patched
-                    torch.cuda.current_stream(tp.rows.device).wait_event(tp.ready)
+                    stream = torch.cuda.current_stream(tp.rows.device)
+                    stream.wait_event(tp.ready)
+                    tp.rows.record_stream(stream)
+                    assert tp.inverse is not None
+                    tp.inverse.record_stream(stream)
                     tp.ready = None
                 tp.rows.index_copy_(0, torch.from_numpy(pos).to(tp.rows.device),
                                     fresh.to(tp.rows.device))
