@@ -251,14 +251,14 @@ class _TableFunction(torch.autograd.Function):
         weight_grads: list[torch.Tensor | None] = []
         if mode == "max":
             total = None
-            for g, saved in zip(grads, ctx.saved):
+            for g, saved in zip(grads, ctx.saved, strict=True):
                 part = _max_grads(tp, g, saved)
                 total = part if total is None else total + part
             assert total is not None
             _apply(ctx.store, tp, total.detach().cpu().numpy(), summed=True)
         else:
             parts = []
-            for fp, g, saved in zip(tp.features, grads, ctx.saved):
+            for fp, g, saved in zip(tp.features, grads, ctx.saved, strict=True):
                 pos, wg = _position_grads(tp, fp, mode, g, saved)
                 parts.append(pos)
                 if fp.bags.per_sample_weights is not None:
@@ -293,6 +293,6 @@ def run(store: EmbeddingStore, plan: ForwardPlan, mode: str, *, train: bool
             results = _TableFunction.apply(_TRIGGER, store, tp, mode, *weights)
         else:
             results, _ = _forward_outputs(tp, mode)
-        for fp, out in zip(tp.features, results):
+        for fp, out in zip(tp.features, results, strict=True):
             outs[fp.name] = out
     return [outs[name] for name in plan.order]

@@ -32,7 +32,7 @@ def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     return False
@@ -54,7 +54,8 @@ class _StoreModule(nn.Module):
         self._specs = {t: store.table_spec(t) for t in tables}  # UnknownTableError
         dtypes = {s.dtype for s in self._specs.values()}
         if len(dtypes) != 1:
-            raise ConfigError(f"tables of one module must share a dtype, got {sorted(map(str, dtypes))}")
+            raise ConfigError(f"tables of one module must share a dtype, got "
+                              f"{sorted(map(str, dtypes))}")
         self._dtype = _torch_dtype(dtypes.pop())
         self.padding_idx = self._padding(padding_idx)
         # no tensors of the module's own: the anchor only follows .to(device) and is not saved

@@ -16,6 +16,7 @@ lookup is refreshed rather than missed.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -205,10 +206,8 @@ class TrainPipeline(Generic[B]):
         self._stop.set()
         remove_update_listener(self._on_update)
         while self._thread.is_alive():
-            try:  # unblock a thread waiting to queue
+            with contextlib.suppress(queue.Empty):  # unblock a thread waiting to queue
                 self._queue.get(timeout=0.05)
-            except queue.Empty:
-                pass
         self._thread.join()
         for module in self._touched:
             module._staged = None

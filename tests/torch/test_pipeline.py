@@ -89,7 +89,7 @@ def _assert_identical(a, b):
     for t in a[0]:
         np.testing.assert_array_equal(a[0][t][0], b[0][t][0])
         np.testing.assert_array_equal(a[0][t][1], b[0][t][1])
-    for p, q in zip(a[1], b[1]):
+    for p, q in zip(a[1], b[1], strict=True):
         assert torch.equal(p, q)
 
 
@@ -146,11 +146,11 @@ def test_an_error_in_the_background_is_raised_at_the_next_step():
         raise RuntimeError("the data loader broke")
 
     steps = 0
-    with pytest.raises(RuntimeError, match="data loader broke"):
-        with et.TrainPipeline(batches(), inputs=lambda b: {model.ebc: b.sparse}) as pipe:
-            for batch in pipe:
-                model(batch).sum().backward()
-                steps += 1
+    with pytest.raises(RuntimeError, match="data loader broke"), \
+            et.TrainPipeline(batches(), inputs=lambda b: {model.ebc: b.sparse}) as pipe:
+        for batch in pipe:
+            model(batch).sum().backward()
+            steps += 1
     assert steps == 3
     assert not _pipeline_threads()
 
@@ -162,11 +162,11 @@ def test_a_lookup_error_in_the_background_is_raised_in_order():
     batches = _batches(3)
     batches[1].sparse["a"] = (torch.tensor([ROWS + 5]), torch.ones(16, dtype=torch.long))
     steps = 0
-    with pytest.raises(embstore.errors.InvalidIdsError):
-        with et.TrainPipeline(batches, inputs=lambda b: {model.ebc: b.sparse}) as pipe:
-            for batch in pipe:
-                model(batch)
-                steps += 1
+    with pytest.raises(embstore.errors.InvalidIdsError), \
+            et.TrainPipeline(batches, inputs=lambda b: {model.ebc: b.sparse}) as pipe:
+        for batch in pipe:
+            model(batch)
+            steps += 1
     assert steps == 1
 
 
