@@ -69,7 +69,16 @@ void count_accesses_saturating(uint8_t *freq, uint8_t max, const int32_t *slots,
 policy_ffibuilder = _builder("embstore._kernels._policy_kernels", POLICY_CDEF,
                              "policy_kernels.c", "c99")
 
+BAG_CDEF = """
+void bag_grad_f32(const float *grad, int64_t dim, const int64_t *offsets, int64_t nbags,
+                  const int64_t *inverse, const float *weights, const float *bag_size,
+                  int64_t skip, float *out);
+"""
+
+bag_ffibuilder = _builder("embstore._kernels._bag_kernels", BAG_CDEF, "bag_kernels.c", "c99")
+
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
     checksum_ffibuilder.compile(verbose=True)
     policy_ffibuilder.compile(verbose=True)
+    bag_ffibuilder.compile(verbose=True)

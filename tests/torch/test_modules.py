@@ -323,3 +323,49 @@ def test_rowwise_adagrad_matches_fbgemm_tbe(mode):
     np.testing.assert_allclose(state[:, 0], tbe.split_optimizer_states()[0][0].numpy(),
                                rtol=1e-5, atol=1e-6)
     assert not np.allclose(weights, initial)
+
+
+@pytest.mark.parametrize("mode,weights,padding", [("sum", False, None), ("sum", True, 7),
+                                                  ("mean", False, 7)])
+def test_fused_bag_gradients_equal_per_position_sums(mode, weights, padding):
+    # the C pass that sums bag gradients per row equals materialising every position's
+    # gradient and summing in position order, bit for bit
+    from embstore.torch import _core
+
+    store = _store(embstore.optim.SGD(lr=0.1))
+    bag = et.EmbeddingBag(store, "t", mode=mode, padding_idx=padding)
+    ids, offsets, psw, _ = _batches(5, 1, bags=50, max_len=9, weights=weights,
+                                    padding=padding)[0]
+    plan = bag.prepare_forward(ids, offsets, psw)
+    bag.fetch_forward(plan)
+    tp = plan.tables[0]
+    _, saved = _core._forward_outputs(tp, mode)
+    grad = torch.randn(50, DIM)
+    fused = _core._summed_bag_grads(tp, mode, [grad], saved)
+    per_position, _ = _core._position_grads(tp, tp.features[0], mode, grad, saved[0])
+    if padding is not None:
+        per_position = per_position.masked_fill((tp.inverse == tp.padding)[:, None], 0.0)
+    expected = tp.groups.sum_rows(per_position.numpy())
+    if padding is not None:
+        fused[tp.padding] = expected[tp.padding] = 0
+    np.testing.assert_array_equal(fused, expected)
+
+
+def test_float64_tables_train_like_torch():
+    store = embstore.open(None, tables=[embstore.TableSpec(
+        "t", dim=DIM, dtype=np.float64, num_embeddings=ROWS,
+        init=embstore.init.Uniform(-0.5, 0.5, seed=3), optimizer=embstore.optim.SGD(lr=0.1))])
+    bag = et.EmbeddingBag(store, "t", mode="mean")
+    initial = store.lookup("t", np.arange(ROWS)).copy()
+    ref = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(initial.copy()), freeze=False,
+                                                mode="mean")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for ids, offsets, _, target in _batches(6, 4):
+        out, expected = bag(ids, offsets), ref(ids, offsets)
+        assert out.dtype == torch.float64
+        ((out - target.double()) ** 2).sum().backward()
+        ((expected - target.double()) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    np.testing.assert_allclose(store.lookup("t", np.arange(ROWS)), ref.weight.detach().numpy(),
+                               rtol=1e-12, atol=1e-12)
