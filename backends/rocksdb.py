@@ -25,6 +25,7 @@ recovery replays the log up to its first damaged record. `sync_writes=True` sync
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, ClassVar, Final, NoReturn, final
 
@@ -36,6 +37,7 @@ from embstore.errors import (
     ConfigError,
     CorruptStoreError,
     EmbstoreError,
+    InvalidIdsError,
     StoreLockedError,
     StoreNotFoundError,
 )
@@ -323,6 +325,51 @@ class RocksDBBackend(KeyValueBackend):
         stats["options"] = dict(self._settings)
         stats["estimated_keys"] = self._cf.property_int_value("rocksdb.estimate-num-keys")
         return stats
+
+    def bulk_load(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Store `rows` (array[N, dim]) under distinct `ids` (int64[N]) by SST ingestion.
+
+        The rows are written in key order into an SST file beside the database, synced, and
+        ingested into the table's column family (RocksDB's `SstFileWriter` and
+        `IngestExternalFile`): no write-ahead log, no memtable, no compaction of the loaded
+        rows. Rows of ids already stored are replaced. Durable when it returns.
+
+        Raises:
+            StoreClosedError, ReadOnlyError, DtypeMismatchError, DimensionMismatchError.
+            InvalidIdsError: `ids` are not distinct.
+        """
+        self._check_writable()
+        ids = self._check_ids(ids)
+        rows = self._check_rows(ids, rows)
+        if not len(ids):
+            return
+        order = np.argsort(ids, kind="stable")
+        ids = ids[order]
+        if len(ids) > 1 and not (ids[1:] > ids[:-1]).all():
+            raise InvalidIdsError(f"bulk_load of table {self.spec.table!r} needs distinct ids")
+        rows = rows[order]
+        file = self._dir / f".bulk-{os.getpid()}-{self._db.latest_sequence_number()}.sst"
+        try:
+            writer = rocksdict.SstFileWriter(_make_options(self._settings,
+                                                           rocksdict.Cache(1 << 20)))
+            writer.open(str(file))
+            for key, value in zip(encode_keys(ids), encode_values(ids, rows, self._rec),
+                                  strict=True):
+                writer[key] = value
+            writer.finish()
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            ingest = rocksdict.IngestExternalFileOptions()
+            ingest.set_move_files(True)
+            self._cf.ingest_external_file([str(file)], ingest)
+        except Exception as exc:
+            _fail(exc, f"bulk loading table {self.spec.table!r} in {self._where()}")
+        finally:
+            file.unlink(missing_ok=True)
+        self._count = None
 
     def compact(self) -> None:
         """Compact the table's column family into its bottom level, dropping overwritten rows.

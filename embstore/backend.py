@@ -30,7 +30,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .index import IdIndex
 
-__all__ = ["Backend", "BackendSpec", "SupportsSlots"]
+__all__ = ["Backend", "BackendSpec", "SupportsBulkLoad", "SupportsSlots"]
 
 
 @dataclass(frozen=True)
@@ -297,3 +297,11 @@ class SupportsSlots(Protocol):
 
     def rows_at(self, slots: np.ndarray) -> np.ndarray:
         """The rows stored at live `slots` (int32[N]), a copy; no hash probe."""
+
+
+@runtime_checkable
+class SupportsBulkLoad(Protocol):
+    """A backend with a path for loading many rows at once that beats batches of `put`."""
+
+    def bulk_load(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Store `rows` under distinct `ids`, replacing stored rows; durable on return."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from ._dirty import DirtyIds, DirtySet, DirtySlots
 from ._writeback import BackgroundWriter, DrainedBackend
-from .backend import Backend, SupportsSlots
+from .backend import Backend, SupportsBulkLoad, SupportsSlots
 from .index import IdGroups, IdIndex, copy_rows
 from .policy import AdmissionPolicy, EvictionPolicy, SupportsSharedIndex
 from .spec import TierSpec
@@ -336,6 +336,28 @@ class TableChain:
             self._insert(below, ids, rows, dirty=True, now=now)
         tier.dirty.clear(ids, slots)
         tier.counters["writebacks"] += len(ids)
+
+    def bulk_load(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Write full rows of distinct `ids` straight into the store of record, replacing any
+        cached copy (clean or dirty) in the tiers above; durable when it returns."""
+        self._absent = None
+        for tier in self.tiers[:-1]:
+            if tier.eviction is not None:
+                tier.eviction.record_remove(ids)
+            if tier.dirty is not None:
+                tier.dirty.clear(ids, None)
+            removed = tier.backend.delete(ids)
+            if tier.rows is not None:
+                tier.rows -= int(np.count_nonzero(removed))
+        if self._writer is not None:
+            self._writer.drain()  # queued write-backs are older than the loaded rows
+        bottom = self.tiers[-1].backend
+        target = getattr(bottom, "wrapped", bottom)
+        if isinstance(target, SupportsBulkLoad):
+            target.bulk_load(ids, rows)
+        else:
+            target.put(ids, rows)
+            target.flush()
 
     def delete(self, ids: np.ndarray) -> np.ndarray:
         """Remove distinct `ids` from every tier; returns bool[N], which were stored."""

@@ -25,6 +25,7 @@ from .backend import BackendSpec
 from .checkpoint import CopyState, take_checkpoint
 from .errors import (
     ConfigError,
+    InvalidValuesError,
     NonFiniteValueError,
     ReadOnlyError,
     StoreClosedError,
@@ -278,6 +279,57 @@ class EmbeddingStore:
                 )
             self._before_write(table, t, ids)
             t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, full)))
+
+    def bulk_load(self, table: str, ids: Any, weights: Any, state: Any = None) -> None:
+        """Load many rows at once straight into the store of record (durable on return).
+
+        The way to fill a large table: on RocksDB the rows are written as an SST file and
+        ingested (no write-ahead log, no memtable); other media take them as one write and a
+        flush. Rows of ids already stored are replaced, in every tier. Call it with chunks
+        of, say, a million rows to bound memory.
+
+        Args:
+            table: the table.
+            ids: 1-D integers; where an id repeats, its last row wins.
+            weights: array[len(ids), dim] of the table dtype.
+            state: array[len(ids), state width] of optimizer state, or None for the
+                optimizer's initial state.
+
+        Raises:
+            UnknownTableError, InvalidIdsError, DtypeMismatchError, DimensionMismatchError,
+            NonFiniteValueError, ReadOnlyError, StoreClosedError.
+            ConfigError: the table's bottom tier has a policy of its own (feature admission
+                or expiry), which a bulk load would bypass.
+        """
+        with self._mutex:
+            t = self._table(table)
+            spec = t.spec
+            ids = as_ids(ids, spec)
+            weights = as_rows(weights, len(ids), spec, what="weights")
+            width = spec.row_width - spec.dim
+            if state is not None:
+                state = np.asarray(state)
+                if state.dtype != spec.dtype or state.shape != (len(ids), width):
+                    raise InvalidValuesError(
+                        f"table {table!r}: state must be array[{len(ids)}, {width}] of "
+                        f"{spec.dtype}, got {state.dtype} {state.shape}")
+                if not spec.allow_nonfinite and not np.isfinite(state).all():
+                    raise NonFiniteValueError(f"table {table!r}: state holds NaN or infinity")
+            self._check_writable()
+            bottom = t.chain.tiers[-1]
+            if bottom.eviction is not None or bottom.admission is not None:
+                raise ConfigError(
+                    f"table {table!r}: its bottom tier has a policy of its own, which a bulk "
+                    "load would bypass; use update() for it")
+            groups = IdGroups(ids)
+            rows = np.empty((len(groups.unique), spec.row_width), dtype=spec.dtype)
+            rows[:, : spec.dim] = weights[groups.last]
+            if width:
+                rows[:, spec.dim:] = (state[groups.last] if state is not None else
+                                      spec.optimizer.initial_state(len(rows), spec.dim,
+                                                                   spec.dtype))
+            self._before_write(table, t, groups.unique)
+            t.chain.bulk_load(groups.unique, rows)
 
     def delete(self, table: str, ids: Any) -> int:
         """Remove the rows of `ids`; later lookups return initial values. Returns rows removed."""
