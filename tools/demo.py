@@ -61,8 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the `demo` subcommand."""
     p = sub.add_parser("demo", help="train a small DLRM through the store and report",
                        description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=_non_negative, default=300,
-                   help="training steps of this run (default 300)")
+    p.add_argument("--steps", type=_non_negative, default=1000,
+                   help="training steps of this run (default 1000)")
     p.add_argument("--batch-size", type=_positive, default=2048, help="samples per step (2048)")
     p.add_argument("--rows", type=_positive, default=1_000_000,
                    help="ids per sparse feature, i.e. rows of each of the 8 tables (1,000,000)")
@@ -196,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
     torch.use_deterministic_algorithms(True)
     try:
         return _run(args, torch, et)
+    except OSError as exc:  # an unwritable --path or --plot, a full disk: one line, no traceback
+        return _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
     finally:
         torch.set_num_threads(previous[0])
         torch.use_deterministic_algorithms(previous[1])
