@@ -342,13 +342,16 @@ class TableChain:
         cached copy (clean or dirty) in the tiers above; durable when it returns."""
         self._absent = None
         for tier in self.tiers[:-1]:
+            held = np.ascontiguousarray(ids[tier.backend.contains(ids)])
+            if not len(held):  # a load is mostly rows no cache holds: skip the policy's work
+                continue
             if tier.eviction is not None:
-                tier.eviction.record_remove(ids)
+                tier.eviction.record_remove(held)
             if tier.dirty is not None:
-                tier.dirty.clear(ids, None)
-            removed = tier.backend.delete(ids)
+                tier.dirty.clear(held, None)
+            tier.backend.delete(held)
             if tier.rows is not None:
-                tier.rows -= int(np.count_nonzero(removed))
+                tier.rows -= len(held)
         if self._writer is not None:
             self._writer.drain()  # queued write-backs are older than the loaded rows
         bottom = self.tiers[-1].backend
