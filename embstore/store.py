@@ -210,6 +210,21 @@ class EmbeddingStore:
             # buffer (no copy: the copy cost more than the lookup itself)
             return rows[:, : t.spec.dim] if t.spec.row_width != t.spec.dim else rows
 
+    def prefetch(self, table: str, ids: Any) -> int:
+        """Bring the rows of `ids` into the table's fast tiers ahead of a lookup.
+
+        Rows the top tier lacks are read from the tiers below and promoted as a lookup would
+        promote them; nothing else changes, so a later lookup returns the same values, only
+        sooner. A pipeline calls it for the next batches while the current one trains.
+        Returns the number of distinct ids the top tier lacked (0 for a one-tier table).
+
+        Raises:
+            UnknownTableError, InvalidIdsError, StoreClosedError, CorruptStoreError.
+        """
+        with self._mutex:
+            t = self._table(table)
+            return t.chain.prefetch(as_ids(ids, t.spec))
+
     def lookup_state(self, table: str, ids: Any) -> np.ndarray:
         """Optimizer state of `ids`: array[len(ids), state_width] (width 0 for SGD)."""
         with self._mutex:

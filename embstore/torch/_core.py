@@ -115,8 +115,10 @@ def lookup_rows(store: EmbeddingStore, table: str, ids: np.ndarray) -> torch.Ten
 
 
 def fetch(store: EmbeddingStore, plan: ForwardPlan, device: torch.device) -> None:
-    """Look up every table's distinct rows of `plan` and put them on `device`."""
+    """Look up the distinct rows of every table of `plan` not staged yet; onto `device`."""
     for tp in plan.tables:
+        if tp.rows is not None:
+            continue
         rows = lookup_rows(store, tp.table, tp.groups.unique)
         inverse = torch.from_numpy(tp.groups.inverse)
         if device.type != "cpu":

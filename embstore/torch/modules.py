@@ -110,7 +110,7 @@ class _StoreModule(nn.Module):
             self._staged = None
         else:
             plan = self.prepare_forward(*args)
-            self.fetch_forward(plan)
+        self.fetch_forward(plan)  # what a pipeline did not stage
         return run(self.store, plan, self.mode, train=self.training and torch.is_grad_enabled())
 
 

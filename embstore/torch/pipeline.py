@@ -1,17 +1,21 @@
-"""`TrainPipeline`: look up the next batches' rows while the current batch computes.
+"""`TrainPipeline`: fetch the next batches' rows while the current batch computes.
 
-A background thread walks the batches ahead of the training loop: for each one it checks the
-sparse inputs, groups their ids and looks up the distinct rows in the store (on a GPU: into
-pinned host memory, then onto the device on a side CUDA stream), up to `depth` batches ahead.
-The loop gets the same batch objects in order, and each module's forward on the very
-arguments that were staged uses the staged rows instead of asking the store.
+A background thread walks the batches ahead of the training loop, up to `depth` batches
+ahead: for each one it checks the sparse inputs, groups their ids, and brings the distinct
+rows the store's DRAM tier lacks up from the slower tiers (`EmbeddingStore.prefetch`). The
+loop gets the same batch objects in order, and each module's forward on the very arguments
+that were prepared skips the checks and reads its rows, now from DRAM.
 
-Exactness: rows staged for batch j were read before the updates of the steps before j had
-all been applied. Every update the modules apply is logged (a count, the table and the ids);
-when batch j's turn comes, the staged rows of every id updated since they were read are read
-again, so batch j sees exactly what the loop without the pipeline would see, bit for bit.
-The count is read before each lookup and bumped after each update, so an update that raced a
-lookup is refreshed rather than missed.
+On a GPU the thread also stages the rows themselves: looked up into pinned host memory, then
+copied onto the device on a side CUDA stream, so the forward finds them there. Staged rows
+were read before the updates of the steps before them had all been applied: every update the
+modules apply is logged (a count, the table and the ids), and when batch j's turn comes the
+staged rows of every id updated since they were read are read again, so batch j sees exactly
+what the loop without the pipeline would see, bit for bit. The count is read before each
+lookup and bumped after each update, so an update that raced a lookup is refreshed rather
+than missed. On the CPU nothing is staged (a DRAM read in the forward costs what a copy
+would) and exactness holds by construction: prefetching changes where rows are, not what
+they are.
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ class TrainPipeline(Generic[B]):
         inputs: ``inputs(batch) -> {module: args}``: for each embstore module the model will
             call on this batch, the arguments it will be called with (a tuple, or one object
             for a single argument), as the very objects the model passes.
-        depth: batches staged ahead of the one being trained (>= 1).
-        exact: refresh staged rows that earlier steps updated (default). False trains on rows
-            up to `depth` steps stale, which is cheaper and no longer bit-identical.
+        depth: batches prepared ahead of the one being trained (>= 1).
+        stage_rows: also stage the rows themselves (default: for modules on CUDA only).
+        exact: refresh staged rows that earlier steps updated (default). False trains on
+            staged rows up to `depth` steps stale, which is cheaper and no longer
+            bit-identical.
 
     Example::
 
@@ -61,11 +67,12 @@ class TrainPipeline(Generic[B]):
     """
 
     def __init__(self, batches: Iterable[B], inputs: Callable[[B], Mapping[Any, Any]], *,
-                 depth: int = 2, exact: bool = True) -> None:
+                 depth: int = 2, stage_rows: bool | None = None, exact: bool = True) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
         self._inputs = inputs
         self._exact = exact
+        self._stage_rows = stage_rows
         self._batches = iter(batches)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._slots = threading.Semaphore(depth + 1)  # the batch in training + depth ahead
@@ -121,7 +128,12 @@ class TrainPipeline(Generic[B]):
         self._queue.put(_END)
 
     def _fetch(self, module: _StoreModule, plan: ForwardPlan, read_at: int) -> None:
+        for tp in plan.tables:
+            module.store.prefetch(tp.table, tp.groups.unique)
         device = module.device
+        stage = device.type == "cuda" if self._stage_rows is None else self._stage_rows
+        if not stage:
+            return
         if device.type != "cuda":
             module.fetch_forward(plan)
         else:
@@ -176,6 +188,8 @@ class TrainPipeline(Generic[B]):
             return
         for module, plan in staged:
             for tp in plan.tables:
+                if tp.rows is None:
+                    continue  # not staged: the forward reads the store itself
                 changed = [ids for _, store, table, ids in log
                            if store is module.store and table == tp.table]
                 if not changed:

@@ -59,7 +59,7 @@ def _store(path=None, tiers=None):
     return embstore.open(path, tables=specs, tiers=tiers)
 
 
-def _train(store, batches, *, depth=None, exact=True):
+def _train(store, batches, *, depth=None, exact=True, stage_rows=None):
     model = Model(store)
     opt = torch.optim.SGD(model.top.parameters(), lr=0.1)
 
@@ -74,7 +74,7 @@ def _train(store, batches, *, depth=None, exact=True):
             step(batch)
     else:
         with et.TrainPipeline(batches, inputs=lambda b: {model.ebc: b.sparse}, depth=depth,
-                              exact=exact) as pipe:
+                              exact=exact, stage_rows=stage_rows) as pipe:
             seen = []
             for batch in pipe:
                 step(batch)
@@ -93,29 +93,53 @@ def _assert_identical(a, b):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("stage_rows", [False, True], ids=["prefetch", "staged"])
 @pytest.mark.parametrize("depth", [1, 2, 4])
-def test_pipeline_is_bit_identical_to_the_plain_loop(depth):
+def test_pipeline_is_bit_identical_to_the_plain_loop(depth, stage_rows):
     batches = _batches(12)
     plain = _train(_store(), batches)
-    piped = _train(_store(), batches, depth=depth)
+    piped = _train(_store(), batches, depth=depth, stage_rows=stage_rows)
     _assert_identical(plain, piped)
 
 
-def test_pipeline_over_a_small_cache_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("stage_rows", [False, True], ids=["prefetch", "staged"])
+def test_pipeline_over_a_small_cache_is_bit_identical(tmp_path, stage_rows):
     batches = _batches(10, seed=3)
     tiers = [embstore.TierSpec("dram", capacity=30), embstore.TierSpec("rocksdb")]
     with _store(tmp_path / "a", tiers) as s:
         plain = _train(s, batches)
     with _store(tmp_path / "b", tiers) as s:
-        piped = _train(s, batches, depth=3)
+        piped = _train(s, batches, depth=3, stage_rows=stage_rows)
+        # the pipeline moved rows up ahead of their lookups
+        assert s.tier_statistics("t")[0].promotions > 0
     _assert_identical(plain, piped)
 
 
-def test_without_refresh_the_rows_are_stale():
+def test_prefetch_makes_the_forward_hit_the_dram_tier(tmp_path):
+    tiers = [embstore.TierSpec("dram", capacity=500), embstore.TierSpec("rocksdb")]
+    with _store(tmp_path / "s", tiers) as store:
+        batches = _batches(6, overlap=0.0)
+        for t in ("t", "u"):  # every row stored below, none cached
+            store.update(t, np.arange(ROWS), np.zeros((ROWS, 8), np.float32))
+        store.flush()
+        store.close()
+    with embstore.open(tmp_path / "s") as store:
+        model = Model(store)
+        before = store.tier_statistics("t")[0]
+        with et.TrainPipeline(batches, inputs=lambda b: {model.ebc: b.sparse}, depth=6) as pipe:
+            for batch in pipe:
+                model(batch)
+        after = store.tier_statistics("t")[0]
+        # the forwards' lookups all hit: the pipeline's prefetches had brought every row up
+        assert after.lookups > before.lookups
+        assert after.hits - before.hits == after.lookups - before.lookups
+
+
+def test_without_refresh_the_staged_rows_are_stale():
     # the check above has teeth: skipping the refresh of updated rows changes the result
     batches = _batches(8)
     plain = _train(_store(), batches)
-    stale = _train(_store(), batches, depth=2, exact=False)
+    stale = _train(_store(), batches, depth=2, exact=False, stage_rows=True)
     assert not np.array_equal(plain[0]["t"][0], stale[0]["t"][0])
 
 
