@@ -301,8 +301,8 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
                             if step % 5 == 0:
                                 rate = len(losses) * args.batch_size / (
                                     train_s + time.perf_counter() - t0)
-                                bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}",
-                                                samples_s=f"{rate:,.0f}")
+                                bar.set_postfix_str(f"loss {np.mean(losses[-20:]):.4f}, "
+                                                    f"{rate:,.0f} samples/s")
                 finally:
                     if pipe is not None:
                         pipe.__exit__(*sys.exc_info())
