@@ -173,9 +173,11 @@ class TableChain:
         return rows, found
 
     def prefetch(self, ids: np.ndarray) -> int:
-        """Bring the rows of `ids` that the top tier lacks up from the tiers below, as a read
-        would; returns how many were missing. Values are unchanged, so a prefetch ahead of a
-        lookup makes it cheaper and never different."""
+        """Bring the rows of `ids` that the top tier lacks up from the tiers below.
+
+        They move as a read would move them; returns how many were missing. Values are
+        unchanged, so a prefetch ahead of a lookup makes it cheaper and never different.
+        """
         if len(self.tiers) == 1:
             return 0
         u = IdGroups(np.ascontiguousarray(ids)).unique
@@ -185,8 +187,11 @@ class TableChain:
         return len(missing)
 
     def _read_below(self, u: np.ndarray, now: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of distinct `u`, absent from the top tier, from the tiers below (zeros where
-        stored nowhere) and the level each was found at (-1: nowhere); promotes them."""
+        """Read distinct `u`, absent from the top tier, from the tiers below; promote them.
+
+        Returns their rows (zeros where stored nowhere) and the level each was found at
+        (-1: nowhere).
+        """
         level_of = np.full(len(u), -1, dtype=np.int64)
         remaining = np.arange(len(u))
         if self._absent is not None:
@@ -355,8 +360,10 @@ class TableChain:
         tier.counters["writebacks"] += len(ids)
 
     def bulk_load(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Write full rows of distinct `ids` straight into the store of record, replacing any
-        cached copy (clean or dirty) in the tiers above; durable when it returns."""
+        """Write full rows of distinct `ids` straight into the store of record.
+
+        Any cached copy (clean or dirty) in the tiers above is dropped; durable on return.
+        """
         self._absent = None
         for tier in self.tiers[:-1]:
             held = np.ascontiguousarray(ids[tier.backend.contains(ids)])

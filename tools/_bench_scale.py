@@ -82,8 +82,10 @@ class _PeakRSS:
 
 
 def _zipf_ids(rng: np.random.Generator, n_rows: int, a: float, size: int) -> np.ndarray:
-    """Ids whose ranks follow a bounded Zipf(a) law (continuous inverse CDF: no per-row table,
-    so it costs nothing at 100M rows), scattered over the int64 range like hashed ids."""
+    """Draw ids whose ranks follow a bounded Zipf(a) law, scattered like hashed ids.
+
+    A continuous inverse CDF: no per-row table, so it costs nothing at 100M rows.
+    """
     u = rng.random(size)
     if abs(a - 1.0) < 1e-9:
         ranks = np.exp(u * np.log(n_rows + 1.0)) - 1.0

@@ -130,8 +130,10 @@ def fetch(store: EmbeddingStore, plan: ForwardPlan, device: torch.device) -> Non
 
 def _pool(rows: torch.Tensor, inverse: torch.Tensor, fp: FeaturePlan, mode: str,
           padding: int | None) -> tuple[torch.Tensor, ...]:
-    """torch.embedding_bag over the distinct rows: (pooled [B, dim], offset2bag, bag_size,
-    max_indices)."""
+    """Pool one feature with torch.embedding_bag over the distinct rows.
+
+    Returns (pooled [B, dim], offset2bag, bag_size, max_indices), as torch gives them.
+    """
     n = len(fp.bags.ids)
     inv = inverse[fp.start: fp.start + n]
     offsets = torch.from_numpy(fp.bags.offsets).to(rows.device)
@@ -151,7 +153,8 @@ def _unpooled(rows: torch.Tensor, inverse: torch.Tensor, fp: FeaturePlan,
 
 def _forward_outputs(tp: TablePlan, mode: str) -> tuple[list[torch.Tensor], list[Any]]:
     assert tp.rows is not None and tp.inverse is not None
-    outs, saved = [], []
+    outs: list[torch.Tensor] = []
+    saved: list[Any] = []
     for fp in tp.features:
         if mode == "none":
             outs.append(_unpooled(tp.rows, tp.inverse, fp, tp.padding))
@@ -196,8 +199,10 @@ def _position_grads(tp: TablePlan, fp: FeaturePlan, mode: str, grad: torch.Tenso
 
 def _summed_bag_grads(tp: TablePlan, mode: str, grads: Sequence[torch.Tensor],
                       saved: list[Any]) -> np.ndarray:
-    """Per distinct row [U, dim]: the positions' gradients of every feature, summed in
-    position order by one C pass (equal bit for bit to `_position_grads` then `sum_rows`)."""
+    """Sum the positions' gradients of every feature per distinct row: [U, dim].
+
+    One C pass in position order, equal bit for bit to `_position_grads` then `sum_rows`.
+    """
     dim = grads[0].shape[1]
     out = np.zeros((len(tp.groups.unique), dim), dtype=np.float32)
     skip = -1 if tp.padding is None else tp.padding
@@ -340,7 +345,8 @@ def run(store: EmbeddingStore, plan: ForwardPlan, mode: str, *, train: bool
         if train:
             weights = [fp.bags.per_sample_weights for fp in tp.features
                        if fp.bags.per_sample_weights is not None]
-            results = _TableFunction.apply(_TRIGGER, store, tp, mode, *weights)
+            results = _TableFunction.apply(  # type: ignore[no-untyped-call]
+                _TRIGGER, store, tp, mode, *weights)
         else:
             results, _ = _forward_outputs(tp, mode)
         for fp, out in zip(tp.features, results, strict=True):

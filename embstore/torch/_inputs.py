@@ -129,6 +129,10 @@ def bag_input(input: object, offsets: object, per_sample_weights: object, *, mod
         input: LongTensor [N] with `offsets`, or [B, L] (B bags of L ids) without.
         offsets: LongTensor [B] (or [B + 1] with `include_last_offset`), or None.
         per_sample_weights: tensor shaped like `input`, "sum" mode only, or None.
+        mode: the pooling mode ("sum", "mean", "max").
+        include_last_offset: `offsets` ends with the input's length.
+        device: the module's device; every tensor must be on it.
+        dtype: the table's dtype, which per_sample_weights must have.
 
     Raises:
         InvalidIdsError: float ids, a wrong shape, bad offsets.

@@ -86,7 +86,8 @@ class _StoreModule(nn.Module):
     @property
     def device(self) -> torch.device:
         """The device outputs are on (follows ``module.to(device)``)."""
-        return self._anchor.device
+        anchor: torch.Tensor = self.get_buffer("_anchor")
+        return anchor.device
 
     def _features(self, args: tuple[Any, ...]) -> list[tuple[str, str, BagInput]]:
         """(feature, table, bags) of each output, in output order; checks the arguments."""
@@ -176,6 +177,7 @@ class EmbeddingBag(_StoreModule):
         return self._outputs((input, offsets, per_sample_weights))[0]
 
     def extra_repr(self) -> str:
+        """The table and shape, for print(module)."""
         return f"table={self.table!r}, embedding_dim={self.embedding_dim}, mode={self.mode!r}"
 
 
@@ -221,6 +223,7 @@ class Embedding(_StoreModule):
         return out.reshape(*input.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
+        """The table and shape, for print(module)."""
         return f"table={self.table!r}, embedding_dim={self.embedding_dim}"
 
 
@@ -357,4 +360,5 @@ class EmbeddingBagCollection(_StoreModule):
         return KeyedEmbeddings(self.feature_names, values, self.embedding_dims)
 
     def extra_repr(self) -> str:
+        """The table and shape, for print(module)."""
         return f"tables={self.tables}, mode={self.mode!r}"

@@ -24,7 +24,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import torch
@@ -138,14 +138,14 @@ class TrainPipeline(Generic[B]):
             module.fetch_forward(plan)
         else:
             if self._stream is None:
-                self._stream = torch.cuda.Stream(device)
+                self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             for tp in plan.tables:
                 rows = lookup_rows(module.store, tp.table, tp.groups.unique).pin_memory()
                 inverse = torch.from_numpy(tp.groups.inverse).pin_memory()
                 with torch.cuda.stream(self._stream):
                     tp.rows = rows.to(device, non_blocking=True)
                     tp.inverse = inverse.to(device, non_blocking=True)
-                    tp.ready = torch.cuda.Event()
+                    tp.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     tp.ready.record(self._stream)
                 tp.pinned = (rows, inverse)
         for tp in plan.tables:
@@ -175,7 +175,7 @@ class TrainPipeline(Generic[B]):
         for module, plan in staged:
             module.stage(plan)
             self._touched.add(module)
-        return batch
+        return cast(B, batch)
 
     def _refresh(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int) -> None:
         """Read again the staged rows that updates since `read_at` have changed."""
