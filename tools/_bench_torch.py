@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="samples per step of the demo model (2048)")
     parser.add_argument("--demo-chunk", type=int, default=10,
                         help="demo steps per timed repeat (10)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of every contender (1: embstore's store work is "
+                             "single-threaded)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
 
@@ -79,13 +82,13 @@ def run(args: argparse.Namespace) -> int:
         args.rows, args.batch, args.repeats = 20_000, 256, 3
         args.demo_rows, args.demo_batch, args.demo_chunk = 5_000, 256, 3
     for name in ("rows", "dim", "bag", "batch", "repeats", "demo_rows", "demo_batch",
-                 "demo_chunk"):
+                 "demo_chunk", "threads"):
         if getattr(args, name) < 1:
             print(f"embstore bench torch: error: --{name.replace('_', '-')} must be at least 1")
             return 2
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    print("torch threads: 1 (every contender single-threaded)")
+    torch.set_num_threads(args.threads)
+    print(f"torch threads: {args.threads} (every contender)")
     try:
         rc = 0
         if "step" in parts:
@@ -151,12 +154,13 @@ def _step_part(args: argparse.Namespace, dists: list[str], torch: Any) -> int:
         stop = min(rows, start + chunk)
         store.update("t", store_ids(np.arange(start, stop)), weights[start:stop].numpy())
     ours = et.EmbeddingBag(store, "t", mode="sum")
-    ref = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, _weight=weights.clone())
-    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=LR, eps=EPS)
     tbe, why = _fbgemm(rows, dim)
     if tbe is not None:
         with torch.no_grad():
             tbe.split_embedding_weights()[0].copy_(weights)
+    # torch's module takes the loaded tensor itself (the others hold copies)
+    ref = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, _weight=weights)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=LR, eps=EPS)
     del weights
     print(f"step: loaded {rows:,} x {dim} float32 into embstore (DRAM tier), "
           f"torch.nn.EmbeddingBag{'' if tbe is None else ' and FBGEMM'} "
@@ -175,7 +179,7 @@ def _step_part(args: argparse.Namespace, dists: list[str], torch: Any) -> int:
             positions = [torch.from_numpy(rng.integers(0, rows, n_ids)) for _ in
                          range(args.repeats)]
         else:
-            from embstore.workload import ZipfIds
+            from ._benchutil import ZipfIds
 
             zipf = ZipfIds(rows, args.zipf, seed=args.seed + 1)
             # Zipf ranks map to row positions through a permutation, so hot rows are scattered
