@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -80,6 +81,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument("--json", action="store_true", help="print the final figures as JSON")
     p.set_defaults(func=run)
+
+
+class _StopAtStepBoundary:
+    """While active, a first Ctrl-C only asks the training loop to stop after the current step
+    (so the store and the dense part are saved at the same step); a second one aborts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> _StopAtStepBoundary:
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: Ctrl-C cannot reach the loop anyway
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def __bool__(self) -> bool:
+        return self.requested
 
 
 def _fail(message: str) -> int:
@@ -176,6 +205,10 @@ def _plot(file: str, history: dict[str, list], quiet: bool) -> str | None:
     fig.tight_layout()
     try:
         fig.savefig(file, dpi=100)
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped mid-step
+        print("embstore demo: aborted mid-step; a --path run may be left between steps",
+              file=sys.stderr)
+        return 130
     except OSError as exc:
         return f"could not write the plot to {file}: {exc.strerror or exc}"
     finally:
@@ -196,6 +229,10 @@ def run(args: argparse.Namespace) -> int:
     torch.use_deterministic_algorithms(True)
     try:
         return _run(args, torch, et)
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped mid-step
+        print("embstore demo: aborted mid-step; a --path run may be left between steps",
+              file=sys.stderr)
+        return 130
     except OSError as exc:  # an unwritable --path or --plot, a full disk: one line, no traceback
         return _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
     finally:
@@ -275,44 +312,44 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
         losses: list[float] = []
         train_s = 0.0
         step = step0
-        interrupted = False
+        stop_requested = _StopAtStepBoundary()
         try:
-            for stop in bounds:
-                batches = (stream.batch(k, args.batch_size) for k in range(step, stop))
-                t0 = time.perf_counter()
-                if args.no_pipeline:
-                    pipe = None
-                    it = batches
-                else:
-                    pipe = et.TrainPipeline(batches, inputs=lambda b: {ebc: b.sparse}, depth=2)
-                    it = pipe.__enter__()
-                try:
-                    for batch in it:
-                        loss = loss_fn(model(batch), batch.labels)
-                        opt.zero_grad()
-                        loss.backward()
-                        opt.step()
-                        value = float(loss.detach())
-                        losses.append(value)
-                        history["train"].append((step, value))
-                        step += 1
-                        if bar is not None:
-                            bar.update(1)
-                            if step % 5 == 0:
-                                rate = len(losses) * args.batch_size / (
-                                    train_s + time.perf_counter() - t0)
-                                bar.set_postfix_str(f"loss {np.mean(losses[-20:]):.4f}, "
-                                                    f"{rate:,.0f} samples/s")
-                finally:
-                    if pipe is not None:
-                        pipe.__exit__(*sys.exc_info())
-                train_s += time.perf_counter() - t0
-                history["eval"].append((step, *_evaluate(model, held_out)))
-        except KeyboardInterrupt:
-            interrupted = True
+            with stop_requested:
+                for stop in bounds:
+                    batches = (stream.batch(k, args.batch_size) for k in range(step, stop))
+                    t0 = time.perf_counter()
+                    pipe = None if args.no_pipeline else et.TrainPipeline(
+                        batches, inputs=lambda b: {ebc: b.sparse}, depth=2)
+                    try:
+                        for batch in batches if pipe is None else pipe:
+                            loss = loss_fn(model(batch), batch.labels)
+                            opt.zero_grad()
+                            loss.backward()
+                            opt.step()
+                            value = float(loss.detach())
+                            losses.append(value)
+                            history["train"].append((step, value))
+                            step += 1
+                            if bar is not None:
+                                bar.update(1)
+                                if step % 5 == 0:
+                                    rate = len(losses) * args.batch_size / (
+                                        train_s + time.perf_counter() - t0)
+                                    bar.set_postfix_str(f"loss {np.mean(losses[-20:]):.4f}, "
+                                                        f"{rate:,.0f} samples/s")
+                            if stop_requested:
+                                break
+                    finally:
+                        if pipe is not None:
+                            pipe.close()
+                    train_s += time.perf_counter() - t0
+                    history["eval"].append((step, *_evaluate(model, held_out)))
+                    if stop_requested:
+                        break
         finally:
             if bar is not None:
                 bar.close()
+        interrupted = bool(stop_requested)
         trained = step - step0
         tiers = _tier_report(store)
         store.flush()
@@ -344,7 +381,8 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
         print(json.dumps(figures), file=out)
     else:
         if interrupted:
-            print(f"interrupted at step {step:,}; the run so far is saved", file=out)
+            print(f"stopped at step {step:,} after Ctrl-C"
+                  + ("; the run so far is saved" if tmp is None else ""), file=out)
         if losses:
             print(f"loss (mean of {window} batches): start {figures['loss_start']:.4f}  "
                   f"end {figures['loss_end']:.4f}", file=out)
