@@ -42,6 +42,7 @@ from embstore.errors import (
     StoreLockedError,
     StoreNotFoundError,
 )
+from embstore.manifest import fsync_dir
 
 from ._keys import (
     CRC_OFFSET,
@@ -135,6 +136,7 @@ class LMDBBackend(KeyValueBackend):
             raise StoreNotFoundError(
                 f"no LMDB environment in {self._dir}; open it for writing first to create it"
             )
+        created_before = self._file.exists()
         try:
             env = lmdb.open(str(self._dir), map_size=s["map_size_bytes"], subdir=True,
                             readonly=self.spec.read_only, create=not self.spec.read_only,
@@ -143,6 +145,9 @@ class LMDBBackend(KeyValueBackend):
                             readahead=s["readahead"], lock=True)
         except lmdb.Error as exc:
             _fail(exc, f"opening LMDB environment {self._dir}")
+        if not self.spec.read_only and not created_before:
+            # the new data file's directory entry must survive a power cut like its pages
+            fsync_dir(self._dir)
         # Reader slots of dead processes pin old pages and would stop the file from reusing them.
         self._stale_readers_cleared = env.reader_check()
         return env

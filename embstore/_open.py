@@ -13,7 +13,7 @@ from .errors import (
     StoreLockedError,
     StoreNotFoundError,
 )
-from .manifest import MANIFEST_NAME, read_manifest, write_manifest
+from .manifest import MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 from .store import DEFAULT_TIERS, LOCK_NAME, EmbeddingStore
 
@@ -30,6 +30,21 @@ def _lock(path: Path, read_only: bool) -> int:
             f"{path} is open in another process or handle; close that store first"
         ) from None
     return fd
+
+
+def _make_dirs(directory: Path) -> None:
+    """Create `directory` and its missing parents, syncing the parent of each one created.
+
+    So the store's directory entry survives a power cut once its first flush is done.
+    """
+    missing = []
+    d = directory
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        fsync_dir(d.parent)
 
 
 def _check_unique(specs: list[TableSpec]) -> None:
@@ -87,7 +102,7 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
                 "choose an empty or new directory"
             )
         before = set(directory.iterdir()) if directory.exists() else None
-        directory.mkdir(parents=True, exist_ok=True)
+        _make_dirs(directory)
     lock_fd = _lock(directory, read_only)
     try:
         if exists:
