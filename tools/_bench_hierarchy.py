@@ -7,8 +7,15 @@ Part 2 (end to end): the calibrated synthetic trace (embstore.traces, profile 20
 up and trained (row-wise Adagrad) batch after batch through a DRAM tier holding a tenth of the
 distinct ids, over a rocksdb and over a pmem bottom tier. Its throughput is compared with
 (a) the same work on a DRAM-only store, and (b) the limit that the raw speeds of the two tiers
-allow for the hits and misses observed: DRAM-only time for the same work plus the time the raw
-bottom-tier backend takes to replay exactly the batched reads and writes that reached it.
+allow for the hits and misses observed, from the time the raw bottom-tier backend takes to
+replay exactly the batched reads and writes that reached it, in two forms:
+
+- serial: DRAM-only time + the replay's reads + its writes, the limit of a chain that does
+  everything on one thread;
+- overlapped: max(DRAM-only time + reads, writes). Write-backs into the bottom run on a second
+  thread beside the main one, so the serial sum is no longer a bound: a chain can beat it.
+  The reads stay on the main thread (a lookup waits for its misses). This is the limit with
+  perfect overlap on two cores, the figure to compare against.
 """
 
 from __future__ import annotations
@@ -149,9 +156,13 @@ def _train(args: argparse.Namespace, path: Path | None,
     return seconds, stats
 
 
-def _replay_seconds(backend: str, path: Path, log_file: Path, width: int) -> float:
-    """Seconds the raw backend takes for exactly the reads and writes of a saved log, from
-    empty: the bottom tier's share of the limit, with its access pattern and background work."""
+def _replay_seconds(backend: str, path: Path, log_file: Path,
+                    width: int) -> tuple[float, float]:
+    """Time the raw backend replaying exactly the reads and writes of a saved log, from empty.
+
+    Returns the seconds spent in reads and in writes: the bottom tier's share of the limit,
+    with its access pattern and background work.
+    """
     from embstore.backend import BackendSpec
 
     saved = np.load(log_file)
@@ -160,15 +171,17 @@ def _replay_seconds(backend: str, path: Path, log_file: Path, width: int) -> flo
     cls = registry.load_backend(backend)
     rows = np.random.default_rng(1).standard_normal(
         (max((len(ids) for ids in log), default=0), width)).astype(np.float32)
+    spent = [0.0, 0.0]  # reads, writes
     with cls.open(BackendSpec(path=path, dim=width, table="t")) as b:
         _quiesce()
-        t0 = time.perf_counter()
         for is_put, ids in zip(ops, log, strict=True):
+            t0 = time.perf_counter()
             if is_put:
                 b.put(ids, rows[: len(ids)])
             else:
                 b.get(ids)
-        return time.perf_counter() - t0
+            spent[bool(is_put)] += time.perf_counter() - t0
+    return spent[0], spent[1]
 
 
 def end_to_end(args: argparse.Namespace, root: Path) -> None:
@@ -178,7 +191,7 @@ def end_to_end(args: argparse.Namespace, root: Path) -> None:
     n_ids = sum(len(b) for b in trace)
     bottoms = [b for b in args.bottoms.split(",") if b in registry.available_backend_names()]
     best: dict[str, float] = {}  # seconds of training, per contender
-    best_replay: dict[str, float] = {}  # seconds of the raw bottom replay, per bottom
+    best_replay: dict[str, tuple[float, float]] = {}  # raw replay (reads, writes), per bottom
     stats: dict[str, list[Any]] = {}
     for r in range(args.e2e_repeats):  # contenders in turn, so noise hits all alike
         for name in ["dram-only", *bottoms]:
@@ -189,29 +202,34 @@ def end_to_end(args: argparse.Namespace, root: Path) -> None:
             if path is not None:
                 replay = _in_fresh_process(_replay_seconds, name, root / f"replay-{name}-{r}",
                                            path.with_suffix(".log.npz"), _spec().row_width)
-                best_replay[name] = min(replay, best_replay.get(name, replay))
+                best_replay[name] = min(replay, best_replay.get(name, replay), key=sum)
     print(f"end to end: {len(trace)} batches of {args.batch:,} ids from the calibrated trace "
           f"(profile 2021), {distinct:,} distinct ids x {DIM}; DRAM tier {cache_rows:,} rows "
           f"({args.eviction}, admission {args.admission}); lookup + row-wise Adagrad step per "
           f"batch; each run in a fresh process, best of {args.e2e_repeats}")
     t_dram = best["dram-only"]
-    rows = [("all in DRAM (dram-only store) [baseline]", n_ids / t_dram, 1.0, float("nan"))]
+    rows = [("all in DRAM (dram-only store) [baseline]", n_ids / t_dram, 1.0, float("nan"),
+             float("nan"))]
     for bottom in args.bottoms.split(","):
         if bottom not in bottoms:
             print(f"  ({bottom}: unavailable, skipped)")
             continue
         top, low = stats[bottom]
-        t_bottom = best_replay[bottom]
+        t_reads, t_writes = best_replay[bottom]
         print(f"  {bottom}: DRAM tier hit ratio {top.hits / top.lookups:.1%} "
               f"({top.misses:,} misses, {low.lookups:,} distinct reads below, "
               f"{top.writebacks:,} write-backs); the raw {bottom} backend replays those "
-              f"batched reads and writes in {t_bottom:.2f} s")
+              f"batched reads in {t_reads:.2f} s and writes in {t_writes:.2f} s")
         t = best[bottom]
-        rows.append((f"dram cache over {bottom}", n_ids / t, t_dram / t, (t_dram + t_bottom) / t))
-    print(f"  {'contender':<44}{'ids/s':>12}{'vs DRAM':>9}{'vs limit':>10}")
-    for name, rate, vs_dram, vs_limit in rows:
-        lim = "" if np.isnan(vs_limit) else f"{vs_limit:>9.2f}x"
-        print(f"  {name:<44}{rate:>12,.0f}{vs_dram:>8.2f}x{lim}")
+        serial = t_dram + t_reads + t_writes
+        overlapped = max(t_dram + t_reads, t_writes)
+        rows.append((f"dram cache over {bottom}", n_ids / t, t_dram / t, serial / t,
+                     overlapped / t))
+    print(f"  {'contender':<44}{'ids/s':>12}{'vs DRAM':>9}{'vs serial limit':>17}"
+          f"{'vs overlapped limit':>21}")
+    for name, rate, vs_dram, vs_serial, vs_overlap in rows:
+        lims = "" if np.isnan(vs_serial) else f"{vs_serial:>16.2f}x{vs_overlap:>20.2f}x"
+        print(f"  {name:<44}{rate:>12,.0f}{vs_dram:>8.2f}x{lims}")
 
 
 def run(args: argparse.Namespace) -> int:
