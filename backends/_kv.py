@@ -86,19 +86,8 @@ class KeyValueBackend(Backend):
                 return
             after = keys[-1]
 
-    def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield (ids, rows) batches in id order, every stored row once.
-
-        Raises:
-            StoreClosedError: after close().
-            CorruptStoreError: the medium or a row failed its checksum (never an early end).
-        """
-        self._check_open()
-        if batch_rows < 1:
-            raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
-        return self._items(batch_rows)
-
     def _items(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        # in id order, one page per batch
         for keys, vals in self._scan(batch_rows, values=True):
             ids = decode_keys(keys)
             rows = decode_values(ids, vals, self._rec, table=self.spec.table,

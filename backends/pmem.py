@@ -578,10 +578,8 @@ class PmemBackend(Backend):
             self._index.remove(np.ascontiguousarray(ids[present]))
         return present
 
-    def contains(self, ids: np.ndarray) -> np.ndarray:
-        # docstring inherited
-        self._check_open()
-        return self._index.find(self._check_ids(ids)) >= 0
+    def _contains(self, ids: np.ndarray) -> np.ndarray:
+        return self._index.find(ids) >= 0
 
     def _ids(self) -> np.ndarray:
         return self._index.ids()

@@ -115,7 +115,7 @@ class Tier:
 
     def statistics(self) -> TierStatistics:
         """A snapshot of this tier's counters and size."""
-        return TierStatistics(level=self.level, backend=self.backend.name,
+        return TierStatistics(level=self.level, backend=self.spec.backend,
                               rows=len(self.backend), bytes=self.backend.nbytes(),
                               capacity_rows=self.capacity_rows, **self.counters)
 
@@ -146,7 +146,8 @@ class TableChain:
         bottom = tiers[-1]
         if background_writes and len(tiers) > 1 and bottom.eviction is None:
             self._writer = BackgroundWriter(bottom.backend)
-            bottom.backend = DrainedBackend(bottom.backend, self._writer)  # type: ignore
+            bottom.backend = DrainedBackend(bottom.backend, self._writer)
+            bottom.slotted = False  # the view has no slot methods; the bottom keeps no dirty bits
         self._clock = 0  # logical time: one tick per batch, so policies replay identically
         # ids the latest read found in no tier; any write forgets them. A training step reads
         # a batch twice (lookup, then apply_gradients), and never-seen ids would otherwise
@@ -396,17 +397,9 @@ class TableChain:
     def close(self) -> None:
         """Close every backend (without flushing caches: call flush first to keep writes)."""
         errors = []
-        if self._writer is not None:
-            try:
-                self._writer.close()  # queued write-backs first: they are the bottom's rows
-            except Exception as exc:
-                errors.append(exc)
         for tier in self.tiers:
-            backend = tier.backend
-            if isinstance(backend, DrainedBackend):
-                backend = backend.wrapped
             try:
-                backend.close()
+                tier.backend.close()  # the drained view applies its queue first
             except Exception as exc:  # close the rest, then report the first failure
                 errors.append(exc)
         if errors:

@@ -17,14 +17,11 @@ import numpy as np
 from embstore._kernels._policy_kernels import ffi as _ffi
 from embstore._kernels._policy_kernels import lib as _kernels
 from embstore.index import IdIndex, _ptr
-from embstore.policy import EvictionPolicy
+from embstore.policy import EvictionPolicy, as_ids
 
 __all__: list[str] = []
 
 
-def as_ids(ids: np.ndarray) -> np.ndarray:
-    """`ids` as a C-contiguous int64 array (the index kernels need one)."""
-    return np.ascontiguousarray(ids, dtype=np.int64)
 
 
 def slots_by_id(ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -354,8 +351,7 @@ class TrackedEviction(EvictionPolicy):
         """Track ids in the slots of `index`, the tier backend's own (see `Tracked`)."""
         self._t.share_index(index)
 
-    def record_access(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
+    def _record_access(self, ids: np.ndarray, now: float) -> None:
         if not self.reads_matter:
             return
         slots = self._t.find(ids)
@@ -390,8 +386,7 @@ class TrackedEviction(EvictionPolicy):
         victims = self.choose_victims(n, now)
         return victims, self._t.index.find(victims)
 
-    def record_remove(self, ids: np.ndarray) -> None:
-        # docstring inherited
+    def _record_remove(self, ids: np.ndarray) -> None:
         self._t.remove(ids)
 
     def _access(self, slots: np.ndarray, now: float) -> None:
