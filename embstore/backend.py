@@ -295,7 +295,9 @@ class Backend(ABC):
         for start in range(0, len(all_ids), batch_rows):
             self._check_open()
             chunk = all_ids[start : start + batch_rows]
-            rows, _ = self._get(chunk)
+            rows, found = self._get(chunk)
+            if not found.all():  # deleted since the ids were listed
+                chunk, rows = chunk[found], rows[found]
             yield chunk, rows
 
 

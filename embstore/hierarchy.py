@@ -20,8 +20,8 @@ crash the store of record alone defines the table.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -381,12 +381,24 @@ class TableChain:
             tier.backend.flush()
 
     def __len__(self) -> int:
-        """Number of stored rows (dirty cache rows are written back first)."""
-        self.write_back_all()
-        return len(self.tiers[-1].backend)
+        """Number of stored rows: the store of record's, plus dirty cache rows it lacks.
 
-    def items(self, batch_rows: int = 65536) -> Any:
-        """(ids, full rows) batches over every stored row, after writing back dirty rows."""
+        Changes nothing (no write-back): a clean cache row is always also below.
+        """
+        dirty = [tier.dirty.items()[0] for tier in self.tiers[:-1] if tier.dirty is not None]
+        bottom = self.tiers[-1].backend
+        n = len(bottom)
+        if dirty:
+            ids = np.unique(np.concatenate(dirty))
+            if len(ids):
+                n += int(len(ids) - np.count_nonzero(bottom.contains(ids)))
+        return n
+
+    def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(ids, full rows) pages over every stored row, after writing back dirty rows.
+
+        The pages are read from the store of record when the caller asks for them.
+        """
         self.write_back_all()
         return self.tiers[-1].backend.items(batch_rows)
 
