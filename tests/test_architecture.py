@@ -1,9 +1,11 @@
-"""Architecture: the package's import graph has no cycle."""
+"""Architecture: the package's import graph has no cycle, and the core holds no tool code."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import embstore
 
 ROOT = Path(__file__).resolve().parent.parent
 # the folders setup.cfg maps under the one import name `embstore`
@@ -91,3 +93,8 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
+
+
+def test_the_core_package_holds_no_tool_code() -> None:
+    core = {p.stem for p in Path(embstore.__file__).parent.glob("*.py")}
+    assert not core & {"simulate", "traces", "workload"}

@@ -3,7 +3,7 @@
 Part 1 (hit path): every id of a batch is in the DRAM tier of a DRAM-over-rocksdb chain; its
 lookups are timed against the same lookups on a DRAM-only store, per eviction policy.
 
-Part 2 (end to end): the calibrated synthetic trace (embstore.traces, profile 2021) is looked
+Part 2 (end to end): the calibrated synthetic trace (embstore.tools.traces, profile 2021) is looked
 up and trained (row-wise Adagrad) batch after batch through a DRAM tier holding a tenth of the
 distinct ids, over a rocksdb and over a pmem bottom tier. Its throughput is compared with
 (a) the same work on a DRAM-only store, and (b) the limit that the raw speeds of the two tiers
@@ -26,8 +26,8 @@ import numpy as np
 
 import embstore
 from embstore import TableSpec, TierSpec, registry
-from embstore.traces import synthesize
-from embstore.workload import ZipfIds
+from embstore.tools.traces import synthesize
+from embstore.tools.workload import ZipfIds
 
 from ._benchutil import interleaved_medians, print_table
 

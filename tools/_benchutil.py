@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 
 import embstore
-from embstore.workload import ZipfIds
+from embstore.tools.workload import ZipfIds
 
 
 def add_size_arguments(parser: argparse.ArgumentParser, *, rows: int, dim: int = 64,

@@ -17,7 +17,7 @@ import numpy as np
 
 import embstore
 from embstore import TableSpec, TierSpec
-from embstore.workload import ZipfIds
+from embstore.tools.workload import ZipfIds
 
 __all__ = ["register", "run"]
 
