@@ -267,10 +267,14 @@ def test_step_does_not_write_caller_gradients(opt, batches) -> None:
 
 @pytest.mark.parametrize("opt", CASES, ids=repr)
 def test_step_on_an_empty_batch_changes_nothing(opt) -> None:
-    width = opt.state_width(DIM)
-    payload = np.zeros((0, DIM + width), dtype=np.float32)
-    opt.step(payload[:, :DIM], payload[:, DIM:], np.zeros((0, DIM), dtype=np.float32))
-    assert payload.shape == (0, DIM + width)
+    with embstore.open(None, tables=[embstore.TableSpec("t", dim=DIM, optimizer=opt)]) as store:
+        ids = np.arange(5, dtype=np.int64)
+        store.apply_gradients("t", ids, np.ones((5, DIM), dtype=np.float32))
+        weights, state = store.lookup("t", ids), store.lookup_state("t", ids)
+        store.apply_gradients("t", np.zeros(0, np.int64), np.zeros((0, DIM), np.float32))
+        assert store.num_rows("t") == 5
+        np.testing.assert_array_equal(store.lookup("t", ids), weights)
+        np.testing.assert_array_equal(store.lookup_state("t", ids), state)
 
 
 def test_adam_step_count_is_exact_and_saturates_at_2_pow_24_like_torch() -> None:
