@@ -83,8 +83,9 @@ def build_chain(spec: TableSpec, default_tiers: Sequence[TierSpec], root: Path |
 
 
 def make_policy(name: str | None, options: dict[str, Any], family: type[Any]) -> Any:
-    """The registered policy `name` of `family` (EvictionPolicy or AdmissionPolicy) built with
-    `options`, or None for no name.
+    """Build the registered policy `name` of `family` with `options`.
+
+    `family` is EvictionPolicy or AdmissionPolicy; returns None for no name.
 
     Raises:
         UnknownNameError: no policy of that name.

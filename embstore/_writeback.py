@@ -45,8 +45,10 @@ class BackgroundWriter:
         self._closed = False
 
     def submit(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Queue a write of distinct `ids`; raises (keeping it queued) while an earlier failed
-        write still fails."""
+        """Queue a write of distinct `ids`.
+
+        Raises (keeping it queued) while an earlier failed write still fails.
+        """
         with self._cond:
             self._jobs.append((ids, rows))
             if self._error is None:
@@ -111,8 +113,9 @@ class BackgroundWriter:
 
 @final
 class DrainedBackend(Backend):
-    """The bottom backend as the rest of the store sees it while a `BackgroundWriter` writes
-    to it: a `Backend` whose every use waits for the queued writes first.
+    """The bottom backend as the rest of the store sees it while a `BackgroundWriter` writes.
+
+    A `Backend` whose every use waits for the queued writes first.
 
     `wrapped` is the backend itself, for the writer and for instrumentation. Closing the view
     applies what is queued, stops the writer, then closes `wrapped` (also when a write fails:

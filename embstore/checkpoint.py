@@ -80,8 +80,10 @@ def _read_tombstones(file: Path) -> np.ndarray:
 
 @dataclass
 class CopyState:
-    """The checkpoint being copied: which ids are copied or saved already, and the saved T0
-    values (pre-images) of rows written before the copier reached them.
+    """The checkpoint being copied, and the T0 values it saved.
+
+    It knows which ids are copied or saved already, and holds the T0 values (pre-images) of
+    rows written before the copier reached them.
 
     Args:
         scope: per table, the ids the checkpoint covers (an incremental one: the ids changed
@@ -111,8 +113,11 @@ class CopyState:
         self.saved.setdefault(table, []).append((ids, rows, found))
 
     def take(self, table: str, ids: np.ndarray) -> np.ndarray:
-        """bool[N]: which of a page's distinct `ids` still hold their T0 value in the store of
-        record (neither copied nor saved yet); marks those copied."""
+        """Mark a page's ids copied; returns which still held their T0 value.
+
+        bool[N]: which of the page's distinct `ids` were neither copied nor saved yet (their value
+        in the store of record is T0's).
+        """
         done = self.done.setdefault(table, IdIndex())
         fresh = done.find(ids) < 0
         done.add(np.ascontiguousarray(ids[fresh]))
@@ -159,8 +164,10 @@ class CheckpointSource(Protocol):
 
     def checkpoint_pages(self, table: str, batch_rows: int
                          ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """Yield (ids scanned, ids, rows, found) pages of T0 rows still in the store of record,
-        taking the store's lock only while it reads one page."""
+        """Yield (ids scanned, ids, rows, found) pages of T0 rows in the store of record.
+
+        The store's lock is taken only while one page is read.
+        """
 
     def checkpoint_preimages(self, table: str
                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -243,8 +250,9 @@ def checkpoint_chain(src: Path) -> list[tuple[Path, dict[str, Any]]]:
 
 
 def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
-    """Materialise the checkpoint `src` (full, or the newest of a chain of incrementals) as a
-    new store at `dest`.
+    """Materialise the checkpoint `src` as a new store at `dest`.
+
+    `src` is a full checkpoint, or the newest of a chain of incrementals.
 
     Raises:
         StoreExistsError: `dest` exists.
@@ -282,7 +290,7 @@ def _bottom_backend(root: Path, spec: TableSpec, tiers: tuple[TierSpec, ...], re
                     ) -> Backend:
     """The store of record of table `spec` in the store or checkpoint at `root`."""
     ts = table_chain(spec, tiers)[-1]
-    cls = registry.load_backend(ts.backend)
+    cls: type[Backend] = registry.load_backend(ts.backend)
     return cls.open(BackendSpec(path=bottom_dir(root, spec, tiers), dim=spec.row_width,
                                 dtype=spec.dtype, table=spec.name, read_only=read_only),
                     **ts.options)

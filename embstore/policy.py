@@ -100,8 +100,10 @@ class EvictionPolicy(Policy):
         return _NO_IDS.copy()
 
     def _advance(self, now: float) -> None:
-        """Bring time-dependent state to `now`. Note for implementers: the default does
-        nothing."""
+        """Bring time-dependent state to `now`.
+
+        Note for implementers: the default does nothing.
+        """
 
     @abstractmethod
     def _record_access(self, ids: np.ndarray, now: float) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ._build import build_chain
 from ._validate import as_ids, as_rows
+from .backend import Backend
 from .checkpoint import CheckpointPlan, CopyState, take_checkpoint
 from .errors import (
     ConfigError,
@@ -344,29 +345,34 @@ class EmbeddingStore:
             copy = self._copy
             assert copy is not None, "begin_checkpoint first"
             bottom = self._tables[table].chain.tiers[-1].backend
-            scope = None if copy.scope is None else copy.scope[table].items()[0]
-            pages = bottom.items(batch_rows) if scope is None else None
-        start = 0
+            if copy.scope is None:  # every stored row: a scan of the store of record
+                return self._scan_pages(table, copy, bottom.items(batch_rows))
+            return self._id_pages(table, copy, bottom, copy.scope[table].items()[0],
+                                  batch_rows)
+
+    def _scan_pages(self, table: str, copy: CopyState,
+                    pages: Iterator[tuple[np.ndarray, np.ndarray]]
+                    ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
         while True:
             with self._mutex:
                 self._check_open()
-                if pages is not None:
-                    page = next(pages, None)
-                    if page is None:
-                        return
-                    ids, rows = page
-                    fresh = copy.take(table, ids)
-                    found = np.ones(int(np.count_nonzero(fresh)), dtype=bool)
-                    out = (len(ids), ids[fresh], rows[fresh], found)
-                else:
-                    if start >= len(scope):
-                        return
-                    ids = scope[start:start + batch_rows]
-                    start += batch_rows
-                    ids = np.ascontiguousarray(ids[copy.take(table, ids)])
-                    rows, found = bottom.get(ids)
-                    out = (batch_rows, ids, rows, found)
-            yield out
+                page = next(pages, None)
+                if page is None:
+                    return
+                ids, rows = page
+                fresh = copy.take(table, ids)
+            yield (len(ids), ids[fresh], rows[fresh],
+                   np.ones(int(np.count_nonzero(fresh)), dtype=bool))
+
+    def _id_pages(self, table: str, copy: CopyState, bottom: Backend, scope: np.ndarray,
+                  batch_rows: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        for start in range(0, len(scope), batch_rows):
+            with self._mutex:
+                self._check_open()
+                ids = scope[start:start + batch_rows]
+                ids = np.ascontiguousarray(ids[copy.take(table, ids)])
+                rows, found = bottom.get(ids)
+            yield len(ids), ids, rows, found
 
     def checkpoint_preimages(self, table: str
                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -418,8 +424,11 @@ class EmbeddingStore:
                     for name, t in self._tables.items()}
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-serialisable description: path, default tiers, and per table its spec, rows,
-        and per tier the counters plus the medium's own facts (e.g. libpmem in use)."""
+        """A JSON-serialisable description of the store.
+
+        Path, default tiers, and per table its spec, rows, and per tier the counters plus the
+        medium's own facts (e.g. libpmem in use).
+        """
         with self._mutex:
             self._check_open()
             tables = {}

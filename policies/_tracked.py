@@ -132,8 +132,10 @@ class Tracked:
 
     def insert_at(self, ids: np.ndarray, slots: np.ndarray,
                   reset: tuple[str, ...] | None = None) -> None:
-        """Track distinct, untracked `ids` that the shared index holds at `slots`, resetting
-        the columns named in `reset` (all when None; the caller writes the others)."""
+        """Track distinct, untracked `ids` that the shared index holds at `slots`.
+
+        Resets the columns named in `reset` (all when None; the caller writes the others).
+        """
         if self._owns_index:
             raise RuntimeError("insert_at needs a shared index (see share_index)")
         self._grow(self.index.high_water)
@@ -210,8 +212,10 @@ class SlotLog:
 
     def touch(self, slots: np.ndarray, stamp: np.ndarray, alive: np.ndarray,
               time: np.ndarray | None = None, now: float = 0.0) -> None:
-        """Append each of `slots` (repeats allowed) once, in order of first occurrence, with
-        fresh stamps; sets `time[slot] = now` where `time` (float64) is given."""
+        """Append each of `slots` (repeats allowed) once, with fresh stamps.
+
+        In order of first occurrence; sets `time[slot] = now` where `time` (float64) is given.
+        """
         if not len(slots):
             return
         slots = np.ascontiguousarray(slots, dtype=np.int32)
@@ -284,9 +288,12 @@ class SlotLog:
 
     def clock_sweep(self, need: int, live: int, stamp: np.ndarray, alive: np.ndarray,
                     ref: np.ndarray) -> np.ndarray:
-        """CLOCK's hand from the head: up to `need` victims (int32 slots, their `alive` now
-        cleared); referenced entries passed have `ref` cleared and are re-appended. `live`:
-        the owner's tracked count, which bounds the re-appends."""
+        """Run CLOCK's hand from the head for up to `need` victims.
+
+        Returns int32 slots, their `alive` now cleared; referenced entries passed have `ref`
+        cleared and are re-appended. `live`: the owner's tracked count, which bounds the
+        re-appends.
+        """
         self.reserve(live, stamp, alive)
         out = np.empty(max(need, 0), dtype=np.int32)
         pos = self._positions()
@@ -393,8 +400,10 @@ class TrackedEviction(EvictionPolicy):
         """Note accesses of tracked `slots` (duplicates allowed)."""
 
     def _pop_oldest(self, log: SlotLog, n: int) -> np.ndarray:
-        """Untrack and return the `n` ids whose live entries in `log` (stamped in the
-        "stamp" column) are oldest."""
+        """Untrack and return the `n` ids whose live entries in `log` are oldest.
+
+        Entries are stamped in the "stamp" column.
+        """
         n = min(int(n), len(self))
         if n <= 0:
             return np.zeros(0, dtype=np.int64)

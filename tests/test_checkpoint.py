@@ -1,6 +1,7 @@
 """Checkpoints: full ones open as stores, chains of incrementals restore to the same tables,
 copies are consistent while other threads read and write, and a crash mid-checkpoint leaves
-the earlier ones intact."""
+the earlier ones intact.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The store's lock: held per page by `items` and by a checkpoint's copy, never between pages;
-`num_rows` changes nothing."""
+`num_rows` changes nothing.
+"""
 
 from __future__ import annotations
 

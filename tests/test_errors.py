@@ -1,5 +1,6 @@
 """Every error path of the public API: the right class from embstore.errors, a message that
-says what to do, and no change to the store."""
+says what to do, and no change to the store.
+"""
 
 from __future__ import annotations
 

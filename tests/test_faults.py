@@ -1,5 +1,6 @@
 """`embstore.testing.FaultyBackend`, and the background writer's failure, retry and shutdown
-paths driven by it."""
+paths driven by it.
+"""
 
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def test_shutdown_with_a_failing_write_raises_stops_the_thread_and_closes_the_me
 def test_write_backs_failing_at_every_call_in_turn_end_with_every_row() -> None:
     """Fault loop: fail the 1st put, then the 2nd, ... until a run has no fault; each run
     either succeeds or raises the injected error (a submit that raises keeps its batch), and
-    once the medium recovers it holds the rows of every batch submitted, last write winning."""
+    once the medium recovers it holds the rows of every batch submitted, last write winning.
+    """
     rng = np.random.default_rng(0)
     batches = [np.unique(rng.integers(0, 50, 20)) for _ in range(8)]
     nth = 0

@@ -130,7 +130,8 @@ def sum_duplicates(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.n
 
 def _run_embstore(opt: optim.Optimizer, batches) -> np.ndarray:
     """Train through `opt.step` as the store does: one gathered payload row per distinct id,
-    weights and state as strided views of it. Returns the payload [ROWS, DIM + width]."""
+    weights and state as strided views of it. Returns the payload [ROWS, DIM + width].
+    """
     payload = np.concatenate(
         [_initial_weights(), opt.initial_state(ROWS, DIM, np.dtype(np.float32))], axis=1)
     for ids, grads in batches:
@@ -143,7 +144,8 @@ def _run_embstore(opt: optim.Optimizer, batches) -> np.ndarray:
 
 def _run_store(opt: optim.Optimizer, batches, tiers: list | None = None) -> np.ndarray:
     """Train through `store.apply_gradients`, which sums duplicates itself. Returns the
-    payload read back with `lookup` and `lookup_state`."""
+    payload read back with `lookup` and `lookup_state`.
+    """
     all_ids = np.arange(ROWS, dtype=np.int64)
     spec = embstore.TableSpec("t", dim=DIM, optimizer=opt)
     with embstore.open(None, tables=[spec], tiers=tiers) as store:

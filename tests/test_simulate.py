@@ -189,7 +189,8 @@ def test_the_simulator_counts_what_a_real_bounded_dram_tier_counts(
         tmp_path: Path, eviction: str, admission: str) -> None:
     """Replay one trace through the simulator and through a store whose DRAM tier has the
     same capacity and policies (its store of record holding every id): same hits, same
-    misses."""
+    misses.
+    """
     import embstore
     from embstore import TableSpec, TierSpec
 

@@ -103,9 +103,11 @@ def _record_bottom(store: embstore.EmbeddingStore) -> list[tuple[str, np.ndarray
 
 
 def _in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` in a new interpreter. On two cores, what one contender leaves behind (a
-    grown heap, RocksDB's threads and caches) slowed the next by up to 15%; every timed run
-    starts from the same clean state instead."""
+    """`fn(*args)` in a new interpreter.
+
+    On two cores, what one contender leaves behind (a grown heap, RocksDB's threads and caches)
+    slowed the next by up to 15%; every timed run starts from the same clean state instead.
+    """
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
 
@@ -125,8 +127,11 @@ def _spec() -> TableSpec:
 
 def _train(args: argparse.Namespace, path: Path | None,
            bottom: str | None) -> tuple[float, list[Any]]:
-    """Seconds to train the trace on a DRAM-only store (`bottom` None) or through a DRAM tier
-    over `bottom`; with a bottom, its batched reads and writes are saved beside `path`."""
+    """Seconds to train the trace on a DRAM-only store or through a DRAM tier over `bottom`.
+
+    DRAM-only when `bottom` is None; with a bottom, its batched reads and writes are saved
+    beside `path`.
+    """
     trace, distinct = _trace(args)
     rng = np.random.default_rng(3)
     grads = [rng.standard_normal((len(b), DIM)).astype(np.float32) * 0.01 for b in trace]
@@ -150,8 +155,11 @@ def _train(args: argparse.Namespace, path: Path | None,
 
 
 def _replay_seconds(backend: str, path: Path, log_file: Path, width: int) -> float:
-    """Seconds the raw backend takes for exactly the reads and writes of a saved log, from
-    empty: the bottom tier's share of the limit, with its access pattern and background work."""
+    """Seconds the raw backend takes for exactly the reads and writes of a saved log.
+
+    From empty: the bottom tier's share of the limit, with its access pattern and background
+    work.
+    """
     from embstore.backend import BackendSpec
 
     saved = np.load(log_file)

@@ -75,7 +75,7 @@ class SimResult:
 
     @property
     def miss_ratio(self) -> float:
-        """misses / lookups."""
+        """Misses / lookups."""
         return self.misses / self.lookups if self.lookups else 0.0
 
     @property
@@ -85,7 +85,7 @@ class SimResult:
 
     @property
     def access_miss_ratio(self) -> float:
-        """misses / accesses: fetches per access, duplicates included."""
+        """Misses / accesses: fetches per access, duplicates included."""
         return self.misses / self.accesses if self.accesses else 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -119,9 +119,11 @@ class Trace:
 
 
 def load_trace(spec: str, batch_size: int = 4096) -> Trace:
-    """Read a trace: a .npy (2-D: one batch per row; 1-D: cut into `batch_size`), a .npz
-    with `ids` and `offsets` (batch b is ids[offsets[b]:offsets[b+1]]), or
-    ``synth:key=value,...`` for `embstore.tools.traces.synthesize(**kwargs)`.
+    """Read a trace from a file or a ``synth:`` spec.
+
+    A .npy (2-D: one batch per row; 1-D: cut into `batch_size`), a .npz with `ids` and
+    `offsets` (batch b is ids[offsets[b]:offsets[b+1]]), or ``synth:key=value,...`` for
+    `embstore.tools.traces.synthesize(**kwargs)`.
 
     Raises:
         ConfigError: the file or spec cannot be read as a trace.

@@ -2,7 +2,8 @@
 encoded by backends/_keys.py) have in common: each table's spec is checked on reopen,
 read-only opens find only existing tables, a writer cannot join a directory opened read-only
 in the same process, tables close in any order, and scans come in numeric id order. Every
-registered backend of that kind runs here; the others skip, saying so."""
+registered backend of that kind runs here; the others skip, saying so.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ DIM = 8
 
 def _other_options(cls: type[Backend]) -> dict[str, object]:
     """A keyword option of `cls` set to a value other than its default: its first bool one,
-    flipped (a shared handle refuses options that differ while it is open)."""
+    flipped (a shared handle refuses options that differ while it is open).
+    """
     params = inspect.signature(cls.__init__).parameters.values()
     for p in params:
         if p.kind is inspect.Parameter.KEYWORD_ONLY and isinstance(p.default, bool):

@@ -1,5 +1,6 @@
 """The slot API (`SupportsSlots`) that cache tiers rely on, for every registered backend that
-has it; the others skip, saying so. A new backend file is tested here with no edit."""
+has it; the others skip, saying so. A new backend file is tested here with no edit.
+"""
 
 from __future__ import annotations
 
