@@ -54,8 +54,11 @@ class KeyValueBackend(Backend):
     @abstractmethod
     def _scan_page(self, after: bytes | None, limit: int, values: bool
                    ) -> tuple[list[bytes], list[Any]]:
-        """Up to `limit` keys in order after `after` (None: from the first), and their values
-        if `values`; raises on a damaged medium rather than returning a short page."""
+        """One page of keys in order, and their values if `values`.
+
+        Up to `limit` keys after `after` (None: from the first); raises on a damaged medium rather
+        than returning a short page.
+        """
 
     def _assemble(self, uniq: np.ndarray, inverse: np.ndarray,
                   values: list[Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -73,8 +76,10 @@ class KeyValueBackend(Backend):
         return rows_u[inverse], found_u[inverse]
 
     def _scan(self, batch_rows: int, *, values: bool) -> Iterator[tuple[list[bytes], list[Any]]]:
-        """Yield (keys, values) in key order, `batch_rows` at a time, one page per batch (no
-        iterator or transaction stays open while the caller works)."""
+        """Yield (keys, values) in key order, `batch_rows` at a time.
+
+        One page per batch: no iterator or transaction stays open while the caller works.
+        """
         after: bytes | None = None
         while True:
             self._check_open()
@@ -86,19 +91,8 @@ class KeyValueBackend(Backend):
                 return
             after = keys[-1]
 
-    def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield (ids, rows) batches in id order, every stored row once.
-
-        Raises:
-            StoreClosedError: after close().
-            CorruptStoreError: the medium or a row failed its checksum (never an early end).
-        """
-        self._check_open()
-        if batch_rows < 1:
-            raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
-        return self._items(batch_rows)
-
     def _items(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        # in id order, one page per batch
         for keys, vals in self._scan(batch_rows, values=True):
             ids = decode_keys(keys)
             rows = decode_values(ids, vals, self._rec, table=self.spec.table,

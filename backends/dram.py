@@ -31,7 +31,7 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from embstore._kernels._dram_index import ffi, lib
-from embstore.backend import Backend, BackendSpec
+from embstore.backend import BackendSpec, SlottedBackend
 from embstore.errors import ConfigError, CorruptStoreError
 from embstore.index import IdIndex, RowSlabs
 
@@ -51,7 +51,7 @@ def _crc(data: memoryview | bytes, start: int = 0) -> int:
 
 
 @final
-class DRAMBackend(Backend):
+class DRAMBackend(SlottedBackend):
     """Rows in host memory; optionally snapshotted to `<path>/<table>.dram` on flush."""
 
     name: ClassVar[str] = "dram"
@@ -151,49 +151,34 @@ class DRAMBackend(Backend):
 
     @property
     def index(self) -> IdIndex:
-        """The id -> slot index; an eviction policy may share it (see `SupportsSlots`)."""
+        # docstring inherited
         return self._index
 
-    def get_with_slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`get`, plus each id's slot in `index` (int32[N], -1 where absent)."""
-        self._check_open()
-        ids = self._check_ids(ids)
+    def _get_with_slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         slots = np.empty(len(ids), dtype=np.int32)
         rows, found = self._gather(ids, slots)
         return rows, found, slots
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        self._put_slots(ids, rows)
+        self._put_with_slots(ids, rows)
 
-    def _put_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _put_with_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots, inserted = self._index.add(ids)
         self._slabs.ensure(self._index.high_water)
         self._slabs.scatter(slots, rows)
         self._dirty_since_flush = True
         return slots, inserted
 
-    def put_with_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray,
-                                                                          np.ndarray]:
-        """`put` of distinct ids; returns (their slots in `index`, which were inserted)."""
-        self._check_writable()
-        ids = self._check_ids(ids)
-        rows = self._check_rows(ids, rows)
-        return self._put_slots(ids, rows)
-
-    def rows_at(self, slots: np.ndarray) -> np.ndarray:
-        """The rows at live `slots` (int32[N]) of `index`, a copy; no hash probe."""
-        self._check_open()
-        return self._slabs.gather(np.ascontiguousarray(slots, dtype=np.int32))
+    def _rows_at(self, slots: np.ndarray) -> np.ndarray:
+        return self._slabs.gather(slots)
 
     def _delete(self, ids: np.ndarray) -> np.ndarray:
         found = self._index.remove(ids) >= 0
         self._dirty_since_flush |= bool(found.any())
         return found
 
-    def contains(self, ids: np.ndarray) -> np.ndarray:
-        # docstring inherited
-        self._check_open()
-        return self._index.find(self._check_ids(ids)) >= 0
+    def _contains(self, ids: np.ndarray) -> np.ndarray:
+        return self._index.find(ids) >= 0
 
     def _ids(self) -> np.ndarray:
         return self._index.items()[0]

@@ -174,8 +174,10 @@ class PmemBackend(Backend):
         self._scan()
 
     def _create(self) -> None:
-        """Write a new file under a temporary name and link it into place, so a crash during
-        creation leaves no half-written table behind."""
+        """Write a new file under a temporary name and link it into place.
+
+        A crash during creation leaves no half-written table behind.
+        """
         hint = self.spec.capacity_bytes
         if hint is not None:
             slots = max(64, (hint - DATA_OFFSET) // self._rec)
@@ -321,8 +323,11 @@ class PmemBackend(Backend):
     # --- open-time scan -------------------------------------------------------------------
 
     def _scan(self) -> None:
-        """Rebuild the index from every record: numpy over the mapped record array, in chunks
-        of SCAN_SLOTS slots so the temporaries stay bounded whatever the file's size."""
+        """Rebuild the index from every record.
+
+        Numpy over the mapped record array, in chunks of SCAN_SLOTS slots so the temporaries stay
+        bounded whatever the file's size.
+        """
         assert self._map is not None
         n = self._capacity
         self._state = np.zeros(n, dtype=np.uint8)
@@ -368,8 +373,11 @@ class PmemBackend(Backend):
 
     def _scan_chunk(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                       np.ndarray]:
-        """(slots, ids, seq counters) of the valid records in slots [lo, hi), and the slots
-        of writes cut short by a crash; raises CorruptStoreError on a damaged record."""
+        """The valid records in slots [lo, hi), and the writes a crash cut short.
+
+        Returns (slots, ids, seq counters) of the valid records and the slots of torn writes;
+        raises CorruptStoreError on a damaged record.
+        """
         # copies, not views: an exception raised here must not keep the mapping exported
         seq_word = self._field(REC_SEQ, "<u8")[lo:hi].copy()
         used = np.flatnonzero(seq_word)
@@ -471,8 +479,11 @@ class PmemBackend(Backend):
         return first
 
     def _supersede(self, slots: np.ndarray) -> None:
-        """Give up the records in `slots`: durable ones are retired at the next flush (after
-        what replaces them is durable); ones never flushed are freed now."""
+        """Give up the records in `slots`.
+
+        Durable ones are retired at the next flush (after what replaces them is durable); ones never
+        flushed are freed now.
+        """
         state = self._state[slots]
         durable = slots[state == _LIVE]
         if len(durable):
@@ -578,10 +589,8 @@ class PmemBackend(Backend):
             self._index.remove(np.ascontiguousarray(ids[present]))
         return present
 
-    def contains(self, ids: np.ndarray) -> np.ndarray:
-        # docstring inherited
-        self._check_open()
-        return self._index.find(self._check_ids(ids)) >= 0
+    def _contains(self, ids: np.ndarray) -> np.ndarray:
+        return self._index.find(ids) >= 0
 
     def _ids(self) -> np.ndarray:
         return self._index.ids()

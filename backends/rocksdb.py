@@ -69,7 +69,7 @@ _HANDLES: SharedHandles[_Shared] = SharedHandles("rocksdb")
 
 
 def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool = False) -> Any:
-    """rocksdict options of a column family (or, with `db`, of the database) from settings."""
+    """Rocksdict options of a column family (or, with `db`, of the database) from settings."""
     s = dict(settings)
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)

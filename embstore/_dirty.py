@@ -67,8 +67,10 @@ class DirtySlots:
 
     def which(self, ids: np.ndarray,
               slots: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """(dirty bool[N], slots int32[N]) of distinct `ids` held by the backend (at `slots`,
-        where known)."""
+        """Dirty bits and slots of distinct `ids` held by the backend.
+
+        Returns (dirty bool[N], slots int32[N]); `slots` are used where known.
+        """
         slots = self._slots(ids, slots)
         return self._bits[slots] & (slots >= 0), slots
 

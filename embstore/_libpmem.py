@@ -239,12 +239,15 @@ Mapping = PmemMapping | MmapMapping
 
 def map_file(lib: LibPmem | None, path: str, fd: int, size: int, *,
              writable: bool) -> Mapping:
-    """Map the whole file: with libpmem when `lib` is given, else (or for a reader that may
-    not open the file for writing, which pmem_map_file always does) with mmap.
+    """Map the whole file, with libpmem when `lib` is given, else with mmap.
+
+    mmap also serves a reader that may not open the file for writing, which pmem_map_file
+    always does.
 
     Args:
         lib: libpmem from `load()`, or None for the mmap fallback.
-        path: the file; `fd`: the same file, open (read-only for readers).
+        path: the file.
+        fd: the same file, open (read-only for readers).
         size: the file's size in bytes (the mmap fallback maps this much).
         writable: whether stores into the mapping are allowed.
 

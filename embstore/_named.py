@@ -18,8 +18,11 @@ T = TypeVar("T", bound="Named")
 
 
 class Named(ABC):
-    """Base of a family: the family's root sets `_family` and an empty `_registry`; every
-    subclass that sets `name` is registered in it (a name used twice is an error)."""
+    """Base of a family of named, registered classes.
+
+    The family's root sets `_family` and an empty `_registry`; every subclass that sets `name`
+    is registered in it (a name used twice is an error).
+    """
 
     name: ClassVar[str]
     _family: ClassVar[str]
@@ -55,7 +58,8 @@ class Named(ABC):
         return cls._registry[name](**config)  # type: ignore[return-value]
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.config() == self.config()  # type: ignore[attr-defined]
+        return isinstance(other, Named) and type(other) is type(self) \
+            and other.config() == self.config()
 
     def __hash__(self) -> int:
         # JSON, not a tuple of items: config values may be lists (Adam's betas)

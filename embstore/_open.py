@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 from pathlib import Path
 
-from .errors import (
-    ConfigError,
-    ReadOnlyError,
-    StoreLockedError,
-    StoreNotFoundError,
-)
-from .manifest import MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
+from . import layout
+from .errors import ConfigError, ReadOnlyError, StoreNotFoundError
+from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
+from .manifest import fsync_dir
 from .spec import TableSpec, TierSpec
-from .store import DEFAULT_TIERS, LOCK_NAME, EmbeddingStore
+from .store import DEFAULT_TIERS, EmbeddingStore
 
 __all__ = ["open"]
-
-
-def _lock(path: Path, read_only: bool) -> int:
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if read_only else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreLockedError(
-            f"{path} is open in another process or handle; close that store first"
-        ) from None
-    return fd
 
 
 def _make_dirs(directory: Path) -> None:
@@ -103,7 +87,7 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
             )
         before = set(directory.iterdir()) if directory.exists() else None
         _make_dirs(directory)
-    lock_fd = _lock(directory, read_only)
+    lock_fd = layout.lock(directory, read_only)
     try:
         if exists:
             doc = read_manifest(directory)
@@ -143,5 +127,5 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         os.close(lock_fd)
         raise
     if added:
-        write_manifest(directory, store._manifest_body())
+        write_manifest(directory, layout.manifest_body(chain, all_specs))
     return store

@@ -51,17 +51,17 @@ def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
             f"table {spec.name!r}: uint64 id {int(ids.max())} does not fit in int64; "
             "hash or remap ids into the int64 range"
         )
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    out: np.ndarray = np.ascontiguousarray(ids, dtype=np.int64)
     n = spec.num_embeddings
-    if n is not None and len(ids):
-        lo, hi = int(ids.min()), int(ids.max())
+    if n is not None and len(out):
+        lo, hi = int(out.min()), int(out.max())
         if lo < 0 or hi >= n:
             bad = lo if lo < 0 else hi
             raise InvalidIdsError(
                 f"table {spec.name!r} has num_embeddings={n}: id {bad} is outside [0, {n}); "
                 "fix the ids or declare a larger table"
             )
-    return ids
+    return out
 
 
 def as_rows(rows: Any, n: int, spec: TableSpec, what: str = "rows") -> np.ndarray:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, ClassVar, final
 
 import numpy as np
 
@@ -45,8 +45,10 @@ class BackgroundWriter:
         self._closed = False
 
     def submit(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Queue a write of distinct `ids`; raises (keeping it queued) while an earlier failed
-        write still fails."""
+        """Queue a write of distinct `ids`.
+
+        Raises (keeping it queued) while an earlier failed write still fails.
+        """
         with self._cond:
             self._jobs.append((ids, rows))
             if self._error is None:
@@ -109,37 +111,78 @@ class BackgroundWriter:
                 self._cond.notify_all()
 
 
-class DrainedBackend:
-    """The bottom backend as the rest of the store sees it while a `BackgroundWriter` writes
-    to it: every method call (and attribute read) waits for the queued writes first.
+@final
+class DrainedBackend(Backend):
+    """The bottom backend as the rest of the store sees it while a `BackgroundWriter` writes.
 
-    `wrapped` is the backend itself, for the writer and for instrumentation.
+    A `Backend` whose every use waits for the queued writes first.
+
+    `wrapped` is the backend itself, for the writer and for instrumentation. Closing the view
+    applies what is queued, stops the writer, then closes `wrapped` (also when a write fails:
+    the failure is raised after).
     """
 
+    name: ClassVar[str] = "drained"
+
     def __init__(self, backend: Backend, writer: BackgroundWriter) -> None:
+        super().__init__(backend.spec)
         self.wrapped = backend
         self._writer = writer
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.wrapped, name)
-        if callable(attr):
-            return _drained_call(self._writer, attr)
+    def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self._writer.drain()
-        return attr
+        return self.wrapped.get(ids)
 
-    def __len__(self) -> int:
+    def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        self._writer.drain()
+        self.wrapped.put(ids, rows)
+
+    def _delete(self, ids: np.ndarray) -> np.ndarray:
+        self._writer.drain()
+        return self.wrapped.delete(ids)
+
+    def _contains(self, ids: np.ndarray) -> np.ndarray:
+        self._writer.drain()
+        return self.wrapped.contains(ids)
+
+    def _ids(self) -> np.ndarray:
+        self._writer.drain()
+        return self.wrapped.ids()
+
+    def _items(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        self._writer.drain()
+        pages = self.wrapped.items(batch_rows)
+        while True:
+            self._writer.drain()  # writes queued while the caller held a page come first
+            page = next(pages, None)
+            if page is None:
+                return
+            yield page
+
+    def _len(self) -> int:
         self._writer.drain()
         return len(self.wrapped)
 
+    def _flush(self) -> None:
+        self._writer.drain()
+        self.wrapped.flush()
+
+    def _close(self) -> None:
+        try:
+            self._writer.close()  # queued write-backs first: they are the bottom's rows
+        finally:
+            self.wrapped.close()
+
+    def nbytes(self) -> int:
+        # docstring inherited
+        self._writer.drain()
+        return self.wrapped.nbytes()
+
+    def statistics(self) -> dict[str, Any]:
+        # docstring inherited
+        self._check_open()
+        self._writer.drain()
+        return self.wrapped.statistics()
+
     def __repr__(self) -> str:
         return f"DrainedBackend({self.wrapped!r})"
-
-
-def _drained_call(writer: BackgroundWriter, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` that first waits for `writer`'s queue."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        writer.drain()
-        return fn(*args, **kwargs)
-
-    return call

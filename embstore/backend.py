@@ -30,7 +30,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .index import IdIndex
 
-__all__ = ["Backend", "BackendSpec", "SupportsBulkLoad", "SupportsSlots"]
+__all__ = ["Backend", "BackendSpec", "SlottedBackend", "SupportsBulkLoad", "SupportsSlots"]
 
 
 @dataclass(frozen=True)
@@ -191,12 +191,12 @@ class Backend(ABC):
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """bool[N]: whether each id is stored.
 
-        Note for implementers: the default reads whole rows; override where the medium can
-        answer from its index alone.
+        Raises:
+            StoreClosedError: after close().
+            InvalidIdsError: `ids` is not a 1-D int64 array.
         """
         self._check_open()
-        ids = self._check_ids(ids)
-        return self._get(ids)[1]
+        return self._contains(self._check_ids(ids))
 
     def ids(self) -> np.ndarray:
         """Every stored id, int64, in no particular order unless the backend says so."""
@@ -204,17 +204,19 @@ class Backend(ABC):
         return self._ids()
 
     def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield (ids, rows) batches covering every stored row once.
+        """Yield (ids, rows) batches of at most `batch_rows` covering every stored row once.
 
-        Note for implementers: the default reads `ids()` then `get` in batches; a backend
-        with an ordered scan should override it.
+        The checks run at the call, not at the first `next`.
+
+        Raises:
+            StoreClosedError: after close() (also between batches).
+            ConfigError: `batch_rows` < 1.
+            CorruptStoreError: a stored row failed its checks (never an early end).
         """
         self._check_open()
-        all_ids = self._ids()
-        for start in range(0, len(all_ids), batch_rows):
-            chunk = all_ids[start : start + batch_rows]
-            rows, _ = self._get(chunk)
-            yield chunk, rows
+        if batch_rows < 1:
+            raise ConfigError(f"batch_rows must be >= 1, got {batch_rows}")
+        return self._items(batch_rows)
 
     def __len__(self) -> int:
         self._check_open()
@@ -274,6 +276,85 @@ class Backend(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+    def _contains(self, ids: np.ndarray) -> np.ndarray:
+        """bool[N] for checked `ids`.
+
+        Note for implementers: the default reads whole rows; override where the medium can
+        answer from its index alone.
+        """
+        return self._get(ids)[1]
+
+    def _items(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The batches of `items` (arguments checked).
+
+        Note for implementers: the default reads `_ids()` once, then `_get` per batch; a
+        backend with an ordered scan should override it.
+        """
+        all_ids = self._ids()
+        for start in range(0, len(all_ids), batch_rows):
+            self._check_open()
+            chunk = all_ids[start : start + batch_rows]
+            rows, found = self._get(chunk)
+            if not found.all():  # deleted since the ids were listed
+                chunk, rows = chunk[found], rows[found]
+            yield chunk, rows
+
+
+class SlottedBackend(Backend):
+    """A backend whose rows sit in the dense slots of an `IdIndex` it exposes.
+
+    It satisfies `SupportsSlots`: the public slot methods check their arguments here, once,
+    and call the `_get_with_slots/_put_with_slots/_rows_at` hooks.
+    """
+
+    @property
+    @abstractmethod
+    def index(self) -> IdIndex:
+        """The id -> slot index; an eviction policy may share it (see `SupportsSlots`)."""
+
+    def get_with_slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`get`, plus each id's slot in `index` (int32[N], -1 where absent).
+
+        Raises:
+            StoreClosedError, InvalidIdsError.
+        """
+        self._check_open()
+        return self._get_with_slots(self._check_ids(ids))
+
+    def put_with_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray,
+                                                                          np.ndarray]:
+        """`put` of distinct ids; returns (their slots in `index`, which were inserted).
+
+        Raises:
+            StoreClosedError, ReadOnlyError, InvalidIdsError, DtypeMismatchError,
+            DimensionMismatchError.
+        """
+        self._check_writable()
+        ids = self._check_ids(ids)
+        return self._put_with_slots(ids, self._check_rows(ids, rows))
+
+    def rows_at(self, slots: np.ndarray) -> np.ndarray:
+        """The rows at live `slots` (int32[N]) of `index`, a copy; no hash probe.
+
+        Raises:
+            StoreClosedError.
+        """
+        self._check_open()
+        return self._rows_at(np.ascontiguousarray(slots, dtype=np.int32))
+
+    @abstractmethod
+    def _get_with_slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`get_with_slots` of checked ids."""
+
+    @abstractmethod
+    def _put_with_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray,
+                                                                           np.ndarray]:
+        """`put_with_slots` of checked ids and rows."""
+
+    @abstractmethod
+    def _rows_at(self, slots: np.ndarray) -> np.ndarray:
+        """`rows_at` of int32 slots."""
 
 
 @runtime_checkable

@@ -6,10 +6,11 @@ incremental checkpoint holds only the rows written since the previous checkpoint
 deleted since then (`<table>.deleted`) and a link to its parent; `restore` materialises any
 chain of them into a full store, equal to what a full checkpoint at the same moment holds.
 
-Consistency without stalling: the store is flushed and the ids to copy are fixed under the
-store's lock (time T0); the rows are then copied batch by batch, taking the lock only per batch.
-A write during the copy to an id not yet copied first saves that row's T0 value (a pre-image),
-so the checkpoint is the table as of T0 while lookups and writes go on.
+Consistency without stalling: the store is flushed under its lock (time T0); the rows are then
+copied from the store of record page by page, taking the lock only per page. From T0 on, a write
+to an id not yet copied first saves that row's T0 value (a pre-image) and the copier skips the
+id in its pages, so the checkpoint is the table as of T0 while lookups and writes go on. The
+store meets the checkpoint through `CheckpointSource`, a small interface of its own.
 
 Crash safety: everything is written under a temporary name, fsynced, then renamed into place;
 an interrupted checkpoint leaves only a `.<name>.tmp-*` directory and every earlier checkpoint
@@ -30,25 +31,30 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from . import registry
-from .backend import BackendSpec
+from .backend import Backend, BackendSpec
 from .checksum import crc32c
 from .errors import ConfigError, CorruptStoreError, StoreExistsError
 from .index import IdIndex
-from .manifest import fsync_dir, read_manifest, write_atomic, write_manifest
+from .layout import (
+    LOCK_NAME,
+    bottom_dir,
+    manifest_body,
+    read_manifest,
+    table_chain,
+    write_manifest,
+)
+from .manifest import fsync_dir, write_atomic
 from .spec import TableSpec, TierSpec
 
-if TYPE_CHECKING:
-    from .store import EmbeddingStore
-
-__all__ = ["restore"]
+__all__ = ["CheckpointPlan", "CheckpointSource", "CopyState", "restore"]
 
 TOMB_MAGIC = b"EMBSTOMB"
 TOMB_HEADER = struct.Struct("<8sQI4x")
@@ -74,128 +80,148 @@ def _read_tombstones(file: Path) -> np.ndarray:
 
 @dataclass
 class CopyState:
-    """The checkpoint being copied: ids still to copy and the saved T0 values of rows that
-    were written before the copier reached them."""
+    """The checkpoint being copied, and the T0 values it saved.
 
-    pending: dict[str, IdIndex]
-    saved_ids: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    saved_rows: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    saved_found: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    It knows which ids are copied or saved already, and holds the T0 values (pre-images) of
+    rows written before the copier reached them.
 
-    def capture(self, table: str, ids: np.ndarray, read_bottom: Callable[..., Any]) -> None:
+    Args:
+        scope: per table, the ids the checkpoint covers (an incremental one: the ids changed
+            since its parent); None covers every id.
+        previous: the store's change sets before this checkpoint began, restored into the
+            next incremental one if this checkpoint fails.
+    """
+
+    scope: dict[str, IdIndex] | None
+    previous: dict[str, IdIndex] | None
+    done: dict[str, IdIndex] = field(default_factory=dict)
+    saved: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = field(
+        default_factory=dict)
+
+    def capture(self, table: str, ids: np.ndarray,
+                read_bottom: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> None:
         """Before a write to distinct `ids`, save the T0 value of those not copied yet."""
-        pending = self.pending.get(table)
-        if pending is None or not len(pending):
+        done = self.done.setdefault(table, IdIndex())
+        want = done.find(ids) < 0
+        if self.scope is not None:
+            want &= self.scope[table].find(ids) >= 0
+        if not want.any():
             return
-        hit = pending.find(ids) >= 0
-        if not hit.any():
-            return
-        ids = np.ascontiguousarray(ids[hit])
+        ids = np.ascontiguousarray(ids[want])
         rows, found = read_bottom(ids)
-        pending.remove(ids)
-        self.saved_ids.setdefault(table, []).append(ids)
-        self.saved_rows.setdefault(table, []).append(rows)
-        self.saved_found.setdefault(table, []).append(found)
+        done.add(ids)
+        self.saved.setdefault(table, []).append((ids, rows, found))
 
-    def take(self, table: str, ids: np.ndarray, read_bottom: Callable[..., Any]
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The T0 rows of the still-pending `ids` of one batch; marks them copied."""
-        pending = self.pending[table]
-        still = pending.find(ids) >= 0
-        ids = np.ascontiguousarray(ids[still])
-        rows, found = read_bottom(ids)
-        pending.remove(ids)
-        return ids, rows, found
+    def take(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Mark a page's ids copied; returns which still held their T0 value.
 
-    def saved(self, table: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """All pre-images of `table`, once the copier has passed every batch."""
-        if table not in self.saved_ids:
+        bool[N]: which of the page's distinct `ids` were neither copied nor saved yet (their value
+        in the store of record is T0's).
+        """
+        done = self.done.setdefault(table, IdIndex())
+        fresh = done.find(ids) < 0
+        done.add(np.ascontiguousarray(ids[fresh]))
+        return fresh
+
+    def preimages(self, table: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """All pre-images of `table` (ids, rows, found at T0), once every page is copied."""
+        parts = self.saved.get(table)
+        if not parts:
             return None
-        return (np.concatenate(self.saved_ids[table]), np.concatenate(self.saved_rows[table]),
-                np.concatenate(self.saved_found[table]))
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                np.concatenate([p[2] for p in parts]))
 
 
-def take_checkpoint(store: EmbeddingStore, dest: Path, *, step: int | None, incremental: bool,
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What `CheckpointSource.begin_checkpoint` fixed at T0."""
+
+    specs: list[TableSpec]
+    """The tables, in the store's order."""
+    tiers: tuple[TierSpec, ...]
+    """The store's default tier chain."""
+    parent: Path | None
+    """The previous checkpoint of this handle (the parent of an incremental one)."""
+    rows: dict[str, int]
+    """Per table, the rows to copy (for progress reports)."""
+
+
+class CheckpointSource(Protocol):
+    """What a checkpoint needs of a store (`EmbeddingStore` implements it).
+
+    Between `begin_checkpoint` and `end_checkpoint` the store saves the T0 value of every row
+    the checkpoint covers before a write changes it; each method takes the store's lock only
+    for its own work, so other threads go on between pages.
+    """
+
+    def begin_checkpoint(self, incremental: bool) -> CheckpointPlan:
+        """Flush and fix the checkpoint's moment T0; start saving pre-images.
+
+        Raises:
+            StoreClosedError: the store is closed.
+            ConfigError: `incremental` without an earlier checkpoint from this handle.
+        """
+
+    def checkpoint_pages(self, table: str, batch_rows: int
+                         ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """Yield (ids scanned, ids, rows, found) pages of T0 rows in the store of record.
+
+        The store's lock is taken only while one page is read.
+        """
+
+    def checkpoint_preimages(self, table: str
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The saved T0 rows of `table` (ids, rows, found), after its last page."""
+
+    def end_checkpoint(self, dest: Path | None) -> None:
+        """Stop saving pre-images; `dest` is the finished checkpoint, None after a failure."""
+
+
+def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
+                    incremental: bool,
                     progress: Callable[[str, int, int], None] | None) -> Path:
-    """Write a checkpoint of `store` to `dest` (see `EmbeddingStore.checkpoint`)."""
-    from ._open import open as open_store
-
+    """Write a checkpoint of `source` to `dest` (see `EmbeddingStore.checkpoint`)."""
     dest = Path(dest)
     if dest.exists():
         raise StoreExistsError(f"{dest} exists; checkpoints never overwrite: choose a new name")
-    with store._mutex:
-        store._check_open()
-        parent = store._last_checkpoint
-        if incremental and (parent is None or store._changes is None):
-            raise ConfigError(
-                "an incremental checkpoint needs an earlier checkpoint taken by this handle "
-                "(changes are tracked in memory from it); take a full checkpoint first"
-            )
-        if not store.read_only:
-            store.flush()
-        to_copy: dict[str, np.ndarray] = {}
-        for name, t in store._tables.items():
-            if incremental:
-                to_copy[name] = store._changes[name].items()[0]
-            else:
-                t.chain.write_back_all()
-                to_copy[name] = t.chain.tiers[-1].backend.ids()
-        previous_changes = store._changes
-        store._changes = {name: IdIndex() for name in store._tables}  # changes after T0
-        pending = {}
-        for name, ids in to_copy.items():
-            pending[name] = IdIndex(max(16, 2 * len(ids)))
-            pending[name].add(np.ascontiguousarray(ids))
-        store._copy = CopyState(pending)
-        specs = [t.spec for t in store._tables.values()]
-        tiers = list(store._default_tiers)
+    plan = source.begin_checkpoint(incremental)
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with open_store(tmp, tables=specs, tiers=tiers) as out:
-            for name, ids in to_copy.items():
-                target = out._tables[name].chain.tiers[-1].backend
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for spec in plan.specs:
+            total = plan.rows[spec.name]
+            with _bottom_backend(tmp, spec, plan.tiers, read_only=False) as target:
                 deleted: list[np.ndarray] = []
-                read = store._tables[name].chain.tiers[-1].backend.get
-                for start in range(0, len(ids), BATCH_ROWS):
-                    with store._mutex:  # per batch only: lookups and writes go on between
-                        got_ids, rows, found = store._copy.take(name, ids[start:start + BATCH_ROWS],
-                                                                read)
-                    _write_batch(target, got_ids, rows, found, deleted)
+                scanned = 0
+                for n, ids, rows, found in source.checkpoint_pages(spec.name, BATCH_ROWS):
+                    _write_batch(target, ids, rows, found, deleted)
+                    scanned += n
                     if progress is not None:
-                        progress(name, min(start + BATCH_ROWS, len(ids)), len(ids))
-                with store._mutex:
-                    saved = store._copy.saved(name)
+                        progress(spec.name, min(scanned, total), total)
+                saved = source.checkpoint_preimages(spec.name)
                 if saved is not None:
                     _write_batch(target, *saved, deleted)
-                if incremental:
-                    _write_tombstones(tmp / f"{name}.deleted",
-                                      np.concatenate(deleted) if deleted else np.zeros(0, np.int64))
-        body = read_manifest(tmp)
-        body.pop("format"), body.pop("version")
+            if incremental:
+                _write_tombstones(tmp / f"{spec.name}.deleted",
+                                  np.concatenate(deleted) if deleted else np.zeros(0, np.int64))
+        body = manifest_body(plan.tiers, plan.specs)
         body["checkpoint"] = {"step": step, "kind": "incremental" if incremental else "full",
-                              "parent": None if not incremental else os.path.relpath(
-                                  parent.resolve(), dest.parent.resolve())}
+                              "parent": None if not incremental or plan.parent is None
+                              else os.path.relpath(plan.parent.resolve(),
+                                                   dest.parent.resolve())}
         write_manifest(tmp, body)
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        with store._mutex:
-            # the rows meant for this checkpoint must go into the next incremental one
-            if previous_changes is not None:
-                for name, ids in to_copy.items():
-                    store._changes[name].add(np.ascontiguousarray(ids))
+        source.end_checkpoint(None)
         raise
-    finally:
-        with store._mutex:
-            store._copy = None
-    store._last_checkpoint = dest
+    source.end_checkpoint(dest)
     return dest
 
 
-def _write_batch(target: Any, ids: np.ndarray, rows: np.ndarray, found: np.ndarray,
+def _write_batch(target: Backend, ids: np.ndarray, rows: np.ndarray, found: np.ndarray,
                  deleted: list[np.ndarray]) -> None:
     if found.any():
         target.put(np.ascontiguousarray(ids[found]), np.ascontiguousarray(rows[found]))
@@ -224,8 +250,9 @@ def checkpoint_chain(src: Path) -> list[tuple[Path, dict[str, Any]]]:
 
 
 def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
-    """Materialise the checkpoint `src` (full, or the newest of a chain of incrementals) as a
-    new store at `dest`.
+    """Materialise the checkpoint `src` as a new store at `dest`.
+
+    `src` is a full checkpoint, or the newest of a chain of incrementals.
 
     Raises:
         StoreExistsError: `dest` exists.
@@ -240,7 +267,7 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("LOCK"))
+        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(LOCK_NAME))
         doc = read_manifest(tmp)
         tables = {t["name"]: TableSpec.from_json(t) for t in doc["tables"]}
         tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
@@ -260,11 +287,11 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
 
 
 def _bottom_backend(root: Path, spec: TableSpec, tiers: tuple[TierSpec, ...], read_only: bool
-                    ) -> Any:
-    chain = spec.tiers or tiers
-    level, ts = len(chain) - 1, chain[-1]
-    cls = registry.load_backend(ts.backend)
-    return cls.open(BackendSpec(path=root / f"tier{level}-{ts.backend}", dim=spec.row_width,
+                    ) -> Backend:
+    """The store of record of table `spec` in the store or checkpoint at `root`."""
+    ts = table_chain(spec, tiers)[-1]
+    cls: type[Backend] = registry.load_backend(ts.backend)
+    return cls.open(BackendSpec(path=bottom_dir(root, spec, tiers), dim=spec.row_width,
                                 dtype=spec.dtype, table=spec.name, read_only=read_only),
                     **ts.options)
 
@@ -283,6 +310,4 @@ def _apply_increment(root: Path, inc_path: Path, inc: dict[str, Any],
             dead = _read_tombstones(inc_path / f"{spec.name}.deleted")
             if len(dead):
                 target.delete(dead)
-    body = {"tiers": [t.to_json() for t in tiers],
-            "tables": [s.to_json() for s in tables.values()]}
-    write_manifest(root, body)
+    write_manifest(root, manifest_body(tiers, list(tables.values())))

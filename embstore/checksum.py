@@ -51,7 +51,10 @@ def verify_rows(ids: np.ndarray, rows: np.ndarray, stored: np.ndarray, *, table:
 
 def crc32c(data: bytes | memoryview | np.ndarray) -> int:
     """CRC-32C of a buffer."""
-    buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    if isinstance(data, np.ndarray):
+        buf = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    else:
+        buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
     return int(lib.crc32c_buffer(ffi.cast("char *", buf.ctypes.data), len(buf)))
 
 

@@ -20,8 +20,9 @@ crash the store of record alone defines the table.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import numpy as np
 
@@ -80,24 +81,29 @@ class Tier:
         self.is_bottom = is_bottom
         # a backend with slots of its own keeps its rows' slots at hand: dirty bits per slot
         self.slotted = isinstance(backend, SupportsSlots)
-        self.dirty: DirtySet | None = (None if is_bottom else DirtySlots(backend.index)
+        # the backend and the policy typed for their slot methods, used only where
+        # `slotted` and `shares_index` say they have them
+        self.slot_backend = cast(SupportsSlots, backend)
+        self.shared = cast(SupportsSharedIndex, eviction)
+        self.dirty: DirtySet | None = (None if is_bottom else DirtySlots(self.slot_backend.index)
                                        if self.slotted else DirtyIds())
         # the policy tracks ids in the backend's own slots where both allow it: a hit then
         # costs the backend's hash probe alone
-        self.shares_index = (self.slotted and isinstance(eviction, SupportsSharedIndex)
+        self.shares_index = (self.slotted
+                             and isinstance(cast(object, eviction), SupportsSharedIndex)
                              and len(backend) == 0)
         if self.shares_index:
-            eviction.share_index(backend.index)
-        # rows held, kept by the chain for tiers it evicts from: some media can only count
-        # by a scan (RocksDB), too slow for a capacity check on every write
-        self.rows = len(backend) if eviction is not None else None
+            self.shared.share_index(self.slot_backend.index)
+        # rows held, kept by the chain for tiers it evicts from (0 for the others): some media
+        # can only count by a scan (RocksDB), too slow for a capacity check on every write
+        self.rows = len(backend) if eviction is not None else 0
         self.counters = dict.fromkeys(("lookups", "hits", "misses", "promotions",
                                        "admissions_rejected", "evictions", "writebacks"), 0)
 
     def lookup(self, ids: np.ndarray, now: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Rows and found mask of `ids` in this tier; counts them and tells the policy."""
         if self.shares_index:
-            rows, found, slots = self.backend.get_with_slots(ids)
+            rows, found, slots = self.slot_backend.get_with_slots(ids)
         else:
             rows, found = self.backend.get(ids)
         hits = int(np.count_nonzero(found))
@@ -107,23 +113,26 @@ class Tier:
         c["misses"] += len(ids) - hits
         if self.eviction is not None and hits:
             if self.shares_index:
-                self.eviction.record_access_slots(slots if hits == len(ids) else slots[found],
-                                                  now)
+                self.shared.record_access_slots(slots if hits == len(ids) else slots[found],
+                                                now)
             else:
                 self.eviction.record_access(ids if hits == len(ids) else ids[found], now)
         return rows, found, hits
 
     def statistics(self) -> TierStatistics:
         """A snapshot of this tier's counters and size."""
-        return TierStatistics(level=self.level, backend=self.backend.name,
+        return TierStatistics(level=self.level, backend=self.spec.backend,
                               rows=len(self.backend), bytes=self.backend.nbytes(),
                               capacity_rows=self.capacity_rows, **self.counters)
 
 
 def _subset(ids: np.ndarray, rows: np.ndarray,
             sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`ids[sel], rows[sel]` for ascending distinct positions `sel`; the arrays themselves
-    when `sel` takes them all: a batch-sized copy per call cost more than a policy's work."""
+    """`ids[sel], rows[sel]` for ascending distinct positions `sel`.
+
+    The arrays themselves when `sel` takes them all: a batch-sized copy per call cost more than
+    a policy's work.
+    """
     if len(sel) == len(ids):
         return ids, rows
     return ids[sel], rows[sel]
@@ -146,7 +155,8 @@ class TableChain:
         bottom = tiers[-1]
         if background_writes and len(tiers) > 1 and bottom.eviction is None:
             self._writer = BackgroundWriter(bottom.backend)
-            bottom.backend = DrainedBackend(bottom.backend, self._writer)  # type: ignore
+            bottom.backend = DrainedBackend(bottom.backend, self._writer)
+            bottom.slotted = False  # the view has no slot methods; the bottom keeps no dirty bits
         self._clock = 0  # logical time: one tick per batch, so policies replay identically
         # ids the latest read found in no tier; any write forgets them. A training step reads
         # a batch twice (lookup, then apply_gradients), and never-seen ids would otherwise
@@ -251,8 +261,11 @@ class TableChain:
     # --- writes ---------------------------------------------------------------------------
 
     def put(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Write full rows of distinct `ids`; returns bool[N], False where feature admission
-        dropped the write (the id has no stored row and the bottom tier did not admit it)."""
+        """Write full rows of distinct `ids`.
+
+        Returns bool[N], False where feature admission dropped the write (the id has no stored row
+        and the bottom tier did not admit it).
+        """
         now = self._tick()
         self._absent = None
         written = np.ones(len(ids), dtype=bool)
@@ -295,24 +308,24 @@ class TableChain:
             return
         ids = np.ascontiguousarray(ids)
         rows = np.ascontiguousarray(rows)
-        slots = None
+        slots: np.ndarray | None = None
         if tier.slotted:
-            slots, inserted = tier.backend.put_with_slots(ids, rows)
+            slots, inserted = tier.slot_backend.put_with_slots(ids, rows)
             existed = ~inserted
         else:
             if tier.eviction is not None and existed is None:
                 existed = tier.backend.contains(ids)
             tier.backend.put(ids, rows)
-        if tier.eviction is not None:
+        if tier.eviction is not None and existed is not None:  # (it is set then)
             if existed.any():
-                if tier.shares_index:
-                    tier.eviction.record_access_slots(slots[existed], now)
+                if tier.shares_index and slots is not None:
+                    tier.shared.record_access_slots(slots[existed], now)
                 else:
                     tier.eviction.record_access(ids[existed], now)
             if not existed.all():
                 new = ~existed
-                if tier.shares_index:
-                    tier.eviction.record_insert_slots(ids[new], slots[new], now)
+                if tier.shares_index and slots is not None:
+                    tier.shared.record_insert_slots(ids[new], slots[new], now)
                 else:
                     tier.eviction.record_insert(np.ascontiguousarray(ids[new]), now)
                 tier.rows += int(len(ids) - np.count_nonzero(existed))
@@ -323,13 +336,14 @@ class TableChain:
     def _enforce_capacity(self, tier: Tier, now: int) -> None:
         if tier.eviction is None:
             return
-        victims, slots = tier.eviction.expired(now), None
+        victims = tier.eviction.expired(now)
+        slots: np.ndarray | None = None
         if tier.capacity_rows is not None:
             over = tier.rows - len(victims) - tier.capacity_rows
             if over > 0:
                 if tier.shares_index and not len(victims):
                     # the policy knows its victims' slots: no probe to find their dirty bits
-                    victims, slots = tier.eviction.choose_victim_slots(over, now)
+                    victims, slots = tier.shared.choose_victim_slots(over, now)
                 else:
                     more = tier.eviction.choose_victims(over, now)
                     victims = np.concatenate([victims, more]) if len(victims) else more
@@ -349,7 +363,9 @@ class TableChain:
     def _write_back(self, tier: Tier, ids: np.ndarray, slots: np.ndarray | None,
                     now: int) -> None:
         """Copy the dirty rows `ids` (at `slots` of a slotted tier) into the tier below."""
-        rows = tier.backend.rows_at(slots) if slots is not None else tier.backend.get(ids)[0]
+        assert tier.dirty is not None, "only cache tiers write back"
+        rows = (tier.slot_backend.rows_at(slots) if slots is not None
+                else tier.backend.get(ids)[0])
         below = self.tiers[tier.level + 1]
         if below.is_bottom and self._writer is not None:
             # `ids` and `rows` are fresh arrays, the writer's from now on
@@ -397,7 +413,7 @@ class TableChain:
             if tier.dirty is not None:
                 tier.dirty.clear(ids, None)
             removed = tier.backend.delete(ids)
-            if tier.rows is not None:
+            if tier.eviction is not None:
                 tier.rows -= int(np.count_nonzero(removed))
             found |= removed
         return found
@@ -418,6 +434,8 @@ class TableChain:
         """Write every dirty row down to the store of record, level by level."""
         now = self._tick()
         for tier in self.tiers[:-1]:
+            if tier.dirty is None:
+                continue
             dirty, slots = tier.dirty.items()
             if len(dirty):
                 self._write_back(tier, dirty, slots, now)
@@ -429,12 +447,24 @@ class TableChain:
             tier.backend.flush()
 
     def __len__(self) -> int:
-        """Number of stored rows (dirty cache rows are written back first)."""
-        self.write_back_all()
-        return len(self.tiers[-1].backend)
+        """Number of stored rows: the store of record's, plus dirty cache rows it lacks.
 
-    def items(self, batch_rows: int = 65536) -> Any:
-        """(ids, full rows) batches over every stored row, after writing back dirty rows."""
+        Changes nothing (no write-back): a clean cache row is always also below.
+        """
+        dirty = [tier.dirty.items()[0] for tier in self.tiers[:-1] if tier.dirty is not None]
+        bottom = self.tiers[-1].backend
+        n = len(bottom)
+        if dirty:
+            ids = np.unique(np.concatenate(dirty))
+            if len(ids):
+                n += int(len(ids) - np.count_nonzero(bottom.contains(ids)))
+        return n
+
+    def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(ids, full rows) pages over every stored row, after writing back dirty rows.
+
+        The pages are read from the store of record when the caller asks for them.
+        """
         self.write_back_all()
         return self.tiers[-1].backend.items(batch_rows)
 
@@ -445,17 +475,9 @@ class TableChain:
     def close(self) -> None:
         """Close every backend (without flushing caches: call flush first to keep writes)."""
         errors = []
-        if self._writer is not None:
-            try:
-                self._writer.close()  # queued write-backs first: they are the bottom's rows
-            except Exception as exc:
-                errors.append(exc)
         for tier in self.tiers:
-            backend = tier.backend
-            if isinstance(backend, DrainedBackend):
-                backend = backend.wrapped
             try:
-                backend.close()
+                tier.backend.close()  # the drained view applies its queue first
             except Exception as exc:  # close the rest, then report the first failure
                 errors.append(exc)
         if errors:

@@ -1,5 +1,6 @@
-"""`IdIndex`: a compact hash map from int64 ids to dense int32 slots, and `RowSlabs`, the
-chunked row storage addressed by those slots.
+"""`IdIndex`, a compact hash map from int64 ids to dense int32 slots, and `RowSlabs`.
+
+`RowSlabs` is the chunked row storage addressed by those slots.
 
 Per entry the index costs 12 bytes (int64 key, int32 slot) at a load factor between 0.375 and
 0.75, about 20 bytes per id at 10M ids. There is no Python object per id. The probing loops are
@@ -25,8 +26,11 @@ def _ptr(ctype: str, arr: np.ndarray) -> object:
 
 def copy_rows(dst: np.ndarray, dst_idx: np.ndarray | None, src: np.ndarray,
               src_idx: np.ndarray | None) -> None:
-    """``dst[dst_idx] = src[src_idx]`` for C-contiguous 2-D arrays of one dtype and width, in
-    one pass (None: all rows in order). Indices are int64 and must be in range."""
+    """``dst[dst_idx] = src[src_idx]`` in one pass.
+
+    For C-contiguous 2-D arrays of one dtype and width (None: all rows in order). Indices are
+    int64 and must be in range.
+    """
     n = len(dst_idx) if dst_idx is not None else len(src_idx) if src_idx is not None \
         else len(src)
     if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:] or not (
@@ -42,8 +46,10 @@ def copy_rows(dst: np.ndarray, dst_idx: np.ndarray | None, src: np.ndarray,
 
 
 class HashTable:
-    """The open-addressing table from int64 ids to int32 values (slots) that the C kernels
-    probe; subclasses decide which slot an id gets."""
+    """The open-addressing table from int64 ids to int32 values (slots).
+
+    The C kernels probe it; subclasses decide which slot an id gets.
+    """
 
     def __init__(self, initial_capacity: int = 1024) -> None:
         cap = 1 << max(4, int(initial_capacity - 1).bit_length())

@@ -21,7 +21,7 @@ MANIFEST_NAME = "MANIFEST.json"
 
 
 def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename inside it survives a crash."""
+    """Fsync a directory so a rename inside it survives a crash."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -30,8 +30,10 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_atomic(file: Path, data: bytes) -> None:
-    """Replace `file` with `data` so that a crash leaves either the old or the new content:
-    write a temporary file, fsync it, rename it over the target, fsync the directory."""
+    """Replace `file` with `data`; a crash leaves either the old or the new content.
+
+    Writes a temporary file, fsyncs it, renames it over the target, fsyncs the directory.
+    """
     tmp = file.with_name(file.name + ".tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)

@@ -40,41 +40,86 @@ class Policy(ABC):
         return {"seed": self.seed}
 
 
+def as_ids(ids: np.ndarray) -> np.ndarray:
+    """`ids` as a C-contiguous int64 array (the index kernels need one)."""
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
 class EvictionPolicy(Policy):
     """Tracks the ids resident in a tier and decides which to evict.
 
+    The public methods are concrete: they convert ids to C-contiguous int64 once, skip empty
+    batches and bound `n`, then call the hooks subclasses implement (`_record_access`,
+    `_record_insert`, `_record_remove`, `_choose_victims`), always with at least one id.
+
     Contract for implementers:
-        - `record_insert` is called with distinct ids that are not tracked yet.
-        - `record_access` may receive duplicates and ids it does not track (ignore those).
-        - `record_remove` drops ids (absent ones are ignored).
-        - `choose_victims(n, now)` returns min(n, len(self)) distinct tracked ids and stops
-          tracking them; the same state and calls give the same victims.
+        - `_record_insert` is called with distinct ids that are not tracked yet.
+        - `_record_access` may receive duplicates and ids it does not track (ignore those).
+        - `_record_remove` drops ids (absent ones are ignored).
+        - `_choose_victims(n, now)` gets 1 <= n <= len(self), returns n distinct tracked ids
+          and stops tracking them; the same state and calls give the same victims.
+        - `_advance(now)` runs first in every call that passes `now`, empty batches included
+          (for policies whose state decays with time).
     """
 
     kind: ClassVar[str] = "eviction"
 
-    @abstractmethod
     def record_access(self, ids: np.ndarray, now: float) -> None:
         """Note reads or writes of `ids` (int64[N], duplicates allowed) at time `now`."""
+        self._advance(now)
+        if len(ids):
+            self._record_access(as_ids(ids), now)
 
-    @abstractmethod
     def record_insert(self, ids: np.ndarray, now: float) -> None:
         """Start tracking distinct, untracked `ids` (int64[N]) inserted at time `now`."""
+        self._advance(now)
+        if len(ids):
+            self._record_insert(as_ids(ids), now)
 
-    @abstractmethod
     def record_remove(self, ids: np.ndarray) -> None:
         """Stop tracking `ids` (int64[N]); untracked ids are ignored."""
+        if len(ids):
+            self._record_remove(as_ids(ids))
 
-    @abstractmethod
     def choose_victims(self, n: int, now: float) -> np.ndarray:
         """Pick up to `n` tracked ids to evict (int64[min(n, len)]) and stop tracking them."""
+        self._advance(now)
+        n = min(int(n), len(self))
+        if n <= 0:
+            return _NO_IDS.copy()
+        return self._choose_victims(n, now)
 
     def expired(self, now: float) -> np.ndarray:
         """Tracked ids whose time is up regardless of pressure (TTL); untracks them.
 
         Note for implementers: the default expires nothing.
         """
-        return np.zeros(0, dtype=np.int64)
+        return _NO_IDS.copy()
+
+    def _advance(self, now: float) -> None:
+        """Bring time-dependent state to `now`.
+
+        Note for implementers: the default does nothing.
+        """
+
+    @abstractmethod
+    def _record_access(self, ids: np.ndarray, now: float) -> None:
+        """`record_access` of a non-empty batch of C-contiguous int64 ids."""
+
+    @abstractmethod
+    def _record_insert(self, ids: np.ndarray, now: float) -> None:
+        """`record_insert` of a non-empty batch of C-contiguous int64 ids."""
+
+    @abstractmethod
+    def _record_remove(self, ids: np.ndarray) -> None:
+        """`record_remove` of a non-empty batch of C-contiguous int64 ids."""
+
+    @abstractmethod
+    def _choose_victims(self, n: int, now: float) -> np.ndarray:
+        """`choose_victims` for 1 <= n <= len(self)."""
 
     @abstractmethod
     def __len__(self) -> int:
@@ -82,17 +127,27 @@ class EvictionPolicy(Policy):
 
 
 class AdmissionPolicy(Policy):
-    """Decides which ids may enter a tier."""
+    """Decides which ids may enter a tier.
+
+    `admit` is concrete: it converts ids once and answers an empty batch itself, then calls
+    `_admit`, which subclasses implement.
+    """
 
     kind: ClassVar[str] = "admission"
 
-    @abstractmethod
     def admit(self, ids: np.ndarray, now: float) -> np.ndarray:
         """bool[N]: whether each of `ids` (int64[N], duplicates allowed) may enter now.
 
         A call also counts as an observation of the ids (a frequency policy learns from it).
         Duplicates of one id in a batch get the same answer.
         """
+        if not len(ids):
+            return np.zeros(0, dtype=bool)
+        return self._admit(as_ids(ids), now)
+
+    @abstractmethod
+    def _admit(self, ids: np.ndarray, now: float) -> np.ndarray:
+        """`admit` of a non-empty batch of C-contiguous int64 ids."""
 
 
 @runtime_checkable

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import registry
+from ._build import build_chain
 from ._validate import as_ids, as_rows
-from .backend import BackendSpec
-from .checkpoint import CopyState, take_checkpoint
+from .backend import Backend
+from .checkpoint import CheckpointPlan, CopyState, take_checkpoint
 from .errors import (
     ConfigError,
     InvalidValuesError,
@@ -31,13 +30,12 @@ from .errors import (
     StoreClosedError,
     UnknownTableError,
 )
-from .hierarchy import TableChain, Tier, TierStatistics
+from .hierarchy import TableChain, TierStatistics
 from .index import IdGroups, IdIndex
 from .spec import TableSpec, TierSpec
 
 __all__ = ["EmbeddingStore"]
 
-LOCK_NAME = "LOCK"
 DEFAULT_TIERS = (TierSpec("dram"),)
 
 
@@ -82,48 +80,7 @@ class EmbeddingStore:
     # --- construction -----------------------------------------------------------------------
 
     def _build_chain(self, spec: TableSpec) -> TableChain:
-        tier_specs = spec.tiers or self._default_tiers
-        width, dtype = spec.row_width, spec.dtype
-        row_bytes = width * dtype.itemsize
-        tiers: list[Tier] = []
-        try:
-            for level, ts in enumerate(tier_specs):
-                is_bottom = level == len(tier_specs) - 1
-                cls = registry.load_backend(ts.backend)
-                path = None
-                if self._path is not None and (cls.requires_path or is_bottom):
-                    # caches live apart from the store of record and start empty on open: after
-                    # a crash their unflushed rows must not shadow the bottom tier's
-                    path = (self._path / f"tier{level}-{ts.backend}" if is_bottom
-                            else self._path / "cache" / f"tier{level}-{ts.backend}")
-                    if not is_bottom and path.exists() and not self._read_only:
-                        shutil.rmtree(path / spec.name, ignore_errors=True)
-                elif cls.requires_path:
-                    raise ConfigError(
-                        f"table {spec.name!r}: backend {ts.backend!r} needs a directory; open the "
-                        "store with a path, or use only 'dram' tiers for an in-memory store"
-                    )
-                capacity = ts.capacity_rows(row_bytes)
-                bspec = BackendSpec(path=path, dim=width, dtype=dtype, table=spec.name,
-                                    read_only=self._read_only and is_bottom,
-                                    capacity_bytes=None if capacity is None
-                                    else capacity * row_bytes)
-                backend = cls.open(bspec, **ts.options)
-                if not is_bottom and len(backend):
-                    backend.delete(backend.ids())  # a cache medium that kept rows: start empty
-                eviction = _make_policy(ts.eviction, ts.eviction_options, "eviction")
-                admission = (None if ts.admission in (None, "always")
-                             else _make_policy(ts.admission, ts.admission_options, "admission"))
-                if eviction is not None and is_bottom and len(backend):
-                    # feature expiry must see the rows stored before this open, too
-                    for ids, _ in backend.items():
-                        eviction.record_insert(ids, 0)
-                tiers.append(Tier(level, ts, backend, capacity, eviction, admission, is_bottom))
-        except BaseException:
-            for tier in tiers:
-                tier.backend.close()
-            raise
-        return TableChain(tiers, width, dtype)
+        return build_chain(spec, self._default_tiers, self._path, read_only=self._read_only)
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -361,13 +318,38 @@ class EmbeddingStore:
         with self._mutex:
             return len(self._table(table).chain)
 
-    def items(self, table: str, batch_rows: int = 65536) -> Any:
-        """Yield (ids, weights, state) batches over every stored row of `table`."""
+    def items(self, table: str, batch_rows: int = 65536
+              ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Iterate over every stored row of `table` in (ids, weights, state) pages.
+
+        Dirty cache rows are written back first, then the store of record is read page by
+        page: the store's lock is held while one page is read, never between pages, so a
+        caller may stop early or go slowly without blocking other threads. Writes made while
+        the pages are read may or may not show; rows untouched meanwhile appear exactly once.
+
+        Args:
+            table: the table.
+            batch_rows: rows per page at most.
+
+        Raises:
+            UnknownTableError, StoreClosedError (also between pages), ConfigError (batch_rows
+            < 1), CorruptStoreError.
+        """
         with self._mutex:
             t = self._table(table)
-            dim = t.spec.dim
-            for ids, rows in t.chain.items(batch_rows):
-                yield ids, rows[:, :dim], rows[:, dim:]
+            pages = t.chain.items(batch_rows)
+        return self._pages(pages, t.spec.dim)
+
+    def _pages(self, pages: Iterator[tuple[np.ndarray, np.ndarray]], dim: int
+               ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        while True:
+            with self._mutex:
+                self._check_open()
+                page = next(pages, None)
+            if page is None:
+                return
+            ids, rows = page
+            yield ids, rows[:, :dim], rows[:, dim:]
 
     def checkpoint(self, dest: str | os.PathLike[str], *, step: int | None = None,
                    incremental: bool = False,
@@ -393,6 +375,92 @@ class EmbeddingStore:
         return take_checkpoint(self, Path(dest), step=step, incremental=incremental,
                                progress=progress)
 
+    # --- the checkpoint interface (embstore.checkpoint.CheckpointSource) --------------------
+
+    def begin_checkpoint(self, incremental: bool) -> CheckpointPlan:
+        """For `embstore.checkpoint`: flush, fix T0 and start saving pre-images.
+
+        Raises:
+            StoreClosedError: the store is closed.
+            ConfigError: `incremental` without an earlier checkpoint from this handle.
+        """
+        with self._mutex:
+            self._check_open()
+            parent = self._last_checkpoint
+            if incremental and (parent is None or self._changes is None):
+                raise ConfigError(
+                    "an incremental checkpoint needs an earlier checkpoint taken by this handle "
+                    "(changes are tracked in memory from it); take a full checkpoint first"
+                )
+            self.flush()  # every dirty row is in the store of record now: its rows are T0's
+            previous = self._changes
+            scope = previous if incremental else None
+            self._changes = {name: IdIndex() for name in self._tables}  # changes after T0
+            self._copy = CopyState(scope, previous)
+            rows = {name: len(scope[name]) if scope is not None
+                    else len(t.chain.tiers[-1].backend) for name, t in self._tables.items()}
+            return CheckpointPlan([t.spec for t in self._tables.values()], self._default_tiers,
+                                  parent, rows)
+
+    def checkpoint_pages(self, table: str, batch_rows: int
+                         ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """For `embstore.checkpoint`: (ids scanned, ids, rows, found) pages of T0 rows.
+
+        The lock is held while one page is read and marked copied, never between pages.
+        """
+        with self._mutex:
+            copy = self._copy
+            assert copy is not None, "begin_checkpoint first"
+            bottom = self._tables[table].chain.tiers[-1].backend
+            if copy.scope is None:  # every stored row: a scan of the store of record
+                return self._scan_pages(table, copy, bottom.items(batch_rows))
+            return self._id_pages(table, copy, bottom, copy.scope[table].items()[0],
+                                  batch_rows)
+
+    def _scan_pages(self, table: str, copy: CopyState,
+                    pages: Iterator[tuple[np.ndarray, np.ndarray]]
+                    ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        while True:
+            with self._mutex:
+                self._check_open()
+                page = next(pages, None)
+                if page is None:
+                    return
+                ids, rows = page
+                fresh = copy.take(table, ids)
+            yield (len(ids), ids[fresh], rows[fresh],
+                   np.ones(int(np.count_nonzero(fresh)), dtype=bool))
+
+    def _id_pages(self, table: str, copy: CopyState, bottom: Backend, scope: np.ndarray,
+                  batch_rows: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        for start in range(0, len(scope), batch_rows):
+            with self._mutex:
+                self._check_open()
+                ids = scope[start:start + batch_rows]
+                ids = np.ascontiguousarray(ids[copy.take(table, ids)])
+                rows, found = bottom.get(ids)
+            yield len(ids), ids, rows, found
+
+    def checkpoint_preimages(self, table: str
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """For `embstore.checkpoint`: the saved T0 rows of `table` after its last page."""
+        with self._mutex:
+            assert self._copy is not None, "begin_checkpoint first"
+            return self._copy.preimages(table)
+
+    def end_checkpoint(self, dest: Path | None) -> None:
+        """For `embstore.checkpoint`: stop saving pre-images; `dest` None after a failure."""
+        with self._mutex:
+            copy, self._copy = self._copy, None
+            if dest is not None:
+                self._last_checkpoint = dest
+            elif copy is not None and copy.previous is not None and self._changes is not None:
+                # the changes meant for this checkpoint must go into the next incremental one
+                for name, changed in copy.previous.items():
+                    ids = changed.items()[0]
+                    if len(ids):
+                        self._changes[name].add(ids)
+
     def flush(self) -> None:
         """Make every acknowledged write durable in the persistent tiers.
 
@@ -407,7 +475,15 @@ class EmbeddingStore:
                 t.chain.flush()
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per table: stored rows, dropped updates and one `TierStatistics` per tier."""
+        """Counters per table: {"updates_dropped": int, "tiers": [TierStatistics, top first]}.
+
+        `updates_dropped` counts writes that feature admission kept out; each
+        `TierStatistics` holds the tier's lookups, hits, misses, promotions, rejected
+        admissions, evictions, write-backs, rows and bytes.
+
+        Raises:
+            StoreClosedError: the store is closed.
+        """
         with self._mutex:
             self._check_open()
             return {name: {"updates_dropped": t.updates_dropped,
@@ -415,8 +491,11 @@ class EmbeddingStore:
                     for name, t in self._tables.items()}
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-serialisable description: path, default tiers, and per table its spec, rows,
-        and per tier the counters plus the medium's own facts (e.g. libpmem in use)."""
+        """A JSON-serialisable description of the store.
+
+        Path, default tiers, and per table its spec, rows, and per tier the counters plus the
+        medium's own facts (e.g. libpmem in use).
+        """
         with self._mutex:
             self._check_open()
             tables = {}
@@ -485,20 +564,3 @@ class EmbeddingStore:
     def __repr__(self) -> str:
         where = str(self._path) if self._path else "memory"
         return f"<EmbeddingStore {where} tables={self.tables}{' closed' if self._closed else ''}>"
-
-    def _manifest_body(self) -> dict[str, Any]:
-        return {"tiers": [t.to_json() for t in self._default_tiers],
-                "tables": [t.spec.to_json() for t in self._tables.values()]}
-
-
-def _make_policy(name: str | None, options: dict[str, Any], kind: str) -> Any:
-    """The policy `name` of family `kind` built with `options`, or None for no name."""
-    if name is None:
-        return None
-    cls = registry.load_policy(name)
-    if cls.kind != kind:
-        raise ConfigError(f"{name!r} is an {cls.kind} policy, given as the {kind} policy")
-    try:
-        return cls(**options)
-    except TypeError as exc:
-        raise ConfigError(f"{kind} policy {name!r}: bad options {options!r} ({exc})") from exc

@@ -25,7 +25,7 @@ def splitmix64(ids: np.ndarray, seed: int) -> np.ndarray:
 
 
 def positions(ids: np.ndarray, seed: int, k: int, bits: int) -> np.ndarray:
-    """k positions in [0, 2**bits) per id (int64[k, N]), by double hashing h1 + i*h2."""
+    """K positions in [0, 2**bits) per id (int64[k, N]), by double hashing h1 + i*h2."""
     h1 = splitmix64(ids, seed)
     h2 = splitmix64(ids, seed + 0x5BD1E995) | np.uint64(1)  # odd: all k positions differ
     i = np.arange(k, dtype=np.uint64)[:, None]

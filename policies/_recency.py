@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids
+from ._tracked import SlotLog, Tracked, TrackedEviction
 
 __all__: list[str] = []
 
@@ -33,13 +31,10 @@ class RecencyEviction(TrackedEviction):
     def _access(self, slots: np.ndarray, now: float) -> None:
         self._touch(slots, now)
 
-    def record_insert(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
-        if len(ids):
-            self._touch(self._t.insert(as_ids(ids)), now)
+    def _record_insert(self, ids: np.ndarray, now: float) -> None:
+        self._touch(self._t.insert(ids), now)
 
-    def choose_victims(self, n: int, now: float) -> np.ndarray:
-        # docstring inherited
+    def _choose_victims(self, n: int, now: float) -> np.ndarray:
         return self._pop_oldest(self._log, n)
 
     def _expire_before(self, limit: float) -> np.ndarray:
@@ -61,7 +56,3 @@ class RecencyEviction(TrackedEviction):
                 break
             self._log.advance(end)
         return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
-
-    def config(self) -> dict[str, Any]:
-        # docstring inherited
-        return {"seed": self.seed}

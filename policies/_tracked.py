@@ -17,14 +17,11 @@ import numpy as np
 from embstore._kernels._policy_kernels import ffi as _ffi
 from embstore._kernels._policy_kernels import lib as _kernels
 from embstore.index import IdIndex, _ptr
-from embstore.policy import EvictionPolicy
+from embstore.policy import EvictionPolicy, as_ids
 
 __all__: list[str] = []
 
 
-def as_ids(ids: np.ndarray) -> np.ndarray:
-    """`ids` as a C-contiguous int64 array (the index kernels need one)."""
-    return np.ascontiguousarray(ids, dtype=np.int64)
 
 
 def slots_by_id(ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -135,8 +132,10 @@ class Tracked:
 
     def insert_at(self, ids: np.ndarray, slots: np.ndarray,
                   reset: tuple[str, ...] | None = None) -> None:
-        """Track distinct, untracked `ids` that the shared index holds at `slots`, resetting
-        the columns named in `reset` (all when None; the caller writes the others)."""
+        """Track distinct, untracked `ids` that the shared index holds at `slots`.
+
+        Resets the columns named in `reset` (all when None; the caller writes the others).
+        """
         if self._owns_index:
             raise RuntimeError("insert_at needs a shared index (see share_index)")
         self._grow(self.index.high_water)
@@ -213,8 +212,10 @@ class SlotLog:
 
     def touch(self, slots: np.ndarray, stamp: np.ndarray, alive: np.ndarray,
               time: np.ndarray | None = None, now: float = 0.0) -> None:
-        """Append each of `slots` (repeats allowed) once, in order of first occurrence, with
-        fresh stamps; sets `time[slot] = now` where `time` (float64) is given."""
+        """Append each of `slots` (repeats allowed) once, with fresh stamps.
+
+        In order of first occurrence; sets `time[slot] = now` where `time` (float64) is given.
+        """
         if not len(slots):
             return
         slots = np.ascontiguousarray(slots, dtype=np.int32)
@@ -287,9 +288,12 @@ class SlotLog:
 
     def clock_sweep(self, need: int, live: int, stamp: np.ndarray, alive: np.ndarray,
                     ref: np.ndarray) -> np.ndarray:
-        """CLOCK's hand from the head: up to `need` victims (int32 slots, their `alive` now
-        cleared); referenced entries passed have `ref` cleared and are re-appended. `live`:
-        the owner's tracked count, which bounds the re-appends."""
+        """Run CLOCK's hand from the head for up to `need` victims.
+
+        Returns int32 slots, their `alive` now cleared; referenced entries passed have `ref`
+        cleared and are re-appended. `live`: the owner's tracked count, which bounds the
+        re-appends.
+        """
         self.reserve(live, stamp, alive)
         out = np.empty(max(need, 0), dtype=np.int32)
         pos = self._positions()
@@ -354,8 +358,7 @@ class TrackedEviction(EvictionPolicy):
         """Track ids in the slots of `index`, the tier backend's own (see `Tracked`)."""
         self._t.share_index(index)
 
-    def record_access(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
+    def _record_access(self, ids: np.ndarray, now: float) -> None:
         if not self.reads_matter:
             return
         slots = self._t.find(ids)
@@ -390,16 +393,17 @@ class TrackedEviction(EvictionPolicy):
         victims = self.choose_victims(n, now)
         return victims, self._t.index.find(victims)
 
-    def record_remove(self, ids: np.ndarray) -> None:
-        # docstring inherited
+    def _record_remove(self, ids: np.ndarray) -> None:
         self._t.remove(ids)
 
     def _access(self, slots: np.ndarray, now: float) -> None:
         """Note accesses of tracked `slots` (duplicates allowed)."""
 
     def _pop_oldest(self, log: SlotLog, n: int) -> np.ndarray:
-        """Untrack and return the `n` ids whose live entries in `log` (stamped in the
-        "stamp" column) are oldest."""
+        """Untrack and return the `n` ids whose live entries in `log` are oldest.
+
+        Entries are stamped in the "stamp" column.
+        """
         n = min(int(n), len(self))
         if n <= 0:
             return np.zeros(0, dtype=np.int64)

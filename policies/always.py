@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, final
+from typing import ClassVar, final
 
 import numpy as np
 
@@ -21,10 +21,5 @@ class AlwaysAdmission(AdmissionPolicy):
 
     name: ClassVar[str] = "always"
 
-    def admit(self, ids: np.ndarray, now: float) -> np.ndarray:
-        # docstring inherited
+    def _admit(self, ids: np.ndarray, now: float) -> np.ndarray:
         return np.ones(len(ids), dtype=bool)
-
-    def config(self) -> dict[str, Any]:
-        # docstring inherited
-        return {"seed": self.seed}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, final
+from typing import ClassVar, final
 
 import numpy as np
 
-from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids, slots_by_id
+from ._tracked import SlotLog, Tracked, TrackedEviction, slots_by_id
 
 __all__ = ["CLOCKEviction"]
 
@@ -39,11 +39,9 @@ class CLOCKEviction(TrackedEviction):
     def _access(self, slots: np.ndarray, now: float) -> None:
         self._t.cols["ref"][slots] = True
 
-    def record_insert(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
-        if len(ids):
-            slots = self._t.insert(np.sort(as_ids(ids)))
-            self._log.push(slots, self._t.cols["stamp"], self._t.alive)
+    def _record_insert(self, ids: np.ndarray, now: float) -> None:
+        slots = self._t.insert(np.sort(ids))
+        self._log.push(slots, self._t.cols["stamp"], self._t.alive)
 
     def record_insert_slots(self, ids: np.ndarray, slots: np.ndarray, now: float) -> None:
         # docstring inherited
@@ -58,10 +56,5 @@ class CLOCKEviction(TrackedEviction):
                                       t.cols["ref"])
         return t.remove_slots(slots), slots
 
-    def choose_victims(self, n: int, now: float) -> np.ndarray:
-        # docstring inherited
+    def _choose_victims(self, n: int, now: float) -> np.ndarray:
         return self.choose_victim_slots(n, now)[0]
-
-    def config(self) -> dict[str, Any]:
-        # docstring inherited
-        return {"seed": self.seed}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, final
+from typing import ClassVar, final
 
 import numpy as np
 
-from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids
+from ._tracked import SlotLog, Tracked, TrackedEviction
 
 __all__ = ["FIFOEviction"]
 
@@ -27,18 +27,10 @@ class FIFOEviction(TrackedEviction):
         self._t = Tracked({"stamp": (np.int64, 0)})
         self._log = SlotLog()
 
-    def record_insert(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
-        if not len(ids):
-            return
-        ids = np.sort(as_ids(ids))
+    def _record_insert(self, ids: np.ndarray, now: float) -> None:
+        ids = np.sort(ids)
         slots = self._t.insert(ids)
         self._log.push(slots, self._t.cols["stamp"], self._t.alive)
 
-    def choose_victims(self, n: int, now: float) -> np.ndarray:
-        # docstring inherited
+    def _choose_victims(self, n: int, now: float) -> np.ndarray:
         return self._pop_oldest(self._log, n)
-
-    def config(self) -> dict[str, Any]:
-        # docstring inherited
-        return {"seed": self.seed}

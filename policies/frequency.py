@@ -62,11 +62,8 @@ class FrequencyAdmission(AdmissionPolicy):
         pos = positions(ids, self.seed, self.depth, self._bits)
         return self._sketch[np.arange(self.depth)[:, None], pos].min(axis=0)
 
-    def admit(self, ids: np.ndarray, now: float) -> np.ndarray:
-        # docstring inherited
-        if not len(ids):
-            return np.zeros(0, dtype=bool)
-        uniq, inverse, counts = np.unique(np.asarray(ids, dtype=np.int64),
+    def _admit(self, ids: np.ndarray, now: float) -> np.ndarray:
+        uniq, inverse, counts = np.unique(ids,
                                           return_inverse=True, return_counts=True)
         pos = positions(uniq, self.seed, self.depth, self._bits)
         flat = (pos + (np.arange(self.depth, dtype=np.int64) * self.width)[:, None]).ravel()

@@ -10,7 +10,7 @@ import numpy as np
 from embstore.errors import ConfigError
 
 from ._hashing import positions
-from ._tracked import Tracked, TrackedEviction, as_ids, count_accesses, smallest
+from ._tracked import Tracked, TrackedEviction, count_accesses, smallest
 
 __all__ = ["LFUEviction"]
 
@@ -79,13 +79,13 @@ class LFUEviction(TrackedEviction):
                 self._history *= scale
         self._epoch = epoch if self._epoch is None else max(epoch, self._epoch)
 
-    def record_access(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
+    def _advance(self, now: float) -> None:
         self._age(now)
-        if self._history is not None and len(ids):
+
+    def _record_access(self, ids: np.ndarray, now: float) -> None:
+        if self._history is not None:
             # with history, reads of untracked ids count too: they are remembered for when
             # the id is inserted (the interface lets a policy learn from them, not track them)
-            ids = as_ids(ids)
             found = self._t.index.find(ids)
             absent, counts = np.unique(ids[found < 0], return_counts=True)
             if len(absent):
@@ -107,25 +107,15 @@ class LFUEviction(TrackedEviction):
         self._calls += 1
         count_accesses(self._t.cols["count"], self._t.cols["seen"], self._calls, slots)
 
-    def record_insert(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
-        self._age(now)
-        if not len(ids):
-            return
+    def _record_insert(self, ids: np.ndarray, now: float) -> None:
         self._calls += 1
-        ids = as_ids(ids)
         slots = self._t.insert(ids)
         self._t.cols["count"][slots] = 1.0
         if self._history is not None:
             self._t.cols["count"][slots] += self._history_cells(ids)[1].min(axis=0)
         self._t.cols["seen"][slots] = self._calls
 
-    def choose_victims(self, n: int, now: float) -> np.ndarray:
-        # docstring inherited
-        self._age(now)
-        n = min(int(n), len(self))
-        if n <= 0:
-            return np.zeros(0, dtype=np.int64)
+    def _choose_victims(self, n: int, now: float) -> np.ndarray:
         live = np.flatnonzero(self._t.alive[: self._t.index.high_water])
         chosen = smallest(live, self._t.cols["count"], self._t.cols["seen"], self._t.ids, n)
         if self._history is not None:

@@ -36,11 +36,8 @@ class ProbabilityAdmission(AdmissionPolicy):
         super().__init__(seed=seed)
         self.p = float(p)
 
-    def admit(self, ids: np.ndarray, now: float) -> np.ndarray:
-        # docstring inherited
-        if not len(ids):
-            return np.zeros(0, dtype=bool)
-        uniq, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
+    def _admit(self, ids: np.ndarray, now: float) -> np.ndarray:
+        uniq, inverse = np.unique(ids, return_inverse=True)
         return (self.rng.random(len(uniq)) < self.p)[inverse.reshape(-1)]
 
     def config(self) -> dict[str, Any]:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, final
+from typing import ClassVar, final
 
 import numpy as np
 
-from ._tracked import Tracked, TrackedEviction, as_ids
+from ._tracked import Tracked, TrackedEviction
 
 __all__ = ["RandomEviction"]
 
@@ -30,12 +30,9 @@ class RandomEviction(TrackedEviction):
         self._t = Tracked({"pos": (np.int64, -1)})
         self._dense = np.zeros(1024, dtype=np.int32)
 
-    def record_insert(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
-        if not len(ids):
-            return
+    def _record_insert(self, ids: np.ndarray, now: float) -> None:
         before = len(self._t)
-        slots = self._t.insert(np.sort(as_ids(ids)))
+        slots = self._t.insert(np.sort(ids))
         fresh = slots[self._t.cols["pos"][slots] < 0]
         end = before + len(fresh)
         if end > len(self._dense):
@@ -57,24 +54,15 @@ class RandomEviction(TrackedEviction):
         self._dense[holes] = movers
         pos[movers] = holes
 
-    def record_remove(self, ids: np.ndarray) -> None:
-        # docstring inherited
+    def _record_remove(self, ids: np.ndarray) -> None:
         before = len(self._t)
         freed = self._t.remove(ids)
         if len(freed):
             self._unpack(freed, before)
 
-    def choose_victims(self, n: int, now: float) -> np.ndarray:
-        # docstring inherited
+    def _choose_victims(self, n: int, now: float) -> np.ndarray:
         before = len(self._t)
-        n = min(int(n), before)
-        if n <= 0:
-            return np.zeros(0, dtype=np.int64)
         slots = self._dense[self.rng.choice(before, size=n, replace=False)]
         victims = self._t.remove_slots(slots)
         self._unpack(slots, before)
         return victims
-
-    def config(self) -> dict[str, Any]:
-        # docstring inherited
-        return {"seed": self.seed}

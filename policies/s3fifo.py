@@ -8,7 +8,7 @@ import numpy as np
 
 from embstore.errors import ConfigError
 
-from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids, count_accesses_saturating
+from ._tracked import SlotLog, Tracked, TrackedEviction, count_accesses_saturating
 
 __all__ = ["S3FIFOEviction"]
 
@@ -67,11 +67,8 @@ class S3FIFOEviction(TrackedEviction):
     def _access(self, slots: np.ndarray, now: float) -> None:
         count_accesses_saturating(self._t.cols["freq"], _MAX_FREQ, slots)
 
-    def record_insert(self, ids: np.ndarray, now: float) -> None:
-        # docstring inherited
-        if not len(ids):
-            return
-        ids = np.sort(as_ids(ids))
+    def _record_insert(self, ids: np.ndarray, now: float) -> None:
+        ids = np.sort(ids)
         ghosted = self._ghost.index.find(ids) >= 0
         self._ghost.remove(ids[ghosted])
         slots = self._t.insert(ids)
@@ -83,8 +80,7 @@ class S3FIFOEviction(TrackedEviction):
         self._small.push(to_small, self._t.cols["stamp_s"], self._t.alive)
         self._n_small += len(to_small)
 
-    def record_remove(self, ids: np.ndarray) -> None:
-        # docstring inherited
+    def _record_remove(self, ids: np.ndarray) -> None:
         freed = self._t.remove(ids)
         self._n_small -= int(np.count_nonzero(self._t.cols["queue"][freed] == _SMALL))
 
@@ -124,8 +120,7 @@ class S3FIFOEviction(TrackedEviction):
         gone = slots[:cut][victim[:cut]]
         return gone, len(gone)
 
-    def choose_victims(self, n: int, now: float) -> np.ndarray:
-        # docstring inherited
+    def _choose_victims(self, n: int, now: float) -> np.ndarray:
         size = len(self)
         need = min(int(n), size)
         floor = self.small_ratio * size

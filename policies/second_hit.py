@@ -55,11 +55,8 @@ class SecondHitAdmission(AdmissionPolicy):
     def _has(bits: np.ndarray, pos: np.ndarray) -> np.ndarray:
         return (((bits[pos >> 3] >> (pos & 7).astype(np.uint8)) & 1) == 1).all(axis=0)
 
-    def admit(self, ids: np.ndarray, now: float) -> np.ndarray:
-        # docstring inherited
-        if not len(ids):
-            return np.zeros(0, dtype=bool)
-        uniq, inverse = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
+    def _admit(self, ids: np.ndarray, now: float) -> np.ndarray:
+        uniq, inverse = np.unique(ids, return_inverse=True)
         pos = positions(uniq, self.seed, self._k, self._bits)
         in_cur = self._has(self._cur, pos)
         seen = in_cur | self._has(self._prev, pos)

@@ -1,6 +1,7 @@
 """Checkpoints: full ones open as stores, chains of incrementals restore to the same tables,
 copies are consistent while other threads read and write, and a crash mid-checkpoint leaves
-the earlier ones intact."""
+the earlier ones intact.
+"""
 
 from __future__ import annotations
 
@@ -38,12 +39,30 @@ def _contents(store: embstore.EmbeddingStore) -> dict[str, dict[int, bytes]]:
     return out
 
 
-def _train(store: embstore.EmbeddingStore, seed: int, n: int = 200) -> None:
+def _train(store: embstore.EmbeddingStore, seed: int, n: int = 200) -> dict[str, set[int]]:
+    """A few steps on every table; returns the ids each table's calls changed."""
     rng = np.random.default_rng(seed)
+    touched = {}
     for name in store.tables:
         ids = rng.integers(0, 300, n)
         store.apply_gradients(name, ids, rng.standard_normal((n, 4)).astype(np.float32))
-        store.delete(name, rng.integers(0, 300, 10))
+        dead = rng.integers(0, 300, 10)
+        store.delete(name, dead)
+        touched[name] = set(ids.tolist()) | set(dead.tolist())
+    return touched
+
+
+def _increment(path, name: str) -> tuple[set[int], set[int]]:
+    """The ids an incremental checkpoint stores rows for, and its tombstones, of one table."""
+    from embstore.checkpoint import _bottom_backend, _read_tombstones
+    from embstore.layout import read_manifest
+
+    doc = read_manifest(path)
+    spec = next(TableSpec.from_json(t) for t in doc["tables"] if t["name"] == name)
+    tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
+    with _bottom_backend(path, spec, tiers, read_only=True) as delta:
+        stored = set(delta.ids().tolist())
+    return stored, set(_read_tombstones(path / f"{name}.deleted").tolist())
 
 
 def test_full_checkpoint_opens_as_a_store_with_weights_state_and_step(tmp_path):
@@ -63,12 +82,19 @@ def test_a_chain_of_incrementals_restores_to_the_full_checkpoint(tmp_path):
     with embstore.open(tmp_path / "s", tables=[_spec("a"), _spec("b")], tiers=TIERS) as store:
         _train(store, 0)
         store.checkpoint(tmp_path / "c0", step=0)
+        changed = {}
         for k in range(1, 4):
-            _train(store, k)
+            changed[k] = _train(store, k)
             store.checkpoint(tmp_path / f"c{k}", step=k, incremental=True)
         store.checkpoint(tmp_path / "full3", step=3)
         live = _contents(store)
-    # the increments hold only what changed
+    # the increments hold only what changed: a row or a tombstone per changed id, no other
+    for k in (1, 2, 3):
+        for name in ("a", "b"):
+            stored, dead = _increment(tmp_path / f"c{k}", name)
+            assert not stored & dead
+            assert stored | dead == changed[k][name]
+            assert len(stored) < 300
     with embstore.open(tmp_path / "full3", read_only=True) as full:
         assert _contents(full) == live
     sizes = [json.loads((tmp_path / f"c{k}" / "MANIFEST.json").read_text())["checkpoint"]

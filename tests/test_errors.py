@@ -1,5 +1,6 @@
 """Every error path of the public API: the right class from embstore.errors, a message that
-says what to do, and no change to the store."""
+says what to do, and no change to the store.
+"""
 
 from __future__ import annotations
 
@@ -122,9 +123,9 @@ def test_unknown_backend_and_policy_names_are_config_errors(tmp_path):
     with pytest.raises(E.UnknownNameError, match="registered"):
         embstore.open(None, tables=[TableSpec("t", dim=2)], tiers=[TierSpec("tape")])
     with pytest.raises(E.UnknownNameError):
-        embstore.open(None, tables=[TableSpec("t", dim=2)],
-                      tiers=[TierSpec("dram", capacity=4, eviction="nope"), TierSpec("dram")])
-    assert not list(tmp_path.iterdir())
+        embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=2)],
+                      tiers=[TierSpec("dram", capacity=4, eviction="nope"), TierSpec("lmdb")])
+    assert not list(tmp_path.iterdir())  # the failed create left nothing behind
 
 
 def test_duplicate_table_names_are_rejected():

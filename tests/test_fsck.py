@@ -1,5 +1,6 @@
 """fsck finds damage the store would otherwise only meet on a read, and nothing in a healthy
-store; it ends the stress tests as their oracle."""
+store; it ends the stress tests as their oracle.
+"""
 
 from __future__ import annotations
 

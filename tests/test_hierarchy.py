@@ -1,5 +1,6 @@
 """Tier-chain behaviour the dict model does not show: statistics, write-back on eviction,
-feature admission and expiry in the bottom tier, and policy configuration errors."""
+feature admission and expiry in the bottom tier, and policy configuration errors.
+"""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def _failing_puts(backend, failures: int):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("bottom", ["lmdb", "pmem"])
 def test_a_failed_background_write_back_is_raised_and_kept_until_it_succeeds(tmp_path, bottom):
     """Write-backs into the bottom run on a second thread: a failure surfaces at the next use
-    of the bottom, and the rows stay queued, never lost nor shadowed by an older value."""
+    of the bottom, and the rows stay queued, never lost nor shadowed by an older value.
+    """
     tiers = [TierSpec("dram", capacity=4, eviction="fifo"), TierSpec(bottom)]
     ids = np.arange(10)
     rows = np.arange(40, dtype=np.float32).reshape(10, 4)

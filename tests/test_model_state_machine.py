@@ -1,6 +1,7 @@
 """Hypothesis runs random tier chains (every backend and policy, tiny capacities) beside a plain
 dict model: every lookup must equal the model bit for bit, nothing may be lost on eviction,
-and flush + reopen must restore the model exactly."""
+and flush + reopen must restore the model exactly.
+"""
 
 from __future__ import annotations
 

@@ -130,7 +130,8 @@ def sum_duplicates(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.n
 
 def _run_embstore(opt: optim.Optimizer, batches) -> np.ndarray:
     """Train through `opt.step` as the store does: one gathered payload row per distinct id,
-    weights and state as strided views of it. Returns the payload [ROWS, DIM + width]."""
+    weights and state as strided views of it. Returns the payload [ROWS, DIM + width].
+    """
     payload = np.concatenate(
         [_initial_weights(), opt.initial_state(ROWS, DIM, np.dtype(np.float32))], axis=1)
     for ids, grads in batches:
@@ -143,7 +144,8 @@ def _run_embstore(opt: optim.Optimizer, batches) -> np.ndarray:
 
 def _run_store(opt: optim.Optimizer, batches, tiers: list | None = None) -> np.ndarray:
     """Train through `store.apply_gradients`, which sums duplicates itself. Returns the
-    payload read back with `lookup` and `lookup_state`."""
+    payload read back with `lookup` and `lookup_state`.
+    """
     all_ids = np.arange(ROWS, dtype=np.int64)
     spec = embstore.TableSpec("t", dim=DIM, optimizer=opt)
     with embstore.open(None, tables=[spec], tiers=tiers) as store:
@@ -267,10 +269,14 @@ def test_step_does_not_write_caller_gradients(opt, batches) -> None:
 
 @pytest.mark.parametrize("opt", CASES, ids=repr)
 def test_step_on_an_empty_batch_changes_nothing(opt) -> None:
-    width = opt.state_width(DIM)
-    payload = np.zeros((0, DIM + width), dtype=np.float32)
-    opt.step(payload[:, :DIM], payload[:, DIM:], np.zeros((0, DIM), dtype=np.float32))
-    assert payload.shape == (0, DIM + width)
+    with embstore.open(None, tables=[embstore.TableSpec("t", dim=DIM, optimizer=opt)]) as store:
+        ids = np.arange(5, dtype=np.int64)
+        store.apply_gradients("t", ids, np.ones((5, DIM), dtype=np.float32))
+        weights, state = store.lookup("t", ids), store.lookup_state("t", ids)
+        store.apply_gradients("t", np.zeros(0, np.int64), np.zeros((0, DIM), np.float32))
+        assert store.num_rows("t") == 5
+        np.testing.assert_array_equal(store.lookup("t", ids), weights)
+        np.testing.assert_array_equal(store.lookup_state("t", ids), state)
 
 
 def test_adam_step_count_is_exact_and_saturates_at_2_pow_24_like_torch() -> None:

@@ -11,7 +11,8 @@ import pytest
 
 from embstore import registry
 from embstore.errors import ConfigError
-from embstore.simulate import (
+from embstore.tools.cli import main
+from embstore.tools.simulator import (
     Trace,
     belady,
     infinite,
@@ -21,7 +22,6 @@ from embstore.simulate import (
     run_policies,
     simulate_trace,
 )
-from embstore.tools.cli import main
 
 
 def random_trace(seed: int, batches: int = 30, width: int = 12, ids: int = 40) -> Trace:
@@ -173,3 +173,40 @@ def test_frequency_beats_recency_on_the_calibrated_trace() -> None:
                        parse_policy(always, "admission"), capacity)
     best = belady(trace, capacity)
     assert best.misses < lfu.misses < lru.misses
+
+
+def _zipf_trace(seed: int, batches: int = 40, width: int = 64, ids: int = 300) -> Trace:
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, ids + 1) ** 1.1
+    weights /= weights.sum()
+    return Trace([rng.choice(ids, size=rng.integers(0, width + 1), p=weights) * 3 + 1
+                  for _ in range(batches)])
+
+
+@pytest.mark.parametrize("admission", registry.policy_names("admission"))
+@pytest.mark.parametrize("eviction", registry.policy_names("eviction"))
+def test_the_simulator_counts_what_a_real_bounded_dram_tier_counts(
+        tmp_path: Path, eviction: str, admission: str) -> None:
+    """Replay one trace through the simulator and through a store whose DRAM tier has the
+    same capacity and policies (its store of record holding every id): same hits, same
+    misses.
+    """
+    import embstore
+    from embstore import TableSpec, TierSpec
+
+    trace = _zipf_trace(7)
+    capacity = 40
+    simulated = run_policies(trace, parse_policy(eviction, "eviction"),
+                             parse_policy(admission, "admission"), capacity)
+    tiers = [TierSpec("dram", capacity=capacity, eviction=eviction, admission=admission),
+             TierSpec("dram")]
+    with embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=1)], tiers=tiers) as store:
+        store.update("t", trace.ids, np.ones((trace.distinct, 1), np.float32))
+    with embstore.open(tmp_path / "s") as store:  # caches start empty, policies fresh
+        for batch in trace.batches:
+            if len(batch):
+                store.lookup("t", np.unique(batch))
+        top = store.tier_statistics("t")[0]
+    assert top.lookups == simulated.lookups == trace.lookups
+    assert (top.hits, top.misses) == (simulated.lookups - simulated.misses, simulated.misses)
+    assert 0 < simulated.misses < simulated.lookups

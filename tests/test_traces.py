@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embstore import traces
 from embstore.errors import ConfigError
+from embstore.tools import traces
 
 STATS = Path(__file__).resolve().parent / "data" / "dlrm_datasets"  # a copy, with its licence
 # Calibration tolerance: total-variation distance between a synthetic batch's histogram and the

@@ -29,7 +29,7 @@ from embstore import registry
 from embstore.backend import Backend, BackendSpec
 from embstore.backends._keys import encode_keys
 from embstore.errors import BackendUnavailableError
-from embstore.workload import ZipfIds
+from embstore.tools.workload import ZipfIds
 
 from ._benchutil import add_size_arguments, interleaved_medians
 

@@ -3,7 +3,7 @@
 Part 1 (hit path): every id of a batch is in the DRAM tier of a DRAM-over-rocksdb chain; its
 lookups are timed against the same lookups on a DRAM-only store, per eviction policy.
 
-Part 2 (end to end): the calibrated synthetic trace (embstore.traces, profile 2021) is looked
+Part 2 (end to end): the calibrated synthetic trace (embstore.tools.traces, profile 2021) is looked
 up and trained (row-wise Adagrad) batch after batch through a DRAM tier holding a tenth of the
 distinct ids, over a rocksdb and over a pmem bottom tier. Its throughput is compared with
 (a) the same work on a DRAM-only store, and (b) the limit that the raw speeds of the two tiers
@@ -33,8 +33,8 @@ import numpy as np
 
 import embstore
 from embstore import TableSpec, TierSpec, registry
-from embstore.traces import synthesize
-from embstore.workload import ZipfIds
+from embstore.tools.traces import synthesize
+from embstore.tools.workload import ZipfIds
 
 from ._benchutil import interleaved_medians, print_table
 
@@ -110,9 +110,11 @@ def _record_bottom(store: embstore.EmbeddingStore) -> list[tuple[str, np.ndarray
 
 
 def _in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` in a new interpreter. On two cores, what one contender leaves behind (a
-    grown heap, RocksDB's threads and caches) slowed the next by up to 15%; every timed run
-    starts from the same clean state instead."""
+    """`fn(*args)` in a new interpreter.
+
+    On two cores, what one contender leaves behind (a grown heap, RocksDB's threads and caches)
+    slowed the next by up to 15%; every timed run starts from the same clean state instead.
+    """
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
 
@@ -132,8 +134,11 @@ def _spec() -> TableSpec:
 
 def _train(args: argparse.Namespace, path: Path | None,
            bottom: str | None) -> tuple[float, list[Any]]:
-    """Seconds to train the trace on a DRAM-only store (`bottom` None) or through a DRAM tier
-    over `bottom`; with a bottom, its batched reads and writes are saved beside `path`."""
+    """Seconds to train the trace on a DRAM-only store or through a DRAM tier over `bottom`.
+
+    DRAM-only when `bottom` is None; with a bottom, its batched reads and writes are saved
+    beside `path`.
+    """
     trace, distinct = _trace(args)
     rng = np.random.default_rng(3)
     grads = [rng.standard_normal((len(b), DIM)).astype(np.float32) * 0.01 for b in trace]

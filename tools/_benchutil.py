@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 
 import embstore
-from embstore.workload import ZipfIds
+from embstore.tools.workload import ZipfIds
 
 
 def add_size_arguments(parser: argparse.ArgumentParser, *, rows: int, dim: int = 64,
@@ -50,8 +50,10 @@ def print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
 
 def build_table(args: argparse.Namespace, spec: embstore.TableSpec
                 ) -> tuple[embstore.EmbeddingStore, np.ndarray, ZipfIds]:
-    """An in-memory store with table `spec` ("t") and a plain array holding the same weights,
-    row i at the id of Zipf rank i (`--quick` shrinks the sizes first)."""
+    """An in-memory store with table `spec` ("t") and a plain array of the same weights.
+
+    Row i of the array is at the id of Zipf rank i (`--quick` shrinks the sizes first).
+    """
     if args.quick:
         args.rows, args.batch, args.repeats = 20_000, 4096, 5
     zipf = ZipfIds(args.rows, args.zipf, seed=args.seed)

@@ -77,8 +77,11 @@ def table_bytes(cfg: DemoConfig) -> int:
 
 def make_store(cfg: DemoConfig, path: Any, *, all_dram: bool,
                dram_fraction: float = 0.1) -> embstore.EmbeddingStore:
-    """Open (or create) the demo's store: one table per feature, by default each on rocksdb
-    behind a DRAM tier of `dram_fraction` of its rows; `all_dram` keeps every row in DRAM."""
+    """Open (or create) the demo's store: one table per feature.
+
+    By default each table is on rocksdb behind a DRAM tier of `dram_fraction` of its rows;
+    `all_dram` keeps every row in DRAM.
+    """
     tables = [TableSpec(name, dim=cfg.dim,
                         init=embstore.init.Uniform(-0.05, 0.05, seed=cfg.seed * 1000 + i),
                         optimizer=embstore.optim.RowWiseAdagrad(lr=cfg.lr))
@@ -217,8 +220,10 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
 
 
 def table_digest(store: embstore.EmbeddingStore) -> str:
-    """sha256 over every table (name order) of its stored ids sorted, rows and optimizer state
-    in id order."""
+    """Hash every table's contents: sha256 hex.
+
+    Over every table (name order): its stored ids sorted, rows and optimizer state in id order.
+    """
     h = hashlib.sha256()
     for name in sorted(store.tables):
         ids, rows, state = [], [], []

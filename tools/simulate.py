@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", metavar="TRACE",
                    help="a .npy (2-D: a batch per row; 1-D: cut by --batch-size), a .npz with "
                         "'ids' and 'offsets', or synth:key=value,... (e.g. "
-                        "synth:seed=1,batches=20,profile=2021) for embstore.traces.synthesize")
+                        "synth:seed=1,batches=20,profile=2021) for "
+                        "embstore.tools.traces.synthesize")
     p.add_argument("--policy", default="lru", help="eviction specs, comma-separated; "
                    "settings as name:key=value:key=value (default: lru)")
     p.add_argument("--admission", default="always",
@@ -35,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from embstore.simulate import load_trace, simulate_trace
+    from embstore.tools.simulator import load_trace, simulate_trace
 
     trace = load_trace(args.trace, batch_size=args.batch_size)
     report = simulate_trace(trace, [s for s in args.policy.split(",") if s],

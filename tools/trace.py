@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from embstore.traces import synthesize
+    from embstore.tools.traces import synthesize
 
     batches = list(synthesize(args.batches, seed=args.seed, profile=args.profile,
                               lookups=args.batch_size, drift=args.drift))
@@ -48,8 +48,8 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from embstore.simulate import load_trace
-    from embstore.traces import (
+    from embstore.tools.simulator import load_trace
+    from embstore.tools.traces import (
         BIN_LABELS,
         load_locality_stats,
         mean_histograms,

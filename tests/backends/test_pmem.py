@@ -1,5 +1,6 @@
 """What is specific to the pmem backend: libpmem vs the mmap fallback, growth, full disk, the
-record format's integrity checks, the out-of-place update scheme, and flush cost."""
+record format's integrity checks, the out-of-place update scheme, and flush cost.
+"""
 
 from __future__ import annotations
 
@@ -149,7 +150,8 @@ b.close()
 def test_persistent_memory_path_flushes_cache_lines_and_keeps_the_format(tmp_path,
                                                                          monkeypatch):
     """No DAX file system here: PMEM_IS_PMEM_FORCE makes libpmem treat the file as pmem, which
-    runs the pmem_flush/pmem_drain path (read when libpmem loads: a child process)."""
+    runs the pmem_flush/pmem_drain path (read when libpmem loads: a child process).
+    """
     monkeypatch.delenv(_libpmem.FORCE_MMAP_ENV, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", _libpmem.PmemFallbackWarning)

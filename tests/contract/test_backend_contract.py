@@ -1,5 +1,6 @@
 """The contract every registered backend keeps. A new backends/<name>.py is tested here with no
-edit to this file; tests that need a capability skip on the capability, never on a name."""
+edit to this file; tests that need a capability skip on the capability, never on a name.
+"""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """Replay an id trace through eviction x admission policies and compare with Belady's MIN.
 
-The model is the one a tier runs: a cache of `capacity` ids is looked up one batch at a time,
-and the store dedupes a batch before it reaches a tier, so a batch makes one *lookup* per
-distinct id. A lookup of an id not resident at the start of the batch is a miss (one fetch
-from below), so `miss_ratio = misses / lookups`; `access_miss_ratio = misses / accesses`
-charges the same fetches to every access, duplicates included. After the lookups the
-eviction policy sees the batch (it ignores the ids it does not track), the admission policy
-sees the missed accesses, the admitted ids are inserted, and when the cache is over capacity
-`choose_victims` picks what to drop (possibly a newcomer, which then acts as a bypass).
+The replay is a store's own code: `run_policies` builds a real two-tier chain (a bounded DRAM
+tier run by the two policies, over an unbounded DRAM tier that holds every id of the trace)
+with the store's chain builder and looks up each batch's distinct ids in it, ascending, as
+`apply_gradients` does. So a simulated tier admits, promotes, inserts and evicts exactly as a
+store's tier does (tests/test_simulate.py replays traces through a store and compares). A
+lookup of an id not resident at the start of the batch is a miss (one fetch from below), so
+`miss_ratio = misses / lookups`; `access_miss_ratio = misses / accesses` charges the same
+fetches to every access, duplicates included.
 
 Belady's MIN is computed for the same batched model: the cache after batch b may hold any
 `capacity` ids among those it held and those batch b touched, and keeping the ones whose next
@@ -19,7 +19,7 @@ each id's first batch.
 
 Example::
 
-    batches = embstore.traces.synthesize(batches=20, seed=1)
+    batches = embstore.tools.traces.synthesize(batches=20, seed=1)
     report = simulate_trace(batches, ["lru", "s3fifo"], ["always", "frequency"], [0.05])
 """
 
@@ -33,9 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from . import registry
-from .errors import ConfigError
-from .policy import AdmissionPolicy, EvictionPolicy
+from embstore import registry
+from embstore._build import build_chain
+from embstore.errors import ConfigError
+from embstore.policy import AdmissionPolicy, EvictionPolicy
+from embstore.spec import TableSpec, TierSpec
 
 __all__ = [
     "SimResult",
@@ -73,7 +75,7 @@ class SimResult:
 
     @property
     def miss_ratio(self) -> float:
-        """misses / lookups."""
+        """Misses / lookups."""
         return self.misses / self.lookups if self.lookups else 0.0
 
     @property
@@ -83,7 +85,7 @@ class SimResult:
 
     @property
     def access_miss_ratio(self) -> float:
-        """misses / accesses: fetches per access, duplicates included."""
+        """Misses / accesses: fetches per access, duplicates included."""
         return self.misses / self.accesses if self.accesses else 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -117,9 +119,11 @@ class Trace:
 
 
 def load_trace(spec: str, batch_size: int = 4096) -> Trace:
-    """Read a trace: a .npy (2-D: one batch per row; 1-D: cut into `batch_size`), a .npz
-    with `ids` and `offsets` (batch b is ids[offsets[b]:offsets[b+1]]), or
-    ``synth:key=value,...`` for `embstore.traces.synthesize(**kwargs)`.
+    """Read a trace from a file or a ``synth:`` spec.
+
+    A .npy (2-D: one batch per row; 1-D: cut into `batch_size`), a .npz with `ids` and
+    `offsets` (batch b is ids[offsets[b]:offsets[b+1]]), or ``synth:key=value,...`` for
+    `embstore.tools.traces.synthesize(**kwargs)`.
 
     Raises:
         ConfigError: the file or spec cannot be read as a trace.
@@ -138,7 +142,7 @@ def load_trace(spec: str, batch_size: int = 4096) -> Trace:
             return Trace(list(synthesize(**kwargs)))
         except TypeError as exc:
             raise ConfigError(
-                f"trace spec {spec!r}: {exc}; see embstore.traces.synthesize") from exc
+                f"trace spec {spec!r}: {exc}; see embstore.tools.traces.synthesize") from exc
     path = Path(spec)
     if not path.exists():
         raise ConfigError(f"trace {spec!r} does not exist; give a .npy/.npz file or "
@@ -207,7 +211,10 @@ def parse_policy(spec: str, kind: str, seed: int = 0) -> EvictionPolicy | Admiss
 
 def run_policies(trace: Trace, eviction: EvictionPolicy, admission: AdmissionPolicy,
                  capacity: int) -> SimResult:
-    """Replay `trace` through a cache of `capacity` ids run by the two policies.
+    """Replay `trace` through a store tier of `capacity` ids run by the two policies.
+
+    The tier gets fresh policies of the same names and settings (`config()`); the ones passed
+    in are not changed.
 
     Raises:
         ConfigError: `capacity` is not positive.
@@ -215,36 +222,25 @@ def run_policies(trace: Trace, eviction: EvictionPolicy, admission: AdmissionPol
     if capacity < 1:
         raise ConfigError(f"capacity must be >= 1 id, got {capacity}")
     start = time.perf_counter()
-    resident = np.zeros(trace.distinct, dtype=bool)
-    size = 0
-    misses = 0
-    for now, (ids, dense) in enumerate(zip(trace.batches, trace.dense, strict=True)):
-        if not len(ids):
-            continue
-        hit = resident[dense]
-        missed_ids = ids[~hit]
-        misses += int(np.count_nonzero(~resident[trace.unique[now]]))
-        # the whole batch: untracked ids are ignored, or learnt from by policies with history
-        eviction.record_access(ids, now)
-        admitted, counts = np.unique(missed_ids[admission.admit(missed_ids, now)],
-                                     return_counts=True)
-        if len(admitted) > capacity:
-            # a batch wider than the cache: keep its most-read ids (ties: lowest id)
-            admitted = np.sort(admitted[np.argsort(-counts, kind="stable")[:capacity]])
-        # insert, then evict what overflows, as a tier does: the policy may pick a newcomer
-        eviction.record_insert(admitted, now)
-        resident[np.searchsorted(trace.ids, admitted)] = True
-        size += len(admitted)
-        if size > capacity:
-            victims = eviction.choose_victims(size - capacity, now)
-            resident[np.searchsorted(trace.ids, victims)] = False
-            size -= len(victims)
-        expired = eviction.expired(now)
-        if len(expired):
-            resident[np.searchsorted(trace.ids, expired)] = False
-            size -= len(expired)
+    tiers = [TierSpec("dram", capacity=capacity, eviction=eviction.name,
+                      eviction_options=eviction.config(), admission=admission.name,
+                      admission_options=admission.config()),
+             TierSpec("dram")]
+    chain = build_chain(TableSpec("trace", dim=1), tiers, None, read_only=False,
+                        background_writes=False)
+    try:
+        # every id is stored below: a miss is a fetch from the store of record
+        chain.tiers[-1].backend.put(trace.ids, np.zeros((trace.distinct, 1), np.float32))
+        for dense in trace.unique:
+            if len(dense):
+                chain.get(np.ascontiguousarray(trace.ids[dense]))
+        top = chain.tiers[0].counters
+        lookups, misses = top["lookups"], top["misses"]
+    finally:
+        chain.close()
+    assert lookups == trace.lookups
     return SimResult(_spec(eviction), _spec(admission), capacity, trace.accesses,
-                     trace.lookups, misses, time.perf_counter() - start)
+                     lookups, misses, time.perf_counter() - start)
 
 
 def _spec(policy: EvictionPolicy | AdmissionPolicy) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from embstore.errors import ConfigError
 
 __all__ = [
     "BIN_LABELS",
