@@ -12,9 +12,9 @@ Two parts, each ratio measured in the same run with interleaved repeats:
 - `demo`: training steps of the `embstore demo` DLRM with its tables on RocksDB behind a DRAM
   tier of a tenth of their rows, pipelined and in line, against the same model with every
   row in DRAM (pipelined and in line; the faster is the baseline), and the dense compute alone
-  (the same model on embeddings that are plain tensors). Every row of every table is stored
-  before timing, so the tiered tables hold 10x their DRAM tier and the timed steps read and
-  write the bottom tier.
+  (the same model on embeddings that are plain tensors). Each runs on its own store; every
+  row of every table is loaded before timing, so the tiered tables hold 10x their DRAM tier
+  and the timed steps read and write the bottom tier. The four stores must end identical.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def _step_part(args: argparse.Namespace, dists: list[str], torch: Any) -> int:
         "t", dim=dim, optimizer=RowWiseAdagrad(LR, eps=EPS))])
     for start in range(0, rows, chunk):
         stop = min(rows, start + chunk)
-        store.update("t", store_ids(np.arange(start, stop)), weights[start:stop].numpy())
+        store.bulk_load("t", store_ids(np.arange(start, stop)), weights[start:stop].numpy())
     ours = et.EmbeddingBag(store, "t", mode="sum")
     tbe, why = _fbgemm(rows, dim)
     if tbe is not None:
@@ -277,41 +277,41 @@ def _demo_part(args: argparse.Namespace, torch: Any) -> int:
     chunk, reps = args.demo_chunk, args.repeats
     tmp = tempfile.TemporaryDirectory(prefix="embstore-bench-torch-")
     t0 = time.perf_counter()
-    tiered = make_store(cfg, f"{tmp.name}/tiered", all_dram=False)
-    dram = make_store(cfg, None, all_dram=True)
-    contenders = {
-        "tiered, pipelined": _Contender(cfg, tiered, pipeline=True, torch=torch),
-        "tiered, in line": _Contender(cfg, tiered, pipeline=False, torch=torch),
-        "all DRAM, pipelined": _Contender(cfg, dram, pipeline=True, torch=torch),
-        "all DRAM, in line": _Contender(cfg, dram, pipeline=False, torch=torch),
-    }
+    # one store per contender, each trained on the same steps in the same order (a store
+    # shared by two contenders would hand the second one rows the first just brought up)
+    layouts = {"tiered, pipelined": (False, True), "tiered, in line": (False, False),
+               "all DRAM, pipelined": (True, True), "all DRAM, in line": (True, False)}
+    stores, contenders = {}, {}
+    for i, (name, (all_dram, pipeline)) in enumerate(layouts.items()):
+        stores[name] = make_store(cfg, None if all_dram else f"{tmp.name}/{i}",
+                                  all_dram=all_dram)
+        contenders[name] = _Contender(cfg, stores[name], pipeline=pipeline, torch=torch)
     # every id of every table stored, as in a trained model: the tiered tables then hold 10x
-    # their DRAM tier and the timed steps' misses read RocksDB (the rows written are the
+    # their DRAM tier and the timed steps' misses read RocksDB (the rows loaded are the
     # initial values, so training goes on as from scratch)
-    for f, name in enumerate(cfg.table_names()):
-        spec = tiered.table_spec(name)
-        for start in range(0, cfg.rows, 1 << 18):
-            ids = stream.ids(f, np.arange(start, min(cfg.rows, start + (1 << 18))))
+    for f, table in enumerate(cfg.table_names()):
+        spec = stores["all DRAM, in line"].table_spec(table)
+        for start in range(0, cfg.rows, 1 << 20):
+            ids = stream.ids(f, np.arange(start, min(cfg.rows, start + (1 << 20))))
             rows = spec.init(ids, spec.dim, spec.dtype)
-            tiered.update(name, ids, rows)
-            dram.update(name, ids, rows)
+            for store in stores.values():
+                store.bulk_load(table, ids, rows)
+    tiered = stores["tiered, pipelined"]
     cache_rows = sum(t.capacity_rows or 0 for info in tiered.stats().values()
                      for t in info["tiers"])
     stored = sum(tiered.num_rows(n) for n in tiered.tables)
-    print(f"demo: stored every row in {time.perf_counter() - t0:.1f} s: the tiered tables hold "
-          f"{stored:,} rows, {stored / cache_rows:.0f}x their DRAM tier of {cache_rows:,} rows")
-    # then a few untimed steps, so the DRAM tier holds the hot rows as in a long run
+    print(f"demo: loaded every row into 4 stores in {time.perf_counter() - t0:.1f} s: a tiered "
+          f"store holds {stored:,} rows, {stored / cache_rows:.0f}x its DRAM tier of "
+          f"{cache_rows:,} rows")
+    # a few untimed steps, so the DRAM tiers hold the hot rows as in a long run
     step = 4 * chunk
     warm = [stream.batch(k, args.demo_batch) for k in range(step)]
-    contenders["tiered, in line"].train(warm)
-    contenders["all DRAM, in line"].train(warm)
+    for c in contenders.values():
+        c.train(warm)
 
-    # every contender trains on the same chunks; pairs sharing a store take turns on it, so
-    # each store sees every chunk exactly twice and the two stores stay equal
-    n_chunks = reps + 2
     chunks = [[stream.batch(k, args.demo_batch) for k in range(step + c * chunk,
                                                                  step + (c + 1) * chunk)]
-              for c in range(n_chunks)]
+              for c in range(reps)]
     dense_model = build_model(cfg, None)
     dense_opt = torch.optim.Adam(dense_model.parameters(), lr=cfg.dense_lr)
     emb_rng = torch.Generator().manual_seed(args.seed)
@@ -327,11 +327,13 @@ def _demo_part(args: argparse.Namespace, torch: Any) -> int:
             loss.backward()
             dense_opt.step()
 
-    def tier0() -> tuple[int, int]:
-        stats = [info["tiers"][0] for info in tiered.stats().values()]
+    def tier0(store: Any) -> tuple[int, int]:
+        stats = [info["tiers"][0] for info in store.stats().values()]
         return sum(t.hits for t in stats), sum(t.lookups for t in stats)
 
-    hits0, lookups0 = tier0()
+    before = {name: tier0(stores[name]) for name in ("tiered, pipelined", "tiered, in line")}
+    # interleaved_medians runs two warm-up repeats on the last chunks first; every contender
+    # still sees the same chunks in the same order
     fns = {name: (lambda i, c=c: c.train(chunks[i])) for name, c in contenders.items()}
     fns["compute alone"] = compute_alone
     med = interleaved_medians(fns, reps)
@@ -345,20 +347,23 @@ def _demo_part(args: argparse.Namespace, torch: Any) -> int:
     for name in fns:
         label = f"{name}{' [baseline]' if name == base_name else ''}"
         print(f"  {label:<44}{samples / med[name]:>14,.0f}{base / med[name]:>8.2f}x")
-    hits, lookups = tier0()
-    print(f"demo: hit ratio of the tiered store's DRAM tier over the timed steps: "
-          f"{(hits - hits0) / max(lookups - lookups0, 1):.1%} of {lookups - lookups0:,} lookups")
+    for name, (hits0, lookups0) in before.items():
+        hits, lookups = tier0(stores[name])
+        print(f"demo: {name}: hit ratio of the DRAM tier over the timed steps "
+              f"{(hits - hits0) / max(lookups - lookups0, 1):.1%} of {lookups - lookups0:,} "
+              "lookups")
     ratio = base / med["tiered, pipelined"]
     print(f"ratio tiered pipelined / all-DRAM: {ratio:.2f} (target >= 0.8)")
     print(f"ratio tiered in line / all-DRAM: {base / med['tiered, in line']:.2f}")
     print(f"ratio compute alone / all-DRAM: {base / med['compute alone']:.2f}")
-    tiered.flush()
-    same = table_digest(tiered) == table_digest(dram)
-    tiered.close()
-    dram.close()
+    digests = set()
+    for store in stores.values():
+        store.flush()
+        digests.add(table_digest(store))
+        store.close()
     tmp.cleanup()
-    if not same:
-        print("error: the tiered and all-DRAM stores differ after the same training steps")
+    if len(digests) != 1:
+        print("error: the four stores differ after the same training steps")
         return 1
-    print("demo: the tiered and all-DRAM tables are identical after the same steps (digest)")
+    print("demo: the four stores' tables are identical after the same steps (digest)")
     return 0
