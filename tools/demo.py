@@ -61,7 +61,8 @@ def _non_negative(text: str) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `demo` subcommand."""
     p = sub.add_parser("demo", help="train a small DLRM through the store and report",
-                       description=__doc__.splitlines()[0])
+                       description="Train a small DLRM whose embedding tables live in the "
+                       "store, on a synthetic click stream, and report.")
     p.add_argument("--steps", type=_non_negative, default=1000,
                    help="training steps of this run (default 1000)")
     p.add_argument("--batch-size", type=_positive, default=2048, help="samples per step (2048)")
