@@ -1,0 +1,195 @@
+"""What each rank runs in the distributed tests (module-level, so spawned processes find it).
+
+Every rank builds the same inputs for every rank from seeds, so each one can also feed a
+single-process store the ranks' inputs concatenated in rank order and compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+import embstore
+import embstore.distributed as ed
+from embstore import optim
+from embstore.distributed import Placement, Plan
+
+ID_RANGE = 40
+
+
+def specs() -> list[embstore.TableSpec]:
+    """Tables covering the optimizers, with hashed initial values that differ per column."""
+    u = embstore.init.Uniform
+    return [
+        embstore.TableSpec("t_sgd", 5, init=u(seed=1), optimizer=optim.SGD(0.1, weight_decay=0.01)),
+        embstore.TableSpec("r_adagrad", 4, init=u(seed=2), optimizer=optim.Adagrad(0.1)),
+        embstore.TableSpec("r_adam", 3, init=u(seed=3), optimizer=optim.Adam(0.01)),
+        embstore.TableSpec("c_rowwise", 7, init=u(seed=4),
+                           optimizer=optim.RowWiseAdagrad(0.1, weight_decay=0.05)),
+        embstore.TableSpec("c_adam", 6, init=embstore.init.Normal(seed=5),
+                           optimizer=optim.AdamW(0.01)),
+        embstore.TableSpec("r_rowwise", 8, init=u(seed=6),
+                           optimizer=optim.RowWiseAdagrad(0.1, weight_decay=0.01,
+                                                          weight_decay_mode="decoupled")),
+    ]
+
+
+def plan_a(world: int) -> Plan:
+    """One plan using every kind of sharding."""
+    last = world - 1
+    return Plan(world, {
+        "t_sgd": Placement("table", (last,)),
+        "r_adagrad": Placement("row", tuple(range(world))),
+        "r_adam": Placement("row", tuple(range(world))[::-1], "range",
+                            tuple(int(b) for b in np.linspace(0, ID_RANGE, world + 1)[1:-1])),
+        "c_rowwise": Placement("column", tuple(range(world)),
+                               columns={1: (0, 7), 2: (0, 3, 7), 4: (0, 1, 4, 6, 7)}[world]),
+        "c_adam": Placement("column", (last, 0), columns=(0, 2, 6)),
+        "r_rowwise": Placement("row", (0, last), "hash"),
+    })
+
+
+def plan_b(world: int) -> Plan:
+    """Another plan for the same tables (for resharding)."""
+    return Plan(world, {
+        "t_sgd": Placement("row", tuple(range(world))),
+        "r_adagrad": Placement("column", tuple(range(world)), columns=_even(4, world)),
+        "r_adam": Placement("table", (0,)),
+        "c_rowwise": Placement("row", tuple(range(world))[::-1]),
+        "c_adam": Placement("table", (world - 1,)),
+        "r_rowwise": Placement("column", (0,), columns=(0, 8)),
+    })
+
+
+def _even(dim: int, world: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.linspace(0, dim, world + 1).round())
+
+
+def inputs(step: int, rank: int, spec: embstore.TableSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Rank `rank`'s ids (with duplicates, some across ranks) and gradients at `step`."""
+    rng = np.random.default_rng([step, rank, spec.dim, len(spec.name)])
+    n = int(rng.integers(0, 30))
+    ids = rng.integers(0, ID_RANGE, n).astype(np.int64)
+    return ids, rng.standard_normal((n, spec.dim)).astype(spec.dtype)
+
+
+def reference(world: int, steps: int, store: embstore.EmbeddingStore | None = None
+              ) -> embstore.EmbeddingStore:
+    """A single-process store fed the ranks' inputs concatenated in rank order."""
+    ref = store or embstore.open(None, tables=specs())
+    for step in range(steps):
+        _step_ref(ref, world, step)
+    return ref
+
+
+def _step_ref(ref: embstore.EmbeddingStore, world: int, step: int) -> None:
+    for spec in specs():
+        parts = [inputs(step, r, spec) for r in range(world)]
+        ids = np.concatenate([p[0] for p in parts])
+        grads = np.concatenate([p[1] for p in parts])
+        if step == 1:
+            ref.update(spec.name, ids, grads * spec.dtype.type(0.01))
+        else:
+            ref.apply_gradients(spec.name, ids, grads)
+
+
+def _step_sharded(store: ed.ShardedStore, rank: int, step: int) -> None:
+    mine = {s.name: inputs(step, rank, s) for s in specs()}
+    if step == 1:
+        store.update_many({t: (i, g * g.dtype.type(0.01)) for t, (i, g) in mine.items()})
+    else:
+        store.apply_gradients_many(mine)
+
+
+def compare(store: ed.ShardedStore, ref: embstore.EmbeddingStore, rank: int) -> list[str]:
+    """Tables whose weights, state or row counts differ in any bit (empty: identical)."""
+    bad = []
+    everything = np.arange(ID_RANGE, dtype=np.int64)
+    # each rank asks for a different order of its own ids, duplicates included
+    asked = np.random.default_rng(rank).permutation(np.concatenate([everything, everything[:5]]))
+    for spec in specs():
+        w = store.lookup(spec.name, asked)
+        s = store.lookup_state(spec.name, asked)
+        if not np.array_equal(w.view(np.uint8), np.ascontiguousarray(
+                ref.lookup(spec.name, asked)).view(np.uint8)):
+            bad.append(f"{spec.name} weights")
+        if not np.array_equal(s.view(np.uint8), np.ascontiguousarray(
+                ref.lookup_state(spec.name, asked)).view(np.uint8)):
+            bad.append(f"{spec.name} state")
+        if store.num_rows(spec.name) != ref.num_rows(spec.name):
+            bad.append(f"{spec.name} rows {store.num_rows(spec.name)} != "
+                       f"{ref.num_rows(spec.name)}")
+    return bad
+
+
+def train_and_compare(rank: int, world: int, plan_name: str, steps: int) -> dict:
+    """Train with a plan, checking every lookup and the final tables against the reference."""
+    plan = {"a": plan_a, "b": plan_b}[plan_name](world)
+    ref = embstore.open(None, tables=specs())
+    bad: list[str] = []
+    with ed.open(None, tables=specs(), plan=plan, timeout_s=60) as store:
+        for step in range(steps):
+            # the rows this rank sees before the step equal the reference's, in its order
+            for spec in specs():
+                parts = [inputs(step, r, spec)[0] for r in range(world)]
+                got = store.lookup(spec.name, parts[rank])
+                want = ref.lookup(spec.name, parts[rank])
+                if not np.array_equal(got, want):
+                    bad.append(f"step {step} {spec.name} lookup")
+            _step_sharded(store, rank, step)
+            _step_ref(ref, world, step)
+        bad += compare(store, ref, rank)
+        removed = store.delete("r_adagrad", np.arange(rank, ID_RANGE, 7))
+        want = ref.delete("r_adagrad", np.concatenate([np.arange(r, ID_RANGE, 7)
+                                                       for r in range(world)]))
+        if removed != want:
+            bad.append(f"delete removed {removed}, reference {want}")
+        bad += compare(store, ref, rank)
+        traffic = store.traffic
+    return {"bad": bad, "sent": traffic.sent, "minimum": traffic.minimum}
+
+
+def checkpoint_run(rank: int, world: int, path: str, ckpt: str, steps: int) -> list[str]:
+    """Train on disk with plan A, checkpoint, then compare with the reference."""
+    with ed.open(path, tables=specs(), plan=plan_a(world), timeout_s=60) as store:
+        for step in range(steps):
+            _step_sharded(store, rank, step)
+        store.checkpoint(ckpt, step=steps)
+        return compare(store, reference(world, steps), rank)
+
+
+def restore_run(rank: int, world: int, ckpt: str, path: str, old_world: int, steps: int
+                ) -> list[str]:
+    """Reshard the checkpoint to this world with plan B; compare, train one more step."""
+    with ed.restore(ckpt, path, plan=plan_b(world), timeout_s=60) as store:
+        ref = reference(old_world, steps)
+        bad = compare(store, ref, rank)
+        _step_sharded(store, rank, steps)
+        _step_ref(ref, world, steps)
+        bad += [f"after a step: {b}" for b in compare(store, ref, rank)]
+    # reopen from the directory alone: same plan, same rows
+    with ed.open(path, timeout_s=60) as store:
+        bad += [f"reopened: {b}" for b in compare(store, ref, rank)]
+    return bad
+
+
+def dies(rank: int, world: int, timeout_s: float) -> float:
+    """Rank 1 dies after opening; the others' next call must fail within the timeout."""
+    store = ed.open(None, tables=specs()[:1], timeout_s=timeout_s)
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        store.lookup("t_sgd", np.arange(5))
+    finally:
+        store.local.close()
+    return time.monotonic() - start
+
+
+def mismatched(rank: int, world: int) -> None:
+    """Ranks call with different tables: a ConfigError on every rank, no hang."""
+    store = ed.open(None, tables=specs()[:2], timeout_s=20)
+    table = "t_sgd" if rank == 0 else "r_adagrad"
+    store.lookup(table, np.arange(3))

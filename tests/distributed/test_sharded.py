@@ -1,0 +1,54 @@
+"""Sharded stores over 2 and 4 gloo processes on loopback: bit-identity with one process for
+every kind of sharding, checkpoints resharded to another world size, and failures."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("torch", reason="embstore.distributed needs torch (the 'torch' extra)")
+
+import _scenarios as sc  # noqa: E402
+
+from embstore.distributed import launch  # noqa: E402
+from embstore.errors import PeerFailedError  # noqa: E402
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("plan", ["a", "b"])
+def test_bit_identical_to_one_process(world: int, plan: str) -> None:
+    results = launch.run(sc.train_and_compare, world, plan, 4, timeout_s=150)
+    for rank, res in enumerate(results):
+        assert res["bad"] == [], f"rank {rank}: {res['bad']}"
+    sent = sum(r["sent"] for r in results)
+    assert sent > 0 and sum(r["minimum"] for r in results) <= sent
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_reshards_to_another_world_size(tmp_path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    bad = launch.run(sc.checkpoint_run, 2, str(tmp_path / "two"), ckpt, 4, timeout_s=100)
+    assert bad == [[], []]
+    bad = launch.run(sc.restore_run, 4, ckpt, str(tmp_path / "four"), 2, 4, timeout_s=120)
+    assert bad == [[], [], [], []]
+
+
+@pytest.mark.timeout(120)
+def test_dead_rank_is_a_clear_error_not_a_hang() -> None:
+    start = time.monotonic()
+    with pytest.raises(PeerFailedError) as info:
+        launch.run(sc.dies, 2, 5.0, timeout_s=90)
+    message = str(info.value)
+    assert "rank 0 failed: PeerFailedError" in message
+    assert "same order" in message
+    assert time.monotonic() - start < 80
+
+
+@pytest.mark.timeout(120)
+def test_ranks_making_different_calls_fail_on_every_rank() -> None:
+    with pytest.raises(PeerFailedError) as info:
+        launch.run(sc.mismatched, 2, timeout_s=90)
+    message = str(info.value)
+    assert "rank 0 failed: ConfigError" in message and "rank 1 failed: ConfigError" in message
