@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import embstore.distributed as ed
 from embstore.distributed import launch
+from embstore.torch import TrainPipeline
 
 __all__ = ["DistributedResult", "Job", "train_distributed"]
 
@@ -54,6 +55,9 @@ class Job(Protocol):
     def batch(self, step: int, rank: int, world: int) -> tuple[tuple[Any, ...], torch.Tensor]:
         """This rank's slice of step `step`'s global batch: (model arguments, labels [b])."""
 
+    def staged_inputs(self, model: torch.nn.Module, args: tuple[Any, ...]) -> dict[Any, Any]:
+        """For `TrainPipeline` (``pipeline=True``): {embstore module: its arguments}."""
+
 
 @dataclass
 class DistributedResult:
@@ -72,7 +76,7 @@ class DistributedResult:
 
 def train_distributed(build: Callable[[], Job], nproc: int, steps: int, *,
                       path: str | None = None, timeout_s: float = 300.0,
-                      warmup: int = 1) -> DistributedResult:
+                      warmup: int = 1, pipeline: bool = False) -> DistributedResult:
     """Train `build()`'s job for `steps` steps on `nproc` processes (see the module doc).
 
     Args:
@@ -82,11 +86,13 @@ def train_distributed(build: Callable[[], Job], nproc: int, steps: int, *,
         path: directory of the sharded store (None: DRAM only).
         timeout_s: bound on the whole run and on each collective.
         warmup: steps excluded from the timing.
+        pipeline: feed the batches through `embstore.torch.TrainPipeline` (results are the
+            same bit for bit; `Job.staged_inputs` names the modules and their arguments).
 
     Raises:
         PeerFailedError: a rank failed (its error is in the message).
     """
-    results = launch.run(_rank_main, nproc, build, steps, path, timeout_s, warmup,
+    results = launch.run(_rank_main, nproc, build, steps, path, timeout_s, warmup, pipeline,
                          timeout_s=timeout_s)
     first = results[0]
     return DistributedResult(nproc, first["digest"], first["losses"], first["steps_per_s"],
@@ -96,18 +102,20 @@ def train_distributed(build: Callable[[], Job], nproc: int, steps: int, *,
 
 
 def _rank_main(rank: int, world: int, build: Callable[[], Job], steps: int, path: str | None,
-               timeout_s: float, warmup: int) -> dict[str, Any]:
+               timeout_s: float, warmup: int, pipeline: bool) -> dict[str, Any]:
     job = build()
     store = ed.open(path, tables=job.tables, plan=job.plan(world), timeout_s=timeout_s)
     try:
         model = job.model(store)
         opt = job.optimizer([p for p in model.parameters() if p.requires_grad])
         losses, touched = [], {s.name: [] for s in job.tables}
+        batches: Any = (job.batch(step, rank, world) for step in range(steps))
+        if pipeline:
+            batches = TrainPipeline(batches, lambda b: job.staged_inputs(model, b[0]))
         start = time.perf_counter()
-        for step in range(steps):
+        for step, (args, labels) in enumerate(batches):
             if step == warmup:
                 start = time.perf_counter()
-            args, labels = job.batch(step, rank, world)
             _record_ids(args, model, touched)
             total = torch.tensor([float(labels.shape[0])], dtype=torch.float64)
             dist.all_reduce(total)
@@ -121,6 +129,8 @@ def _rank_main(rank: int, world: int, build: Callable[[], Job], steps: int, path
             reported = loss_sum.detach().double().reshape(1)
             dist.all_reduce(reported)
             losses.append(float(reported[0] / total[0]))
+        if pipeline:
+            batches.close()
         timed = max(1, steps - warmup)
         rate = timed / (time.perf_counter() - start)
         traffic = (store.traffic.sent, store.traffic.minimum)

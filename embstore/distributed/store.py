@@ -59,6 +59,9 @@ class _Route:
 class ShardedStore:
     """A collective `EmbeddingStore`. Create it with `embstore.distributed.open`."""
 
+    collective = True
+    """Every call is collective (the torch pipeline fetches its rows on the training thread)."""
+
     def __init__(self, comm: Comm, plan: Plan, specs: list[TableSpec], local: EmbeddingStore,
                  path: Path | None) -> None:
         self._comm = comm

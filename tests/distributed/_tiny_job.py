@@ -52,6 +52,9 @@ class TinyJob:
     def optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.5)
 
+    def staged_inputs(self, model: torch.nn.Module, args: tuple[Any, ...]) -> dict[Any, Any]:
+        return {model.ebc: args[1]}
+
     def batch(self, step: int, rank: int, world: int) -> tuple[tuple[Any, ...], torch.Tensor]:
         rng = np.random.default_rng((7, step))
         dense = rng.standard_normal((BATCH, DENSE)).astype(np.float32)

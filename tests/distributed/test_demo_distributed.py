@@ -25,3 +25,10 @@ def test_two_processes_rerun_to_the_same_digest_and_follow_one_process() -> None
     assert np.allclose(two.losses, one.losses, rtol=1e-4, atol=1e-5), (one.losses, two.losses)
     assert np.mean(two.losses[-6:]) < 0.9 * np.mean(two.losses[:6])  # it learns
     assert one.bytes_per_step == 0 and two.bytes_per_step >= two.min_bytes_per_step > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_pipeline_over_a_sharded_store_gives_the_same_bits() -> None:
+    plain = train_distributed(_tiny_job.tiny, 2, 6, timeout_s=100)
+    piped = train_distributed(_tiny_job.tiny, 2, 6, timeout_s=100, pipeline=True)
+    assert piped.digest == plain.digest and piped.losses == plain.losses
