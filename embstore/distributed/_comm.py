@@ -49,6 +49,10 @@ class Comm:
         self.world = dist.get_world_size(group)
         self.timeout_s = timeout_s
         self.traffic = Traffic()
+        # an NCCL group moves CUDA tensors only: buffers are staged on this rank's GPU
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if nccl
+                       else torch.device("cpu"))
 
     def _fail(self, what: str, exc: BaseException) -> PeerFailedError:
         return PeerFailedError(
@@ -67,20 +71,23 @@ class Comm:
         sizes = [len(s) for s in sends]
         if recv_sizes is None:
             sig = signature(what)
-            meta = torch.tensor([[sig, n] for n in sizes], dtype=torch.int64)
+            meta = torch.tensor([[sig, n] for n in sizes], dtype=torch.int64,
+                                device=self.device)
             got = torch.empty_like(meta)
             self._run(lambda: dist.all_to_all_single(got, meta, group=self.group), what)
+            got = got.cpu()
             bad = [r for r in range(self.world) if int(got[r, 0]) != sig]
             if bad:
                 raise ConfigError(f"rank {self.rank} called {what!r} while rank(s) {bad} made "
                                   "another call: every rank must call the sharded store's "
                                   "methods in the same order, with the same tables")
             recv_sizes = [int(n) for n in got[:, 1]]
-        out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
         payload = np.concatenate(sends) if sends else np.empty(0, np.uint8)
-        inp = torch.from_numpy(payload)
+        inp = torch.from_numpy(payload).to(self.device)
         self._run(lambda: dist.all_to_all_single(out, inp, recv_sizes, sizes, group=self.group),
                   what)
+        out = out.cpu()
         self.traffic.sent += sum(n for r, n in enumerate(sizes) if r != self.rank)
         self.traffic.exchanges += 1
         data = out.numpy()
@@ -89,9 +96,9 @@ class Comm:
 
     def all_sum(self, value: int, what: str) -> int:
         """Sum of an int over the group."""
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self._run(lambda: dist.all_reduce(t, group=self.group), what)
-        return int(t[0])
+        return int(t.cpu()[0])
 
     def barrier(self, what: str) -> None:
         """Wait for every rank (through a tiny all-reduce, which honours the timeout)."""

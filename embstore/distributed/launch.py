@@ -1,7 +1,8 @@
 """Run a function on N local processes joined in a gloo group on loopback (tests, demos).
 
 `run(fn, nproc, *args)` starts `nproc` processes with torch.multiprocessing, each calling
-``fn(rank, nproc, *args)`` after ``init_process_group("gloo")`` on 127.0.0.1 with a free port,
+``fn(rank, nproc, *args)`` after ``init_process_group("gloo")`` (or "nccl") on 127.0.0.1 with a
+free port,
 and returns their results in rank order. A rank that raises or dies makes `run` raise
 `PeerFailedError` naming it, with its traceback; no process outlives `timeout_s`.
 """
@@ -33,12 +34,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child(rank: int, nproc: int, port: int, timeout_s: float, results: Any,
+def _child(rank: int, nproc: int, port: int, timeout_s: float, backend: str, results: Any,
            fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=nproc, timeout=timedelta(seconds=timeout_s))
         try:
             out = fn(rank, nproc, *args)
@@ -51,11 +54,12 @@ def _child(rank: int, nproc: int, port: int, timeout_s: float, results: Any,
 
 
 def run(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120.0,
-        start_method: str = "spawn") -> list[Any]:
+        start_method: str = "spawn", backend: str = "gloo") -> list[Any]:
     """``[fn(rank, nproc, *args) for rank in range(nproc)]``, each in its own process.
 
     `fn` and `args` must be picklable (a module-level function). `timeout_s` bounds the whole
-    run and each collective of the group.
+    run and each collective of the group. `backend` "nccl" gives rank r the GPU
+    r % device_count (NCCL needs one GPU per rank).
 
     Raises:
         PeerFailedError: a rank raised or exited without a result, or the run timed out.
@@ -63,7 +67,8 @@ def run(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120.0
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, nproc, port, timeout_s, results, fn, args),
+    procs = [ctx.Process(target=_child, args=(r, nproc, port, timeout_s, backend, results, fn,
+                                                    args),
                          daemon=True) for r in range(nproc)]
     for p in procs:
         p.start()

@@ -193,3 +193,43 @@ def mismatched(rank: int, world: int) -> None:
     store = ed.open(None, tables=specs()[:2], timeout_s=20)
     table = "t_sgd" if rank == 0 else "r_adagrad"
     store.lookup(table, np.arange(3))
+
+
+def modules_on(rank: int, world: int, device_type: str) -> list[str]:
+    """Over the world group (NCCL: buffers staged on the GPU), modules on `device_type`
+    ("cuda" or "cpu"): the same bits as one store fed the ranks' inputs in order."""
+    import torch
+    import torch.distributed as dist
+
+    import embstore.torch as et
+
+    tables = specs()[:2]
+    device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
+              else torch.device("cpu"))
+    ref = embstore.open(None, tables=tables)
+    ref_ebc = et.EmbeddingBagCollection(ref, {"a": "t_sgd", "b": "r_adagrad"}).to(device)
+    bad = []
+    with ed.open(None, tables=tables, group=dist.group.WORLD, timeout_s=60) as store:
+        ebc = et.EmbeddingBagCollection(store, {"a": "t_sgd", "b": "r_adagrad"}).to(device)
+        for step in range(3):
+            feats = []
+            for r in range(world):
+                rng = np.random.default_rng([step, r])
+                lengths = rng.integers(0, 4, 5)
+                feats.append({f: (torch.from_numpy(rng.integers(0, ID_RANGE, int(lengths.sum()))
+                                                   ).to(device),
+                                  torch.from_numpy(lengths).to(device)) for f in "ab"})
+            out = ebc(feats[rank]).values()
+            (out * out).sum().backward()
+            whole = {f: (torch.cat([x[f][0] for x in feats]), torch.cat([x[f][1] for x in feats]))
+                     for f in "ab"}
+            ref_out = ref_ebc(whole).values()
+            if not torch.equal(out, ref_out[5 * rank: 5 * rank + 5]):
+                bad.append(f"step {step} outputs")
+            # every rank's loss together: the same gradient of each position
+            (ref_out * ref_out).sum().backward()
+        everything = np.arange(ID_RANGE)
+        for t in ("t_sgd", "r_adagrad"):
+            if not np.array_equal(store.lookup(t, everything), ref.lookup(t, everything)):
+                bad.append(f"{t} weights")
+    return bad

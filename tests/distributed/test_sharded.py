@@ -52,3 +52,20 @@ def test_ranks_making_different_calls_fail_on_every_rank() -> None:
         launch.run(sc.mismatched, 2, timeout_s=90)
     message = str(info.value)
     assert "rank 0 failed: ConfigError" in message and "rank 1 failed: ConfigError" in message
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_nccl_group_and_cuda_modules_are_bit_identical() -> None:
+    import torch
+
+    if not torch.cuda.is_available() or not torch.distributed.is_nccl_available():
+        pytest.skip("needs a CUDA device and NCCL")
+    world = min(2, torch.cuda.device_count())  # NCCL needs one GPU per rank
+    bad = launch.run(sc.modules_on, world, "cuda", timeout_s=150, backend="nccl")
+    assert bad == [[]] * world
+
+
+@pytest.mark.timeout(120)
+def test_modules_over_the_world_group_are_bit_identical() -> None:
+    assert launch.run(sc.modules_on, 2, "cpu", timeout_s=100) == [[], []]
