@@ -14,8 +14,10 @@ Sharding kinds per table: table-wise, row-wise (hash or ranges) and column-wise 
 collective and bit-identical to one process fed the ranks' inputs concatenated in rank order.
 """
 
+from ..errors import PeerFailedError
 from ._open import open, restore
 from .plan import KINDS, Placement, Plan, default_plan
 from .store import ShardedStore
 
-__all__ = ["KINDS", "Placement", "Plan", "ShardedStore", "default_plan", "open", "restore"]
+__all__ = ["KINDS", "PeerFailedError", "Placement", "Plan", "ShardedStore", "default_plan",
+           "open", "restore"]

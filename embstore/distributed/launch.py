@@ -83,11 +83,8 @@ def run(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120.0
                 rank, ok, out = results.get(timeout=min(left, 0.5))
                 got[rank] = (ok, out)
             except queue.Empty:
-                # a rank that died without reporting: give the others a moment to report
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in got]
-                if dead and all(p.exitcode is not None for p in procs):
-                    break
+                if all(p.exitcode is not None for p in procs):
+                    break  # every rank has ended and nothing more is queued
     finally:
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))

@@ -233,3 +233,19 @@ def modules_on(rank: int, world: int, device_type: str) -> list[str]:
             if not np.array_equal(store.lookup(t, everything), ref.lookup(t, everything)):
                 bad.append(f"{t} weights")
     return bad
+
+
+def stalls(rank: int, world: int, timeout_s: float) -> float:
+    """Rank 1 stays alive but stops calling; rank 0's next call fails after the timeout."""
+    store = ed.open(None, tables=specs()[:1], timeout_s=timeout_s)
+    if rank == 1:
+        time.sleep(4 * timeout_s)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        store.lookup("t_sgd", np.arange(5))
+    except ed.PeerFailedError:
+        return time.monotonic() - start
+    finally:
+        store.local.close()
+    return -1.0

@@ -69,3 +69,11 @@ def test_nccl_group_and_cuda_modules_are_bit_identical() -> None:
 @pytest.mark.timeout(120)
 def test_modules_over_the_world_group_are_bit_identical() -> None:
     assert launch.run(sc.modules_on, 2, "cpu", timeout_s=100) == [[], []]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_stops_calling_times_out_the_others() -> None:
+    with pytest.raises(PeerFailedError) as info:
+        launch.run(sc.stalls, 2, 3.0, timeout_s=60)
+    # rank 0 caught the timeout (and returned); rank 1 exited without a result
+    assert "rank 1 exited" in str(info.value) and "rank 0 failed" not in str(info.value)
