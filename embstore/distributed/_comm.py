@@ -19,6 +19,9 @@ from ..errors import ConfigError, PeerFailedError
 
 __all__ = ["Comm", "as_bytes"]
 
+_REJECTED = -1
+"""The signature a rank sends in place of a call whose input it rejected."""
+
 
 def as_bytes(a: np.ndarray) -> np.ndarray:
     """A C-contiguous array viewed as uint8[nbytes]."""
@@ -76,6 +79,11 @@ class Comm:
             got = torch.empty_like(meta)
             self._run(lambda: dist.all_to_all_single(got, meta, group=self.group), what)
             got = got.cpu()
+            rejected = [r for r in range(self.world) if int(got[r, 0]) == _REJECTED]
+            if rejected:
+                raise PeerFailedError(
+                    f"rank(s) {rejected} rejected their input to {what!r} (their own error "
+                    "says why); nothing was changed on any rank and the store stays usable")
             bad = [r for r in range(self.world) if int(got[r, 0]) != sig]
             if bad:
                 raise ConfigError(f"rank {self.rank} called {what!r} while rank(s) {bad} made "
@@ -93,6 +101,14 @@ class Comm:
         data = out.numpy()
         bounds = np.cumsum([0, *recv_sizes])
         return [data[bounds[r]:bounds[r + 1]] for r in range(self.world)]
+
+    def abort(self, what: str, exc: BaseException) -> None:
+        """Take part in a call's first exchange only to say this rank rejected its input;
+        the caller raises its own error `exc` next, the other ranks PeerFailedError."""
+        meta = torch.tensor([[_REJECTED, 0]] * self.world, dtype=torch.int64,
+                            device=self.device)
+        got = torch.empty_like(meta)
+        self._run(lambda: dist.all_to_all_single(got, meta, group=self.group), what)
 
     def all_sum(self, value: int, what: str) -> int:
         """Sum of an int over the group."""

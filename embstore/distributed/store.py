@@ -24,7 +24,8 @@ the job restarts from a checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,16 @@ class ShardedStore:
             out.append(list(zip(ids, mults, rows, strict=True)))
         return out
 
+    @contextmanager
+    def _inputs(self, what: str) -> Iterator[None]:
+        """Checks of this rank's inputs: on an error, tell the other ranks (in place of the
+        call's first exchange) so that every rank raises at once and nothing changes."""
+        try:
+            yield
+        except Exception as exc:
+            self._comm.abort(what, exc)
+            raise
+
     def _check(self, requests: Mapping[str, Any]) -> list[str]:
         names = list(requests)
         for name in names:
@@ -197,8 +208,9 @@ class ShardedStore:
     def lookup_many(self, requests: Mapping[str, Any], *, state: bool = False
                     ) -> dict[str, np.ndarray]:
         """Rows of several tables in one exchange: ``{table: ids}`` -> ``{table: rows}``."""
-        names = self._check(requests)
-        routes = [self._route(n, as_ids(requests[n], self._specs[n])) for n in names]
+        with self._inputs("lookup"):
+            names = self._check(requests)
+            routes = [self._route(n, as_ids(requests[n], self._specs[n])) for n in names]
         world = self._comm.world
         items = [[(rt.groups.unique[rt.sel[r]], None, None) for rt in routes]
                  for r in range(world)]
@@ -270,14 +282,15 @@ class ShardedStore:
 
     def update_many(self, requests: Mapping[str, tuple[Any, Any]]) -> None:
         """`update` of several tables in one exchange: ``{table: (ids, rows)}``."""
-        names = self._check(requests)
         routes, lasts = [], []
-        for n in names:
-            ids = as_ids(requests[n][0], self._specs[n])
-            rows = as_rows(requests[n][1], len(ids), self._specs[n])
-            rt = self._route(n, ids)
-            routes.append(rt)
-            lasts.append(rows[rt.groups.last] if rt.groups.has_duplicates else rows)
+        with self._inputs("update"):
+            names = self._check(requests)
+            for n in names:
+                ids = as_ids(requests[n][0], self._specs[n])
+                rows = as_rows(requests[n][1], len(ids), self._specs[n])
+                rt = self._route(n, ids)
+                routes.append(rt)
+                lasts.append(rows[rt.groups.last] if rt.groups.has_duplicates else rows)
         items = [[(rt.groups.unique[rt.sel[r]], None,
                    np.ascontiguousarray(last[rt.sel[r], rt.cols[r][0]:rt.cols[r][1]]))
                   for rt, last in zip(routes, lasts, strict=True)] for r in range(self._comm.world)]
@@ -295,36 +308,14 @@ class ShardedStore:
 
     def apply_gradients_many(self, requests: Mapping[str, tuple[Any, Any]]) -> None:
         """`apply_gradients` of several tables in one exchange: ``{table: (ids, grads)}``."""
-        names = self._check(requests)
         world = self._comm.world
         items: list[list[Any]] = [[] for _ in range(world)]
-        for n in names:
-            spec = self._specs[n]
-            ids = as_ids(requests[n][0], spec)
-            grads = as_rows(requests[n][1], len(ids), spec, what="gradients")
-            rt = self._route(n, ids)
-            g = rt.groups
-            if self.rank == 0 or not g.has_duplicates:
-                # rank 0 comes first in the global order: its partial sum is where the global
-                # fold stands after its positions
-                summed = g.sum_rows(grads) if g.has_duplicates else grads
-                for r in range(world):
-                    c0, c1 = rt.cols[r]
-                    items[r].append((g.unique[rt.sel[r]], None,
-                                     np.ascontiguousarray(summed[rt.sel[r], c0:c1])))
-                continue
-            order = np.argsort(g.inverse, kind="stable")  # positions grouped by id, in order
-            mult = np.bincount(g.inverse, minlength=len(g.unique)).astype(np.int64)
-            dest = np.full(len(g.unique), -1, dtype=np.int64)
-            for r in range(world):
-                dest[rt.sel[r]] = r
-            pos_group = g.inverse[order]
-            for r in range(world):
-                c0, c1 = rt.cols[r]
-                pos = order if self.plan.tables[n].kind == "column" else \
-                    order[dest[pos_group] == r]
-                items[r].append((g.unique[rt.sel[r]], mult[rt.sel[r]],
-                                 np.ascontiguousarray(grads[pos, c0:c1])))
+        with self._inputs("apply_gradients"):
+            names = self._check(requests)
+            for n in names:
+                ids = as_ids(requests[n][0], self._specs[n])
+                grads = as_rows(requests[n][1], len(ids), self._specs[n], what="gradients")
+                self._grad_items(n, ids, grads, items)
         got = self._send("apply_gradients", names, items,
                          [self._widths[n][self.rank] for n in names], has_mult=True,
                          has_rows=True)
@@ -341,6 +332,34 @@ class ShardedStore:
                 self.local.apply_gradients(name, ids, grads)
         if any(needs_row_mean(self._specs[n], self.plan.tables[n]) for n in names):
             self._apply_row_mean(names, pending)
+
+    def _grad_items(self, table: str, ids: np.ndarray, grads: np.ndarray,
+                    items: list[list[Any]]) -> None:
+        """Append to `items[r]` what rank r gets of this rank's gradients of `table`:
+        (distinct ids, multiplicities or None, gradient rows [positions, owned columns])."""
+        rt = self._route(table, ids)
+        g, world = rt.groups, self._comm.world
+        if self.rank == 0 or not g.has_duplicates:
+            # rank 0 comes first in the global order: its partial sum is where the global
+            # fold stands after its positions
+            summed = g.sum_rows(grads) if g.has_duplicates else grads
+            for r in range(world):
+                c0, c1 = rt.cols[r]
+                items[r].append((g.unique[rt.sel[r]], None,
+                                 np.ascontiguousarray(summed[rt.sel[r], c0:c1])))
+            return
+        order = np.argsort(g.inverse, kind="stable")  # positions grouped by id, in order
+        mult = np.bincount(g.inverse, minlength=len(g.unique)).astype(np.int64)
+        dest = np.full(len(g.unique), -1, dtype=np.int64)
+        for r in range(world):
+            dest[rt.sel[r]] = r
+        pos_group = g.inverse[order]
+        column = self.plan.tables[table].kind == "column"
+        for r in range(world):
+            c0, c1 = rt.cols[r]
+            pos = order if column else order[dest[pos_group] == r]
+            items[r].append((g.unique[rt.sel[r]], mult[rt.sel[r]],
+                             np.ascontiguousarray(grads[pos, c0:c1])))
 
     def _apply_row_mean(self, names: list[str],
                         pending: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
@@ -387,7 +406,8 @@ class ShardedStore:
 
     def delete(self, table: str, ids: Any) -> int:
         """Remove the rows of every rank's `ids`; returns the rows removed (all ranks)."""
-        rt = self._route(table, as_ids(ids, self.table_spec(table)))
+        with self._inputs("delete"):
+            rt = self._route(table, as_ids(ids, self.table_spec(table)))
         items = [[(rt.groups.unique[rt.sel[r]], None, None)] for r in range(self._comm.world)]
         got = self._send("delete", [table], items, [0])
         ids_all = np.concatenate([got[s][0][0] for s in range(self._comm.world)])

@@ -152,8 +152,10 @@ def train_and_compare(rank: int, world: int, plan_name: str, steps: int) -> dict
 
 
 def checkpoint_run(rank: int, world: int, path: str, ckpt: str, steps: int) -> list[str]:
-    """Train on disk with plan A, checkpoint, then compare with the reference."""
-    with ed.open(path, tables=specs(), plan=plan_a(world), timeout_s=60) as store:
+    """Train on disk with plan A, each rank's shards in a small DRAM cache over RocksDB,
+    checkpoint, then compare with the reference."""
+    tiers = [embstore.TierSpec("dram", capacity=10), embstore.TierSpec("rocksdb")]
+    with ed.open(path, tables=specs(), tiers=tiers, plan=plan_a(world), timeout_s=60) as store:
         for step in range(steps):
             _step_sharded(store, rank, step)
         store.checkpoint(ckpt, step=steps)
@@ -249,3 +251,30 @@ def stalls(rank: int, world: int, timeout_s: float) -> float:
     finally:
         store.local.close()
     return -1.0
+
+
+def rejects(rank: int, world: int) -> list[str]:
+    """Rank 1 passes bad input: it raises its own error, the others PeerFailedError at once,
+    nothing changes, and the next calls work on every rank."""
+    out = []
+    with ed.open(None, tables=specs()[:2], timeout_s=30) as store:
+        before = store.lookup("r_adagrad", np.arange(10))
+        calls = [
+            lambda: store.lookup("r_adagrad", np.arange(3.0) if rank == 1 else np.arange(3)),
+            lambda: store.apply_gradients("r_adagrad", np.arange(2), np.ones(
+                (2, 4), np.float32) * (np.nan if rank == 1 else 1)),
+            lambda: store.update("t_sgd" if rank == 0 else "nope", np.arange(2),
+                                 np.ones((2, 5), np.float32)),
+        ]
+        for call in calls:
+            start = time.monotonic()
+            try:
+                call()
+                out.append("no error")
+            except embstore.errors.EmbstoreError as exc:
+                out.append(type(exc).__name__)
+            if time.monotonic() - start > 10:
+                out.append("slow")
+        if not np.array_equal(store.lookup("r_adagrad", np.arange(10)), before):
+            out.append("changed")
+    return out

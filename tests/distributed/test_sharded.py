@@ -77,3 +77,10 @@ def test_a_rank_that_stops_calling_times_out_the_others() -> None:
         launch.run(sc.stalls, 2, 3.0, timeout_s=60)
     # rank 0 caught the timeout (and returned); rank 1 exited without a result
     assert "rank 1 exited" in str(info.value) and "rank 0 failed" not in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_input_rejected_on_one_rank_fails_every_rank_at_once_and_changes_nothing() -> None:
+    got = launch.run(sc.rejects, 2, timeout_s=90)
+    assert got[0] == ["PeerFailedError"] * 3
+    assert got[1] == ["InvalidIdsError", "NonFiniteValueError", "UnknownTableError"]
