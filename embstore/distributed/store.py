@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .._validate import as_ids, as_rows
+from ..errors import UnknownTableError
 from ..index import IdGroups
 from ..spec import TableSpec
 from ..store import EmbeddingStore
@@ -106,7 +107,7 @@ class ShardedStore:
     def table_spec(self, table: str) -> TableSpec:
         """The global `TableSpec` of `table` (UnknownTableError if absent)."""
         if table not in self._specs:
-            self.local.table_spec(table)  # raises UnknownTableError with the known names
+            raise UnknownTableError(table, list(self._specs))
         return self._specs[table]
 
     # --- routing ---------------------------------------------------------------------------

@@ -147,6 +147,10 @@ def train_and_compare(rank: int, world: int, plan_name: str, steps: int) -> dict
         if removed != want:
             bad.append(f"delete removed {removed}, reference {want}")
         bad += compare(store, ref, rank)
+        store.flush()
+        stats = store.stats()
+        if len(stats) != world or not all(isinstance(st, dict) and st for st in stats):
+            bad.append(f"stats {stats}")
         traffic = store.traffic
     return {"bad": bad, "sent": traffic.sent, "minimum": traffic.minimum}
 
