@@ -155,6 +155,11 @@ def train_and_compare(rank: int, world: int, plan_name: str, steps: int) -> dict
     return {"bad": bad, "sent": traffic.sent, "minimum": traffic.minimum}
 
 
+def train_and_compare_plans(rank: int, world: int, plans: str, steps: int) -> list[dict]:
+    """`train_and_compare` with each plan in turn, in one group."""
+    return [train_and_compare(rank, world, p, steps) for p in plans]
+
+
 def checkpoint_run(rank: int, world: int, path: str, ckpt: str, steps: int) -> list[str]:
     """Train on disk with plan A, each rank's shards in a small DRAM cache over RocksDB,
     checkpoint, then compare with the reference."""
