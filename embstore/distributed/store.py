@@ -159,16 +159,17 @@ class ShardedStore:
         t = len(names)
         out = []
         for buf in recvs:
-            header = buf[: 16 * t].view(np.int64).reshape(t, 2)
+            # copies: a source's buffer need not start 8-byte aligned in the received bytes
+            header = buf[: 16 * t].copy().view(np.int64).reshape(t, 2)
             off, ids, mults, rows = 16 * t, [], [], []
             for j in range(t):
                 n = int(header[j, 0])
-                ids.append(buf[off: off + 8 * n].view(np.int64))
+                ids.append(buf[off: off + 8 * n].copy().view(np.int64))
                 off += 8 * n
             for j in range(t):
                 n = int(header[j, 0])
                 if has_mult:
-                    mults.append(buf[off: off + 8 * n].view(np.int64))
+                    mults.append(buf[off: off + 8 * n].copy().view(np.int64))
                     off += 8 * n
                 else:
                     mults.append(np.ones(n, np.int64))
