@@ -86,7 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 class _StopAtStepBoundary:
     """While active, a first Ctrl-C only asks the training loop to stop after the current step
-    (so the store and the dense part are saved at the same step); a second one aborts."""
+    (so the store and the dense part are saved at the same step); a second one aborts.
+    """
 
     def __init__(self) -> None:
         self.requested = False
