@@ -81,6 +81,9 @@ class Backend(ABC):
     name: ClassVar[str]
     supports_persistence: ClassVar[bool] = False
     requires_path: ClassVar[bool] = True  # False: can run with BackendSpec.path None (in memory)
+    supports_concurrent_reads: ClassVar[bool] = False
+    """`get` may run on one thread while `put`, `delete` or `get` run on others (the
+    medium's own library serialises them); a prefetch then reads without the store's lock."""
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec

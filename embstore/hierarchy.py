@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -162,6 +162,9 @@ class TableChain:
         # a batch twice (lookup, then apply_gradients), and never-seen ids would otherwise
         # cost two reads of the slowest tier
         self._absent: IdIndex | None = None
+        # unlocked reads of the bottom in flight (embstore/_prefetch.py): each is told of the
+        # ids written to or deleted from the bottom until it ends
+        self.watchers: list[Any] = []
 
     def _tick(self) -> int:
         self._clock += 1
@@ -195,6 +198,20 @@ class TableChain:
         if len(missing):
             self._read_below(missing, self._tick())
         return len(missing)
+
+    @property
+    def writer(self) -> BackgroundWriter | None:
+        """The thread writing back into the store of record, if it has one."""
+        return self._writer
+
+    def note_bottom_write(self, ids: np.ndarray) -> None:
+        """Tell unlocked reads in flight that `ids` change in the store of record."""
+        for job in self.watchers:
+            job.written.append(ids)
+
+    def promote(self, ids: np.ndarray, rows: np.ndarray, level_of: np.ndarray) -> None:
+        """Promote distinct `ids` read from the levels `level_of` with `rows` (prefetch)."""
+        self._promote(ids, rows, level_of.copy(), self._tick())
 
     def _read_below(self, u: np.ndarray, now: int) -> tuple[np.ndarray, np.ndarray]:
         """Read distinct `u`, absent from the top tier, from the tiers below; promote them.
@@ -295,6 +312,8 @@ class TableChain:
             remaining = remaining[~want]
             if not len(remaining):
                 return written
+        if self.watchers:
+            self.note_bottom_write(ids[remaining])
         self._insert(bottom, *_subset(ids, rows, remaining), dirty=False, now=now)
         return written
 
@@ -369,6 +388,8 @@ class TableChain:
         below = self.tiers[tier.level + 1]
         if below.is_bottom and self._writer is not None:
             # `ids` and `rows` are fresh arrays, the writer's from now on
+            if self.watchers:
+                self.note_bottom_write(ids)
             self._writer.submit(np.ascontiguousarray(ids), rows)
         else:
             self._insert(below, ids, rows, dirty=True, now=now)
@@ -394,6 +415,7 @@ class TableChain:
                 tier.rows -= len(held)
         if self._writer is not None:
             self._writer.drain()  # queued write-backs are older than the loaded rows
+        self.note_bottom_write(ids)
         bottom = self.tiers[-1].backend
         target = getattr(bottom, "wrapped", bottom)
         if isinstance(target, SupportsBulkLoad):
@@ -405,6 +427,7 @@ class TableChain:
     def delete(self, ids: np.ndarray) -> np.ndarray:
         """Remove distinct `ids` from every tier; returns bool[N], which were stored."""
         self._absent = None
+        self.note_bottom_write(ids)
         found = np.zeros(len(ids), dtype=bool)
         for tier in self.tiers:
             # first: a shared index, and dirty bits per slot, must still know the ids

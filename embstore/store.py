@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _prefetch
 from ._build import build_chain
 from ._precision import RowCodec
 from ._validate import as_ids, as_rows
@@ -238,7 +239,19 @@ class EmbeddingStore:
         """
         with self._mutex:
             t = self._table(table)
-            return t.chain.prefetch(as_ids(ids, t.spec))
+            missing, job = _prefetch.begin(t.chain, as_ids(ids, t.spec))
+        if job is None:
+            return missing
+        # the slow read of the store of record runs without the lock: the training thread's
+        # own calls go on meanwhile (embstore/_prefetch.py says why this is safe)
+        rows = found = None
+        try:
+            rows, found = job.read()
+        finally:
+            with self._mutex:
+                if not self._closed:
+                    _prefetch.end(t.chain, job, rows, found)
+        return missing
 
     def lookup_state(self, table: str, ids: Any) -> np.ndarray:
         """Optimizer state of `ids`: array[len(ids), state_width] (width 0 for SGD)."""
