@@ -160,9 +160,9 @@ class DRAMBackend(SlottedBackend):
         return rows, found, slots
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        self._put_with_slots(ids, rows)
+        self._put_slots(ids, rows)
 
-    def _put_with_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _put_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots, inserted = self._index.add(ids)
         self._slabs.ensure(self._index.high_water)
         self._slabs.scatter(slots, rows)
