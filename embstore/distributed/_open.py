@@ -23,10 +23,11 @@ import numpy as np
 import torch.distributed as dist
 
 from .. import _open as base_open
-from ..errors import ConfigError, StoreExistsError, StoreNotFoundError
+from ..errors import ConfigError, StoreNotFoundError
 from ..manifest import write_atomic
 from ..spec import TableSpec, TierSpec
 from ..store import EmbeddingStore
+from ._checkpoint import META, checkpoint_sharded
 from ._comm import Comm
 from ._shards import local_spec, state_layout
 from .plan import Plan, default_plan
@@ -34,7 +35,6 @@ from .store import ShardedStore
 
 __all__ = ["checkpoint_sharded", "open", "restore"]
 
-META = "sharded.json"
 _PLACEHOLDER = TableSpec("_no_shards", dim=1)
 
 
@@ -122,30 +122,6 @@ def _open_local(directory: Path | None, rank: int, specs: list[TableSpec], plan:
             if rank in plan.tables[s.name].ranks] or [_PLACEHOLDER]
     where = None if directory is None else directory / f"rank{rank}"
     return base_open.open(where, tables=mine, tiers=tiers)
-
-
-def checkpoint_sharded(store: ShardedStore, dest: Path, step: int | None) -> Path:
-    """Write every rank's shards to ``dest/rank<r>`` and the plan to ``dest/sharded.json``."""
-    comm = store._comm
-    error = ""
-    if comm.rank == 0:
-        if dest.exists():
-            error = f"{dest} exists; checkpoint into a new directory"
-        else:
-            dest.mkdir(parents=True)
-    errors = comm.gather_objects(error, "checkpoint start")
-    if errors[0]:
-        raise StoreExistsError(str(errors[0]))
-    store.local.checkpoint(dest / f"rank{comm.rank}", step=step)
-    comm.barrier("checkpoint shards")
-    if comm.rank == 0:
-        meta = json.loads((store.path / META).read_text()) if store.path else {
-            "world_size": comm.world, "plan": store.plan.to_json(),
-            "tables": [store.table_spec(t).to_json() for t in store.tables], "tiers": None}
-        meta["step"] = step
-        write_atomic(dest / META, json.dumps(meta, indent=1).encode())
-    comm.barrier("checkpoint done")
-    return dest
 
 
 def restore(src: str | os.PathLike[str], path: str | os.PathLike[str] | None, *,

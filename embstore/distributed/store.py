@@ -38,6 +38,7 @@ from ..index import IdGroups
 from ..optim import RowWiseAdagrad
 from ..spec import TableSpec
 from ..store import EmbeddingStore
+from ._checkpoint import checkpoint_sharded
 from ._comm import Comm, Traffic, as_bytes
 from ._shards import needs_row_mean, state_layout
 from .plan import Plan
@@ -449,7 +450,6 @@ class ShardedStore:
 
     def checkpoint(self, dest: str | Path, *, step: int | None = None) -> Path:
         """A consistent checkpoint of every shard in `dest` (see `embstore.distributed`)."""
-        from ._open import checkpoint_sharded
         return checkpoint_sharded(self, Path(dest), step)
 
     def close(self) -> None:
