@@ -185,6 +185,23 @@ class DRAMBackend(Backend):
         self._check_open()
         return self._slabs.gather(np.ascontiguousarray(slots, dtype=np.int32))
 
+    def write_at(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Overwrite the rows at live `slots` (int32[N], distinct) of `index`; no hash probe.
+
+        The in-place counterpart of `rows_at`: the ids keep their slots."""
+        self._check_writable()
+        rows = np.ascontiguousarray(rows)
+        if rows.dtype != self.spec.dtype or rows.shape != (len(slots), self.spec.dim):
+            raise ValueError(f"write_at needs rows of shape ({len(slots)}, {self.spec.dim}) "
+                             f"and dtype {self.spec.dtype}")
+        self._slabs.scatter(np.ascontiguousarray(slots, dtype=np.int32), rows)
+        self._dirty_since_flush = True
+
+    @property
+    def slabs(self) -> RowSlabs:
+        """The row storage addressed by `index`'s slots (read-only for everyone else)."""
+        return self._slabs
+
     def _delete(self, ids: np.ndarray) -> np.ndarray:
         found = self._index.remove(ids) >= 0
         self._dirty_since_flush |= bool(found.any())

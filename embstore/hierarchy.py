@@ -203,6 +203,44 @@ class TableChain:
         found[miss_pos] = (level_of >= 0)[groups.inverse]
         return rows, found
 
+    def top_slots(self, ids: np.ndarray) -> np.ndarray | None:
+        """Slots of distinct `ids` in the top tier, when it keeps its rows in slots it can
+        overwrite in place (`write_at`) and holds every id: then the read is counted as `get`
+        counts a batch the top tier holds (one tick, hits, the policy's accesses). Otherwise
+        None, and nothing is counted."""
+        tier = self.tiers[0]
+        if not (len(ids) and tier.slotted and hasattr(tier.backend, "write_at")):
+            return None
+        slots = tier.backend.index.find(ids)
+        if (slots < 0).any():
+            return None
+        now = self._tick()
+        tier.counters["lookups"] += len(ids)
+        tier.counters["hits"] += len(ids)
+        if tier.eviction is not None:
+            if tier.shares_index:
+                tier.eviction.record_access_slots(slots, now)
+            else:
+                tier.eviction.record_access(ids, now)
+        return slots
+
+    def put_top_slots(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+        """`put` of distinct `ids` that the top tier holds at `slots` (from `top_slots`, with
+        no write to the table since): the rows are overwritten in place, then counted, marked
+        dirty and capacity enforced exactly as `put` does for rows the top tier holds."""
+        now = self._tick()
+        self._absent = None
+        tier = self.tiers[0]
+        tier.backend.write_at(slots, rows)
+        if tier.eviction is not None:
+            if tier.shares_index:
+                tier.eviction.record_access_slots(slots, now)
+            else:
+                tier.eviction.record_access(ids, now)
+        if tier.dirty is not None:
+            tier.dirty.mark(ids, slots)
+        self._enforce_capacity(tier, now)
+
     def _promote(self, ids: np.ndarray, rows: np.ndarray, level_of: np.ndarray, now: int) -> None:
         """Copy rows found below into the topmost tier above them that admits them."""
         for tier in self.tiers[:-1]:

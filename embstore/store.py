@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import registry
+from . import _fused, registry
 from ._validate import as_ids, as_rows
 from .backend import BackendSpec
 from .checkpoint import CopyState, take_checkpoint
@@ -265,19 +265,26 @@ class EmbeddingStore:
             groups = IdGroups(ids)
             if groups.has_duplicates:
                 ids, grads = groups.unique, groups.sum_rows(grads)
-            full, found = t.chain.get(ids)
-            self._fill_absent(spec, ids, full, found, with_state=True)
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                # overflow is checked below on the result, where it can be reported by row
-                spec.optimizer.step(full[:, : spec.dim], full[:, spec.dim :], grads)
-            if not spec.allow_nonfinite and not np.isfinite(full).all():
-                bad = int(ids[np.flatnonzero(~np.isfinite(full).all(axis=1))[0]])
+            # where the top tier holds every row in slots, step them there: one probe, one
+            # gathering pass that steps, one write back by slot (see embstore/_fused.py)
+            slots = t.chain.top_slots(ids)
+            if slots is not None:
+                full, bad = _fused.gather_step(spec.optimizer, spec.dim,
+                                               t.chain.tiers[0].backend, slots, grads)
+            else:
+                full, found = t.chain.get(ids)
+                self._fill_absent(spec, ids, full, found, with_state=True)
+                bad = _fused.step_rows(spec.optimizer, spec.dim, full, grads)
+            if bad >= 0 and not spec.allow_nonfinite:
                 raise NonFiniteValueError(
-                    f"table {spec.name!r}: the optimizer step made row {bad} non-finite "
-                    "(exploding gradients or learning rate?); nothing was written"
+                    f"table {spec.name!r}: the optimizer step made row {int(ids[bad])} "
+                    "non-finite (exploding gradients or learning rate?); nothing was written"
                 )
             self._before_write(table, t, ids)
-            t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, full)))
+            if slots is not None:
+                t.chain.put_top_slots(ids, slots, full)
+            else:
+                t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, full)))
 
     def delete(self, table: str, ids: Any) -> int:
         """Remove the rows of `ids`; later lookups return initial values. Returns rows removed."""

@@ -33,12 +33,13 @@ void scatter_add_f64(const int64_t *inverse, int64_t n, int64_t dim, const doubl
 """
 
 
-def _builder(module: str, cdef: str, source: str, std: str) -> FFI:
+def _builder(module: str, cdef: str, source: str, std: str,
+             extra: tuple[str, ...] = ()) -> FFI:
     """An API-mode builder of `module` from one C file beside this one."""
     builder = FFI()
     builder.cdef(cdef)
     builder.set_source(module, (Path(__file__).parent / source).read_text(),
-                       extra_compile_args=["-O3", f"-std={std}"])
+                       extra_compile_args=["-O3", f"-std={std}", *extra])
     return builder
 
 
@@ -69,7 +70,23 @@ void count_accesses_saturating(uint8_t *freq, uint8_t max, const int32_t *slots,
 policy_ffibuilder = _builder("embstore._kernels._policy_kernels", POLICY_CDEF,
                              "policy_kernels.c", "c99")
 
+OPTIM_CDEF = """
+int64_t optim_step_f32(int rule, int decay, float lr, float eps, float wd, float *rows,
+                       int64_t width, const float *grads, int64_t n, int64_t dim,
+                       float *scratch);
+int64_t optim_gather_step_f32(int rule, int decay, float lr, float eps, float wd,
+                              char *const *slabs, int shift, const int32_t *slots,
+                              float *out, int64_t width, const float *grads, int64_t n,
+                              int64_t dim, float *scratch);
+"""
+
+# The optimizer rules must round every operation once, on every machine: no fused
+# multiply-add (contraction) and no fast-math reassociation.
+optim_ffibuilder = _builder("embstore._kernels._optim_kernels", OPTIM_CDEF, "optim_kernels.c",
+                            "c99", ("-ffp-contract=off", "-fno-fast-math"))
+
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
     checksum_ffibuilder.compile(verbose=True)
     policy_ffibuilder.compile(verbose=True)
+    optim_ffibuilder.compile(verbose=True)
