@@ -197,9 +197,11 @@ class DRAMBackend(Backend):
         self._slabs.scatter(np.ascontiguousarray(slots, dtype=np.int32), rows)
         self._dirty_since_flush = True
 
-    @property
-    def slabs(self) -> RowSlabs:
-        """The row storage addressed by `index`'s slots (read-only for everyone else)."""
+    def slabs_for_writing(self) -> RowSlabs:
+        """The row storage addressed by `index`'s slots, for a caller that overwrites rows at
+        live slots in place (kernels stepping optimizers): the snapshot is stale from now."""
+        self._check_writable()
+        self._dirty_since_flush = True
         return self._slabs
 
     def _delete(self, ids: np.ndarray) -> np.ndarray:

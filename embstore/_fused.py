@@ -5,12 +5,14 @@ across layouts by construction; the kernel performs the float32 operations of th
 in `_optim_rules.py` in their order (same bits, which the tests check). Rules without a
 kernel (Adam, AdamW, subclasses, other dtypes) run their numpy `step`.
 
-Two ways in:
+Three ways in:
 
 - `step_rows`: rows already gathered (any tier chain), stepped in place.
-- `gather_step`: rows in a slotted DRAM tier (`backends.dram`) gathered by slot and stepped
-  in one pass into a new buffer, which the caller writes back by slot once the step is known
-  to be good: no hash probe and no batch-sized intermediate beyond the result itself.
+- `step_in_place`: rows of a slotted DRAM tier (`backends.dram`) stepped where they lie, by
+  slot, in one pass: no hash probe, no gathered copy and no write back. Each row's pre-image
+  is kept while the pass runs, so that a step that is not finite can be undone.
+- `gather_step`: rows of a slotted tier without a kernel for the rule: gathered by slot,
+  stepped, and written back by slot by the caller once the step is known to be good.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 from ._kernels._optim_kernels import ffi, lib
 from .optim import SGD, Adagrad, Optimizer, RowWiseAdagrad
 
-__all__ = ["gather_step", "kernel_rule", "step_rows"]
+__all__ = ["gather_step", "kernel_rule", "step_in_place", "step_rows"]
 
 _RULE_SGD, _RULE_ADAGRAD, _RULE_ROWWISE = 0, 1, 2
 _DECAY_NONE, _DECAY_L2, _DECAY_DECOUPLED = 0, 1, 2
@@ -76,21 +78,30 @@ def step_rows(optimizer: Optimizer, dim: int, rows: np.ndarray, grads: np.ndarra
                                   _ptr("float *", scratch)))
 
 
+def step_in_place(optimizer: Optimizer, dim: int, backend: Any, slots: np.ndarray,
+                  grads: np.ndarray, *, undo: bool) -> int | None:
+    """Step the rows at `slots` (distinct) of a slotted DRAM `backend` where they lie, from
+    `grads` [N, dim], in one pass. Returns the first row whose result is not finite, or -1;
+    with `undo` every row is as before the call when that is not -1. None where the rule
+    has no kernel (nothing done: use `gather_step`)."""
+    rule = kernel_rule(optimizer, backend.spec.dtype)
+    if rule is None or not len(slots):
+        return None
+    grads = np.ascontiguousarray(grads)
+    slots = np.ascontiguousarray(slots, dtype=np.int32)
+    slabs = backend.slabs_for_writing()
+    preimage = np.empty((len(slots), slabs.dim), dtype=np.float32) if undo else None
+    scratch = np.empty(dim, dtype=np.float32)
+    return int(lib.optim_step_slots_f32(
+        *rule, slabs.pointer(), slabs.shift, _ptr("int32_t *", slots), slabs.dim,
+        _ptr("float *", grads), len(slots), dim,
+        ffi.NULL if preimage is None else _ptr("float *", preimage), _ptr("float *", scratch)))
+
+
 def gather_step(optimizer: Optimizer, dim: int, backend: Any, slots: np.ndarray,
                 grads: np.ndarray) -> tuple[np.ndarray, int]:
-    """The rows at `slots` of a slotted DRAM `backend`, stepped from `grads` [N, dim]: a new
-    array [N, width] and the first row whose result is not finite, or -1. The backend is not
+    """The rows at `slots` of a slotted `backend`, stepped from `grads` [N, dim]: a new array
+    [N, width] and the first row whose result is not finite, or -1. The backend is not
     written."""
-    slabs = backend.slabs
-    rule = kernel_rule(optimizer, slabs.dtype)
-    if rule is None or not grads.flags.c_contiguous:
-        rows = backend.rows_at(slots)
-        return rows, step_rows(optimizer, dim, rows, grads)
-    slots = np.ascontiguousarray(slots, dtype=np.int32)
-    rows = np.empty((len(slots), slabs.dim), dtype=np.float32)
-    scratch = np.empty(dim, dtype=np.float32)
-    bad = lib.optim_gather_step_f32(*rule, slabs.pointer(), slabs.shift,
-                                    _ptr("int32_t *", slots), _ptr("float *", rows),
-                                    slabs.dim, _ptr("float *", grads), len(slots), dim,
-                                    _ptr("float *", scratch))
-    return rows, int(bad)
+    rows = backend.rows_at(slots)
+    return rows, step_rows(optimizer, dim, rows, grads)

@@ -224,14 +224,16 @@ class TableChain:
                 tier.eviction.record_access(ids, now)
         return slots
 
-    def put_top_slots(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+    def put_top_slots(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray | None) -> None:
         """`put` of distinct `ids` that the top tier holds at `slots` (from `top_slots`, with
-        no write to the table since): the rows are overwritten in place, then counted, marked
-        dirty and capacity enforced exactly as `put` does for rows the top tier holds."""
+        no other write to the table since): the rows are overwritten in place (None: the
+        caller wrote them there already), then counted, marked dirty and capacity enforced
+        exactly as `put` does for rows the top tier holds."""
         now = self._tick()
         self._absent = None
         tier = self.tiers[0]
-        tier.backend.write_at(slots, rows)
+        if rows is not None:
+            tier.backend.write_at(slots, rows)
         if tier.eviction is not None:
             if tier.shares_index:
                 tier.eviction.record_access_slots(slots, now)

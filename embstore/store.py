@@ -265,25 +265,30 @@ class EmbeddingStore:
             groups = IdGroups(ids)
             if groups.has_duplicates:
                 ids, grads = groups.unique, groups.sum_rows(grads)
-            # where the top tier holds every row in slots, step them there: one probe, one
-            # gathering pass that steps, one write back by slot (see embstore/_fused.py)
+            # where the top tier holds every row in slots, step them there: one probe and one
+            # pass over the rows, no gathered copy, no write back (see embstore/_fused.py)
             slots = t.chain.top_slots(ids)
+            full = bad = None
             if slots is not None:
-                full, bad = _fused.gather_step(spec.optimizer, spec.dim,
-                                               t.chain.tiers[0].backend, slots, grads)
+                self._before_write(table, t, ids)  # pre-images first: rows change in place
+                bad = _fused.step_in_place(spec.optimizer, spec.dim, t.chain.tiers[0].backend,
+                                           slots, grads, undo=not spec.allow_nonfinite)
+                if bad is None:  # no kernel for this rule: step a gathered copy
+                    full, bad = _fused.gather_step(spec.optimizer, spec.dim,
+                                                   t.chain.tiers[0].backend, slots, grads)
             else:
                 full, found = t.chain.get(ids)
                 self._fill_absent(spec, ids, full, found, with_state=True)
                 bad = _fused.step_rows(spec.optimizer, spec.dim, full, grads)
-            if bad >= 0 and not spec.allow_nonfinite:
+            if bad >= 0 and not spec.allow_nonfinite:  # the in-place step was undone
                 raise NonFiniteValueError(
                     f"table {spec.name!r}: the optimizer step made row {int(ids[bad])} "
                     "non-finite (exploding gradients or learning rate?); nothing was written"
                 )
-            self._before_write(table, t, ids)
             if slots is not None:
                 t.chain.put_top_slots(ids, slots, full)
             else:
+                self._before_write(table, t, ids)
                 t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, full)))
 
     def delete(self, table: str, ids: Any) -> int:

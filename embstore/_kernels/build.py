@@ -74,10 +74,10 @@ OPTIM_CDEF = """
 int64_t optim_step_f32(int rule, int decay, float lr, float eps, float wd, float *rows,
                        int64_t width, const float *grads, int64_t n, int64_t dim,
                        float *scratch);
-int64_t optim_gather_step_f32(int rule, int decay, float lr, float eps, float wd,
-                              char *const *slabs, int shift, const int32_t *slots,
-                              float *out, int64_t width, const float *grads, int64_t n,
-                              int64_t dim, float *scratch);
+int64_t optim_step_slots_f32(int rule, int decay, float lr, float eps, float wd,
+                             char *const *slabs, int shift, const int32_t *slots,
+                             int64_t width, const float *grads, int64_t n, int64_t dim,
+                             float *preimage, float *scratch);
 """
 
 # The optimizer rules must round every operation once, on every machine: no fused

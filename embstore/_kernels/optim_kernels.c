@@ -122,14 +122,17 @@ int64_t optim_step_f32(int rule, int decay, float lr, float eps, float wd, float
     return first_bad;
 }
 
-/* Gather the rows at `slots` of chunked slabs (as slab_gather in dram_index.c) into out[n,
- * width] and step them there, in one pass: the rows' cache misses are overlapped by
- * prefetching ROW_AHEAD rows on. Nothing is written to the slabs. */
+/* Rows are prefetched ROW_AHEAD rows on, so that their cache misses overlap. */
 #define ROW_AHEAD 8
-int64_t optim_gather_step_f32(int rule, int decay, float lr, float eps, float wd,
-                              char *const *slabs, int shift, const int32_t *slots,
-                              float *out, int64_t width, const float *grads, int64_t n,
-                              int64_t dim, float *scratch) {
+
+/* Step the rows at `slots` of chunked slabs in place, in one pass (rows prefetched ROW_AHEAD
+ * on). Where `preimage` is not NULL each row is first copied there ([n, width]), and at the
+ * first row whose result is not finite every row stepped so far is restored from it and the
+ * pass stops: the slabs are then as before the call. Returns that row, or -1. */
+int64_t optim_step_slots_f32(int rule, int decay, float lr, float eps, float wd,
+                             char *const *slabs, int shift, const int32_t *slots,
+                             int64_t width, const float *grads, int64_t n, int64_t dim,
+                             float *preimage, float *scratch) {
     const uint64_t chunk_mask = ((uint64_t)1 << shift) - 1;
     const int64_t row_bytes = width * (int64_t)sizeof(float);
     int64_t first_bad = -1;
@@ -137,14 +140,24 @@ int64_t optim_gather_step_f32(int rule, int decay, float lr, float eps, float wd
         if (j + ROW_AHEAD < n) {
             uint64_t a = (uint64_t)slots[j + ROW_AHEAD];
             const char *p = slabs[a >> shift] + (a & chunk_mask) * row_bytes;
-            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off);
-            __builtin_prefetch(p + row_bytes - 1);
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 1);
+            __builtin_prefetch(p + row_bytes - 1, 1);
         }
         uint64_t v = (uint64_t)slots[j];
-        float *w = out + j * width;
-        memcpy(w, slabs[v >> shift] + (v & chunk_mask) * row_bytes, row_bytes);
+        float *w = (float *)(slabs[v >> shift] + (v & chunk_mask) * row_bytes);
+        if (preimage) memcpy(preimage + j * width, w, row_bytes);
         step_row(rule, decay, lr, eps, wd, w, grads + j * dim, dim, scratch);
-        if (first_bad < 0 && !all_finite(w, width)) first_bad = j;
+        if (first_bad < 0 && !all_finite(w, width)) {
+            first_bad = j;
+            if (preimage) {
+                for (int64_t k = 0; k <= j; k++) {
+                    uint64_t s = (uint64_t)slots[k];
+                    memcpy(slabs[s >> shift] + (s & chunk_mask) * row_bytes,
+                           preimage + k * width, row_bytes);
+                }
+                return first_bad;
+            }
+        }
     }
     return first_bad;
 }
