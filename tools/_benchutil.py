@@ -35,7 +35,15 @@ def add_ids_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def rss_bytes() -> int:
-    """Resident set size of this process, from /proc (0 where there is none)."""
+    """Resident set size of this process, from /proc (0 where there is none), after handing
+    freed heap memory back to the system (glibc's malloc_trim), so that what the allocator
+    keeps of freed temporaries does not count."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -30,20 +30,33 @@ void copy_rows(char *dst, const int64_t *dst_idx, const char *src, const int64_t
 void scatter_add_f32(const int64_t *inverse, int64_t n, int64_t dim, const float *src, float *out);
 void scatter_add_f64(const int64_t *inverse, int64_t n, int64_t dim, const double *src,
                      double *out);
+typedef struct { int64_t key[5]; int32_t val[5]; int32_t pad; } bucket_t;
+int64_t bk_find(const bucket_t *t, uint64_t nb, const int64_t *ids, int64_t n,
+                int32_t *out_slots);
+void bk_insert(bucket_t *t, uint64_t nb, const int64_t *ids, const int32_t *slots, int64_t n);
+int64_t bk_remove(bucket_t *t, uint64_t nb, const int64_t *ids, int64_t n, int32_t *out_slots);
+void bk_rehash(const bucket_t *old, uint64_t old_nb, bucket_t *t, uint64_t nb);
+int64_t bk_items(const bucket_t *t, uint64_t nb, int64_t *out_ids, int32_t *out_slots);
+int64_t bk_gather(const bucket_t *t, uint64_t nb, char *const *slabs, int shift,
+                  int64_t row_bytes, const int64_t *ids, int64_t n, char *out, uint8_t *found,
+                  int32_t *out_slots);
 """
 
 
-def _builder(module: str, cdef: str, source: str, std: str,
+def _builder(module: str, cdef: str, source: str | tuple[str, ...], std: str,
              extra: tuple[str, ...] = ()) -> FFI:
-    """An API-mode builder of `module` from one C file beside this one."""
+    """An API-mode builder of `module` from C files beside this one, in order."""
     builder = FFI()
     builder.cdef(cdef)
-    builder.set_source(module, (Path(__file__).parent / source).read_text(),
+    sources = (source,) if isinstance(source, str) else source
+    builder.set_source(module, "\n".join((Path(__file__).parent / name).read_text()
+                                          for name in sources),
                        extra_compile_args=["-O3", f"-std={std}", *extra])
     return builder
 
 
-ffibuilder = _builder("embstore._kernels._dram_index", CDEF, "dram_index.c", "c99")
+ffibuilder = _builder("embstore._kernels._dram_index", CDEF, ("dram_index.c", "bucket_index.c"),
+                      "c99")
 
 CHECKSUM_CDEF = """
 void crc32c_rows(const int64_t *ids, const char *rows, int64_t n, int64_t row_bytes,
