@@ -186,9 +186,9 @@ class DRAMBackend(Backend):
         return self._slabs.gather(np.ascontiguousarray(slots, dtype=np.int32))
 
     def write_at(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        """Overwrite the rows at live `slots` (int32[N], distinct) of `index`; no hash probe.
-
-        The in-place counterpart of `rows_at`: the ids keep their slots."""
+        """Overwrite the rows at live `slots` (int32[N]) of `index`, in order (a slot given
+        twice keeps its last row); no hash probe. The in-place counterpart of `rows_at`: the
+        ids keep their slots."""
         self._check_writable()
         rows = np.ascontiguousarray(rows)
         if rows.dtype != self.spec.dtype or rows.shape != (len(slots), self.spec.dim):

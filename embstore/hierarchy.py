@@ -203,17 +203,19 @@ class TableChain:
         found[miss_pos] = (level_of >= 0)[groups.inverse]
         return rows, found
 
-    def top_slots(self, ids: np.ndarray) -> np.ndarray | None:
+    def top_slots(self, ids: np.ndarray, *, read: bool = True) -> np.ndarray | None:
         """Slots of distinct `ids` in the top tier, when it keeps its rows in slots it can
-        overwrite in place (`write_at`) and holds every id: then the read is counted as `get`
-        counts a batch the top tier holds (one tick, hits, the policy's accesses). Otherwise
-        None, and nothing is counted."""
+        overwrite in place (`write_at`) and holds every id: then, with `read`, the read is
+        counted as `get` counts a batch the top tier holds (one tick, hits, the policy's
+        accesses). Otherwise None, and nothing is counted."""
         tier = self.tiers[0]
         if not (len(ids) and tier.slotted and hasattr(tier.backend, "write_at")):
             return None
         slots = tier.backend.index.find(ids)
         if (slots < 0).any():
             return None
+        if not read:
+            return slots
         now = self._tick()
         tier.counters["lookups"] += len(ids)
         tier.counters["hits"] += len(ids)
@@ -224,16 +226,20 @@ class TableChain:
                 tier.eviction.record_access(ids, now)
         return slots
 
-    def put_top_slots(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray | None) -> None:
+    def put_top_slots(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray | None, *,
+                      row_slots: np.ndarray | None = None) -> None:
         """`put` of distinct `ids` that the top tier holds at `slots` (from `top_slots`, with
         no other write to the table since): the rows are overwritten in place (None: the
         caller wrote them there already), then counted, marked dirty and capacity enforced
-        exactly as `put` does for rows the top tier holds."""
+        exactly as `put` does for rows the top tier holds.
+
+        `row_slots`, where given, is the slot of each row of `rows` (which may then hold
+        several rows per id: they are written in order, so the last one stays)."""
         now = self._tick()
         self._absent = None
         tier = self.tiers[0]
         if rows is not None:
-            tier.backend.write_at(slots, rows)
+            tier.backend.write_at(slots if row_slots is None else row_slots, rows)
         if tier.eviction is not None:
             if tier.shares_index:
                 tier.eviction.record_access_slots(slots, now)

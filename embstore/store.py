@@ -234,6 +234,15 @@ class EmbeddingStore:
             rows = as_rows(rows, len(ids), t.spec)
             self._check_writable()
             groups = IdGroups(ids)
+            if t.spec.row_width == t.spec.dim:
+                # rows the top tier holds are overwritten where they lie, in position order
+                # (the last row of an id wins): no probe beyond one, no copy of the batch
+                slots = t.chain.top_slots(groups.unique, read=False)
+                if slots is not None:
+                    self._before_write(table, t, groups.unique)
+                    t.chain.put_top_slots(groups.unique, slots, rows, row_slots=(
+                        slots[groups.inverse] if groups.has_duplicates else None))
+                    return
             if groups.has_duplicates:
                 ids, rows = groups.unique, np.ascontiguousarray(rows[groups.last])
             if t.spec.row_width != t.spec.dim:

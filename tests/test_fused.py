@@ -151,3 +151,23 @@ def test_bad_input_on_the_in_place_path_changes_nothing(tmp_path, tiers) -> None
         with pytest.raises(NonFiniteValueError, match="row 4 "):
             store.apply_gradients("t", ids, huge)
         assert np.array_equal(store.lookup("t", ids), before)
+
+
+def test_update_in_place_keeps_the_last_row_of_each_id(tmp_path) -> None:
+    rng = np.random.default_rng(3)
+    tables = {}
+    for name, tiers in {"dram": [TierSpec("dram")],
+                        "dram-over-rocksdb": [TierSpec("dram", capacity=10, eviction="lru"),
+                                              TierSpec("rocksdb")]}.items():
+        spec = TableSpec("t", dim=5)
+        with embstore.open(tmp_path / name, tables=[spec], tiers=tiers) as store:
+            store.update("t", np.arange(40), np.zeros((40, 5), np.float32))
+            ids = np.array([3, 7, 3, 9, 7, 3])
+            rows = np.arange(30, dtype=np.float32).reshape(6, 5)
+            store.update("t", ids, rows)
+            got = store.lookup("t", np.array([3, 7, 9]))
+            assert np.array_equal(got, rows[[5, 4, 3]])
+            store.update("t", rng.integers(0, 40, 100),
+                         rng.standard_normal((100, 5)).astype(np.float32))
+            tables[name] = _table(store)
+    assert tables["dram"] == tables["dram-over-rocksdb"]
