@@ -154,12 +154,12 @@ def test_bad_input_on_the_in_place_path_changes_nothing(tmp_path, tiers) -> None
 
 
 def test_update_in_place_keeps_the_last_row_of_each_id(tmp_path) -> None:
-    rng = np.random.default_rng(3)
     tables = {}
     for name, tiers in {"dram": [TierSpec("dram")],
                         "dram-over-rocksdb": [TierSpec("dram", capacity=10, eviction="lru"),
                                               TierSpec("rocksdb")]}.items():
         spec = TableSpec("t", dim=5)
+        rng = np.random.default_rng(3)
         with embstore.open(tmp_path / name, tables=[spec], tiers=tiers) as store:
             store.update("t", np.arange(40), np.zeros((40, 5), np.float32))
             ids = np.array([3, 7, 3, 9, 7, 3])
