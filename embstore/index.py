@@ -5,7 +5,7 @@ Per entry the index costs 12 bytes (int64 key, int32 slot) at a load factor betw
 0.75, about 20 bytes per id at 10M ids. There is no Python object per id. The probing loops are
 a small C kernel (`_kernels/dram_index.c`); everything here works on whole batches.
 `BucketIdIndex`, the DRAM tier's index, keeps the same entries in cache-line buckets at a
-higher load: one miss per probe and 14-17 bytes per id (`_kernels/bucket_index.c`).
+higher load: one miss per probe and 14-15.5 bytes per id (`_kernels/bucket_index.c`).
 """
 
 from __future__ import annotations
@@ -187,17 +187,19 @@ class BucketIdIndex(IdIndex):
     """`IdIndex` over 64-byte buckets of five (id, slot) entries (`_kernels/bucket_index.c`).
 
     A probe usually costs one cache miss (the bucket), where `IdIndex`'s split key and slot
-    arrays cost two; bucket counts need not be powers of two, so the load stays between 0.74
-    and 0.92 as the index grows (0.82 after a large batch): 12.8 bytes per entry, 14-17 bytes
-    per id (`IdIndex`: 16-32).
+    arrays cost two; bucket counts need not be powers of two, so the load stays between 0.83
+    and 0.92 as the index grows: 12.8 bytes per entry, 14-15.5 bytes per id (`IdIndex`:
+    16-32).
     Kernels that probe it use `buckets()`, not `pointers()`.
     """
 
+    # Loads stay in [GROWN_LOAD, MAX_LOAD] once the index is past its initial size: growing
+    # sizes it for GROWN_LOAD, or by GROWTH = MAX_LOAD / GROWN_LOAD where that is more, so a
+    # small batch over MAX_LOAD grows it by 11% (rehashing stays amortised: ~9 moves per id).
+    # Unsuccessful probes (new ids) cost 2.3x more at load 0.85 than at 0.6, 5x at 0.9.
     MAX_LOAD = 0.92
-    # load right after growing, at the most: unsuccessful probes (new ids) cost 2.3x more at
-    # load 0.85 than at 0.6, 5x at 0.9; at least 1.25x growth keeps rehashing amortised
-    GROWN_LOAD = 0.82
-    GROWTH = 1.25
+    GROWN_LOAD = 0.83
+    GROWTH = MAX_LOAD / GROWN_LOAD
 
     def __init__(self, initial_capacity: int = 1024) -> None:
         self._count = 0
