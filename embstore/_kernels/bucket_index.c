@@ -6,7 +6,7 @@
  * split keys[]/vals[] arrays of dram_index.c cost two). An entry is empty when its value is
  * -1. Entry position p = bucket * 5 + k; every id's probe starts at entry 0 of its home
  * bucket, home = (mix64(id) * nb) >> 64 (any nb, not only powers of two, so the load can be
- * held between 0.83 and 0.92: 12.8 bytes per entry, 14-15.5 bytes per id). Probing walks entry
+ * held between 0.87 and 0.93: 12.8 bytes per entry, 13.8-14.7 bytes per id). Probing walks
  * positions cyclically until the id or an empty entry; deletion shifts later entries of the
  * cluster back (no tombstones), exactly as in dram_index.c but with bucket homes.
  */
