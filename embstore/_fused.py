@@ -25,7 +25,7 @@ import numpy as np
 from ._kernels._optim_kernels import ffi, lib
 from .optim import SGD, Adagrad, Optimizer, RowWiseAdagrad
 
-__all__ = ["gather_step", "kernel_rule", "step_in_place", "step_rows"]
+__all__ = ["distinct_slots", "gather_step", "kernel_rule", "step_in_place", "step_rows"]
 
 _RULE_SGD, _RULE_ADAGRAD, _RULE_ROWWISE = 0, 1, 2
 _DECAY_NONE, _DECAY_L2, _DECAY_DECOUPLED = 0, 1, 2
@@ -92,6 +92,18 @@ def step_rows(optimizer: Optimizer, dim: int, rows: np.ndarray, grads: np.ndarra
     return int(lib.optim_step_f32(*rule, _ptr("float *", rows), rows.shape[1],
                                   _ptr("float *", grads), len(rows), dim,
                                   _ptr("float *", scratch)))
+
+
+def distinct_slots(slots: np.ndarray, bound: int) -> bool:
+    """Whether the int32 `slots`, all in [0, bound), are distinct (one bit per slot)."""
+    words = (bound + 63) // 64
+    bits = getattr(_local, "bits", None)
+    if bits is None or len(bits) < words:
+        bits = np.zeros(max(words, 1), dtype=np.uint64)  # cleared by the kernel after use
+        _local.bits = bits
+    slots = np.ascontiguousarray(slots, dtype=np.int32)
+    return bool(lib.slots_distinct(_ptr("int32_t *", slots), len(slots),
+                                   _ptr("uint64_t *", bits)))
 
 
 def step_in_place(optimizer: Optimizer, dim: int, backend: Any, slots: np.ndarray,

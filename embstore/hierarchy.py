@@ -214,8 +214,14 @@ class TableChain:
         slots = tier.backend.index.find(ids)
         if (slots < 0).any():
             return None
-        if not read:
-            return slots
+        if read:
+            self.count_top_read(ids, slots)
+        return slots
+
+    def count_top_read(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Count a read of distinct `ids` that the top tier holds at `slots` (`top_slots`
+        with read=False) as `get` counts it."""
+        tier = self.tiers[0]
         now = self._tick()
         tier.counters["lookups"] += len(ids)
         tier.counters["hits"] += len(ids)
@@ -224,7 +230,6 @@ class TableChain:
                 tier.eviction.record_access_slots(slots, now)
             else:
                 tier.eviction.record_access(ids, now)
-        return slots
 
     def put_top_slots(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray | None, *,
                       row_slots: np.ndarray | None = None) -> None:

@@ -271,12 +271,18 @@ class EmbeddingStore:
             ids = as_ids(ids, spec)
             grads = as_rows(grads, len(ids), spec, what="gradients")
             self._check_writable()
-            groups = IdGroups(ids)
-            if groups.has_duplicates:
-                ids, grads = groups.unique, groups.sum_rows(grads)
             # where the top tier holds every row in slots, step them there: one probe and one
-            # pass over the rows, no gathered copy, no write back (see embstore/_fused.py)
-            slots = t.chain.top_slots(ids)
+            # pass over the rows, no gathered copy, no write back (see embstore/_fused.py).
+            # Distinct ids (what a trainer passes) are told by their slots, without grouping
+            slots = t.chain.top_slots(ids, read=False)
+            if slots is None or not _fused.distinct_slots(
+                    slots, t.chain.tiers[0].backend.index.high_water):
+                groups = IdGroups(ids)
+                if groups.has_duplicates:
+                    ids, grads = groups.unique, groups.sum_rows(grads)
+                    slots = None if slots is None else slots[groups.last]
+            if slots is not None:
+                t.chain.count_top_read(ids, slots)
             full = bad = None
             if slots is not None:
                 self._before_write(table, t, ids)  # pre-images first: rows change in place
