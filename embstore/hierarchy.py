@@ -252,6 +252,64 @@ class TableChain:
             self._absent.add(absent)
         return urows, level_of
 
+    def top_slots(self, ids: np.ndarray, *, read: bool = True) -> np.ndarray | None:
+        """Find the slots of distinct `ids` in the top tier, if it holds them all in place.
+
+        That is when the top tier keeps its rows in slots it can overwrite in place
+        (`write_at`) and holds every id: then, with `read`, the read is counted as `get`
+        counts a batch the top tier holds (one tick, hits, the policy's accesses). Otherwise
+        None, and nothing is counted.
+        """
+        tier = self.tiers[0]
+        if not (len(ids) and tier.slotted and hasattr(tier.backend, "write_at")):
+            return None
+        slots: np.ndarray = tier.slot_backend.index.find(ids)
+        if (slots < 0).any():
+            return None
+        if read:
+            self.count_top_read(ids, slots)
+        return slots
+
+    def count_top_read(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Count a read of distinct `ids` that the top tier holds at `slots` as `get` does.
+
+        For callers of `top_slots` with read=False.
+        """
+        tier = self.tiers[0]
+        now = self._tick()
+        tier.counters["lookups"] += len(ids)
+        tier.counters["hits"] += len(ids)
+        if tier.eviction is not None:
+            if tier.shares_index:
+                tier.shared.record_access_slots(slots, now)
+            else:
+                tier.eviction.record_access(ids, now)
+
+    def put_top_slots(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray | None, *,
+                      row_slots: np.ndarray | None = None) -> None:
+        """Write distinct `ids` that the top tier holds at `slots`, in place.
+
+        `slots` come from `top_slots`, with no other write to the table since: the rows are
+        overwritten in place (None: the caller wrote them there already), then counted,
+        marked dirty and capacity enforced exactly as `put` does for rows the top tier holds.
+
+        `row_slots`, where given, is the slot of each row of `rows` (which may then hold
+        several rows per id: they are written in order, so the last one stays).
+        """
+        now = self._tick()
+        self._absent = None
+        tier = self.tiers[0]
+        if rows is not None:
+            cast(Any, tier.backend).write_at(slots if row_slots is None else row_slots, rows)
+        if tier.eviction is not None:
+            if tier.shares_index:
+                tier.shared.record_access_slots(slots, now)
+            else:
+                tier.eviction.record_access(ids, now)
+        if tier.dirty is not None:
+            tier.dirty.mark(ids, slots)
+        self._enforce_capacity(tier, now)
+
     def _promote(self, ids: np.ndarray, rows: np.ndarray, level_of: np.ndarray, now: int) -> None:
         """Copy rows found below into the topmost tier above them that admits them."""
         for tier in self.tiers[:-1]:

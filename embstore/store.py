@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _prefetch
+from . import _fused, _prefetch
 from ._build import build_chain
 from ._precision import RowCodec
 from ._validate import as_ids, as_rows
@@ -278,6 +278,15 @@ class EmbeddingStore:
             rows = as_rows(rows, len(ids), t.spec)
             self._check_writable()
             groups = IdGroups(ids)
+            if t.spec.row_width == t.spec.dim and t.codec is None:
+                # rows the top tier holds are overwritten where they lie, in position order
+                # (the last row of an id wins): no probe beyond one, no copy of the batch
+                slots = t.chain.top_slots(groups.unique, read=False)
+                if slots is not None:
+                    self._before_write(table, t, groups.unique)
+                    t.chain.put_top_slots(groups.unique, slots, rows, row_slots=(
+                        slots[groups.inverse] if groups.has_duplicates else None))
+                    return
             if groups.has_duplicates:
                 ids, rows = groups.unique, np.ascontiguousarray(rows[groups.last])
             if t.spec.row_width != t.spec.dim:
@@ -305,21 +314,41 @@ class EmbeddingStore:
             ids = as_ids(ids, spec)
             grads = as_rows(grads, len(ids), spec, what="gradients")
             self._check_writable()
-            groups = IdGroups(ids)
-            if groups.has_duplicates:
-                ids, grads = groups.unique, groups.sum_rows(grads)
-            full, found = self._get(t, ids)
-            self._fill_absent(spec, ids, full, found, with_state=True)
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                # overflow is checked below on the result, where it can be reported by row
-                spec.optimizer.step(full[:, : spec.dim], full[:, spec.dim :], grads)
-            if not spec.allow_nonfinite and not np.isfinite(full).all():
-                bad = int(ids[np.flatnonzero(~np.isfinite(full).all(axis=1))[0]])
+            # where the top tier holds every row in slots, step them there: one probe and one
+            # pass over the rows, no gathered copy, no write back (see embstore/_fused.py).
+            # Distinct ids (what a trainer passes) are told by their slots, without grouping.
+            # Half-precision rows are bytes in every tier: they take the gathered path
+            slots = None if t.codec is not None else t.chain.top_slots(ids, read=False)
+            if slots is None or not _fused.distinct_slots(
+                    slots, t.chain.tiers[0].slot_backend.index.high_water):
+                groups = IdGroups(ids)
+                if groups.has_duplicates:
+                    ids, grads = groups.unique, groups.sum_rows(grads)
+                    slots = None if slots is None else slots[groups.last]
+            if slots is not None:
+                t.chain.count_top_read(ids, slots)
+            full = bad = None
+            if slots is not None:
+                self._before_write(table, t, ids)  # pre-images first: rows change in place
+                bad = _fused.step_in_place(spec.optimizer, spec.dim, t.chain.tiers[0].backend,
+                                           slots, grads, undo=not spec.allow_nonfinite)
+                if bad is None:  # no kernel for this rule: step a gathered copy
+                    full, bad = _fused.gather_step(spec.optimizer, spec.dim,
+                                                   t.chain.tiers[0].backend, slots, grads)
+            else:
+                full, found = self._get(t, ids)
+                self._fill_absent(spec, ids, full, found, with_state=True)
+                bad = _fused.step_rows(spec.optimizer, spec.dim, full, grads)
+            if bad >= 0 and not spec.allow_nonfinite:  # the in-place step was undone
                 raise NonFiniteValueError(
-                    f"table {spec.name!r}: the optimizer step made row {bad} non-finite "
-                    "(exploding gradients or learning rate?); nothing was written"
+                    f"table {spec.name!r}: the optimizer step made row {int(ids[bad])} "
+                    "non-finite (exploding gradients or learning rate?); nothing was written"
                 )
-            self._put(table, t, ids, full, step=t.steps)
+            if slots is not None:
+                t.chain.put_top_slots(ids, slots, full)
+            else:
+                assert full is not None
+                self._put(table, t, ids, full, step=t.steps)
             t.steps += 1
 
     def bulk_load(self, table: str, ids: Any, weights: Any, state: Any = None) -> None:
