@@ -89,6 +89,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--evals", type=_positive, default=10,
                    help="held-out evaluations during the run (10)")
     p.add_argument("--seed", type=_non_negative, default=0)
+    p.add_argument("--nproc", type=_positive, default=1,
+                   help="train over N processes (torch.distributed, gloo on loopback): tables "
+                   "sharded row-wise over the ranks, the dense part data-parallel (1)")
     p.add_argument("--json", action="store_true", help="print the final figures as JSON")
     p.set_defaults(func=run)
 
@@ -241,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(TORCH_THREADS)
     torch.use_deterministic_algorithms(True)
     try:
+        if args.nproc > 1:
+            return _run_distributed(args)
         return _run(args, torch, et)
     except KeyboardInterrupt:  # a second Ctrl-C: stopped mid-step
         print("embstore demo: aborted mid-step; a --path run may be left between steps",
@@ -251,6 +256,44 @@ def run(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(previous[0])
         torch.use_deterministic_algorithms(previous[1])
+
+
+def _run_distributed(args: argparse.Namespace) -> int:
+    """Train over `--nproc` local processes through a sharded store and report."""
+    import functools
+
+    from ._bench_shard import DLRMJob
+    from ._demo_distributed import train_distributed
+
+    if args.path is not None or args.plot is not None or args.all_dram:
+        return _fail("--nproc above 1 trains in memory: --path, --plot and --all-dram apply "
+                     "to one process only")
+    job = functools.partial(DLRMJob, rows=args.rows, batch_size=args.batch_size,
+                            seed=args.seed)
+    print(f"DLRM over {args.nproc} processes (gloo on loopback): 8 tables of {args.rows:,} x "
+          f"16 sharded row-wise by hash over the ranks, dense part data-parallel; "
+          f"{args.steps:,} steps x {args.batch_size:,} samples"
+          f"{'' if args.no_pipeline else ', pipelined'}")
+    result = train_distributed(job, args.nproc, args.steps, pipeline=not args.no_pipeline,
+                               timeout_s=max(300.0, args.steps * 2.0))
+    losses = result.losses
+    head, tail = losses[: min(20, len(losses))], losses[-min(20, len(losses)):]
+    figures = {"nproc": args.nproc, "steps": args.steps,
+               "loss_start": float(np.mean(head)) if head else None,
+               "loss_end": float(np.mean(tail)) if tail else None,
+               "steps_per_s": result.steps_per_s, "bytes_per_step": result.bytes_per_step,
+               "min_bytes_per_step": result.min_bytes_per_step, "digest": result.digest}
+    if args.json:
+        print(json.dumps(figures, indent=1))
+    elif losses:
+        print(f"loss (mean of up to 20 steps): start {figures['loss_start']:.4f}  end "
+              f"{figures['loss_end']:.4f}")
+        print(f"throughput: {result.steps_per_s:.2f} steps/s; exchanged "
+              f"{result.bytes_per_step:,.0f} bytes per step (minimum "
+              f"{result.min_bytes_per_step:,.0f})")
+    if not args.json:
+        print(f"digest: {result.digest}")
+    return 0
 
 
 def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
