@@ -183,3 +183,11 @@ def test_a_float32_training_run_and_its_half_precision_twins_track_each_other():
     assert losses["fp32"] < 0.05  # it learned
     assert abs(losses["fp16"] - losses["fp32"]) < 0.1 * losses["fp32"] + 1e-3
     assert abs(losses["bf16"] - losses["fp32"]) < 0.2 * losses["fp32"] + 5e-3
+
+
+def test_bench_precision_quick_runs(capsys):
+    from embstore.tools.cli import main
+
+    assert main(["bench", "precision", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "apply_gradients" in out and "bf16" in out and "bytes per row" in out
