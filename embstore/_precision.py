@@ -22,11 +22,16 @@ import zlib
 
 import numpy as np
 
-from .init import hash_bits
+from ._kernels._half_kernels import ffi, lib
+from .init import stream_key
 
 __all__ = ["PRECISIONS", "RowCodec"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+
+# the float32 value of every fp16 bit pattern: decoding is one table lookup per weight
+_FP16_VALUES = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16) \
+    .astype(np.float32)
 
 
 class RowCodec:
@@ -51,12 +56,18 @@ class RowCodec:
         bits = self._bits(raw)
         return bits.view(np.float16) if self.precision == "fp16" else bits
 
+    def _decode_bits(self, bits: np.ndarray) -> np.ndarray:
+        out = np.empty(bits.shape, dtype=np.float32)
+        if bits.size:
+            lib.half_decode(ffi.cast("uint16_t *", bits.ctypes.data), bits.size,
+                            int(self.precision == "bf16"),
+                            ffi.cast("float *", _FP16_VALUES.ctypes.data),
+                            ffi.cast("float *", out.ctypes.data))
+        return out
+
     def decode_weights(self, raw: np.ndarray) -> np.ndarray:
         """float32 [N, dim] weights of stored rows `raw`."""
-        bits = self._bits(raw)
-        if self.precision == "fp16":
-            return bits.view(np.float16).astype(np.float32)
-        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return self._decode_bits(self._bits(raw))
 
     def decode(self, raw: np.ndarray) -> np.ndarray:
         """float32 [N, dim + state] rows of stored rows `raw`."""
@@ -68,55 +79,34 @@ class RowCodec:
 
     def quantize(self, weights: np.ndarray) -> np.ndarray:
         """float32 `weights` as they read back once stored (rounded to nearest)."""
-        bits = self.round_nearest(weights)
-        if self.precision == "fp16":
-            return bits.view(np.float16).astype(np.float32)
-        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return self._decode_bits(self.round_nearest(weights))
 
     # --- float32 -> bytes ------------------------------------------------------------------
 
+    def _encode(self, weights: np.ndarray, ids: np.ndarray | None, seed_key: int) -> np.ndarray:
+        w = np.asarray(weights, dtype=np.float32)
+        if w.ndim != 2 or w.strides[1] != 4:
+            w = np.ascontiguousarray(w)
+        out = np.empty(w.shape, dtype=np.uint16)
+        keep = None if ids is None else np.ascontiguousarray(ids, dtype=np.int64)
+        if w.size:
+            lib.half_encode(ffi.cast("float *", w.ctypes.data), w.shape[0], w.shape[1],
+                            w.strides[0] // 4, int(self.precision == "bf16"),
+                            ffi.NULL if keep is None else ffi.cast("int64_t *", keep.ctypes.data),
+                            seed_key, ffi.cast("uint16_t *", out.ctypes.data))
+        return out
+
     def round_nearest(self, weights: np.ndarray) -> np.ndarray:
         """uint16 [N, dim]: `weights` (float32) rounded to nearest, ties to even."""
-        if self.precision == "fp16":
-            with np.errstate(over="ignore"):
-                return np.ascontiguousarray(weights, dtype=np.float32).astype(np.float16) \
-                    .view(np.uint16)
-        u = np.ascontiguousarray(weights, dtype=np.float32).view(np.uint32).astype(np.uint64)
-        rounded = ((u + np.uint64(0x7FFF) + ((u >> np.uint64(16)) & np.uint64(1)))
-                   >> np.uint64(16)).astype(np.uint16)
-        nan = np.isnan(weights)
-        if nan.any():
-            rounded[nan] = 0x7FC0
-        return rounded
+        return self._encode(weights, None, 0)
 
     def round_stochastic(self, weights: np.ndarray, ids: np.ndarray, step: int) -> np.ndarray:
         """uint16 [N, dim]: `weights` rounded up or down at random, in proportion to distance.
 
-        The random bits are a pure function of (table, id, column, `step`).
+        The random bits are a pure function of (table, id, column, `step`): those of
+        `embstore.init.hash_bits(seed, ids, dim, stream=step)`.
         """
-        w = np.ascontiguousarray(weights, dtype=np.float32)
-        bits = hash_bits(self.seed, ids, self.dim, stream=step)
-        if self.precision == "bf16":
-            u = w.view(np.uint32).astype(np.uint64)
-            noise = bits >> np.uint64(48)  # 16 random bits below the kept ones
-            rounded = ((u + noise) >> np.uint64(16)).astype(np.uint16)
-            nan = np.isnan(w)
-            if nan.any():
-                rounded[nan] = 0x7FC0
-            return rounded
-        with np.errstate(over="ignore", invalid="ignore"):
-            near = w.astype(np.float16)
-            near32 = near.astype(np.float32)
-            # the other neighbour of w in float16, on the far side of w from `near`
-            other = np.nextafter(near, np.where(near32 < w, np.float16(np.inf),
-                                                np.float16(-np.inf)))
-            other32 = other.astype(np.float32).astype(np.float64)
-            gap = other32 - near32
-            # probability of taking `other`: w's distance from `near` over the gap
-            p = np.where(gap != 0, (w.astype(np.float64) - near32) / gap, 0.0)
-            draw = (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
-            take = (draw < p) & np.isfinite(near32) & (near32 != w)
-        return np.where(take, other, near).view(np.uint16)
+        return self._encode(weights, ids, stream_key(self.seed, step))
 
     def encode(self, rows: np.ndarray, rounded: np.ndarray) -> np.ndarray:
         """Pack stored rows: uint8 [N, row_bytes].

@@ -31,11 +31,17 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     return z
 
 
+def stream_key(seed: int, stream: int = 0) -> int:
+    """The 64-bit key of (seed, stream) that `hash_bits` mixes each id with."""
+    # Python ints (arbitrary precision, masked) for the scalar key: numpy scalars warn on wrap
+    key = _mix64(np.array([(seed * 2 + 1 + stream * int(_GOLDEN)) & (2**64 - 1)],
+                          dtype=np.uint64))
+    return int(key[0])
+
+
 def hash_bits(seed: int, ids: np.ndarray, dim: int, stream: int = 0) -> np.ndarray:
     """uint64[N, dim] of well-mixed bits, a pure function of (seed, stream, id, column)."""
-    # Python ints (arbitrary precision, masked) for the scalar key: numpy scalars warn on wrap
-    seed_key = _mix64(np.array([(seed * 2 + 1 + stream * int(_GOLDEN)) & (2**64 - 1)],
-                               dtype=np.uint64))
+    seed_key = np.uint64(stream_key(seed, stream))
     row_key = _mix64(ids.astype(np.int64).view(np.uint64) ^ seed_key)
     cols = (np.arange(1, dim + 1, dtype=np.uint64) * _GOLDEN)
     return _mix64(row_key[:, None] + cols[None, :])

@@ -191,3 +191,53 @@ def test_bench_precision_quick_runs(capsys):
     assert main(["bench", "precision", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "apply_gradients" in out and "bf16" in out and "bytes per row" in out
+
+
+def _reference_round(precision, w, ids=None, step=0, seed=0):
+    """The rounding rules written with numpy alone: what the C kernel must give, bit for bit."""
+    from embstore.init import hash_bits
+
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if ids is None:
+        if precision == "fp16":
+            with np.errstate(over="ignore"):
+                return w.astype(np.float16).view(np.uint16)
+        u = w.view(np.uint32).astype(np.uint64)
+        out = ((u + np.uint64(0x7FFF) + ((u >> np.uint64(16)) & np.uint64(1)))
+               >> np.uint64(16)).astype(np.uint16)
+        out[np.isnan(w)] = 0x7FC0
+        return out
+    bits = hash_bits(seed, ids, w.shape[1], stream=step)
+    if precision == "bf16":
+        u = w.view(np.uint32).astype(np.uint64)
+        out = ((u + (bits >> np.uint64(48))) >> np.uint64(16)).astype(np.uint16)
+        out[np.isnan(w)] = 0x7FC0
+        return out
+    with np.errstate(over="ignore", invalid="ignore"):
+        near = w.astype(np.float16)
+        near32 = near.astype(np.float32)
+        other = np.nextafter(near, np.where(near32 < w, np.float16(np.inf), np.float16(-np.inf)))
+        gap = other.astype(np.float64) - near32
+        p = np.where(gap != 0, (w.astype(np.float64) - near32) / gap, 0.0)
+        draw = (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+        take = (draw < p) & np.isfinite(near32) & (near32 != w)
+    return np.where(take, other, near).view(np.uint16)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_rounding_kernel_gives_the_bits_of_the_numpy_rules(precision):
+    rng = np.random.default_rng(0)
+    w = np.concatenate([
+        rng.standard_normal((200, 16)) * 10.0 ** rng.integers(-9, 6, (200, 1)),
+        np.array([[0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65519.0, 65520.0,
+                   70000.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 6.1e-5, -6.1e-5, 1e-8, 1.0]]),
+    ]).astype(np.float32)
+    codec = RowCodec("t", precision, 16, 0)
+    ids = np.arange(len(w)) * 7919 - 500
+    np.testing.assert_array_equal(codec.round_nearest(w), _reference_round(precision, w))
+    np.testing.assert_array_equal(codec.round_stochastic(w, ids, 9),
+                                  _reference_round(precision, w, ids, 9, codec.seed))
+    bits = codec.round_nearest(w)
+    expected = (bits.view(np.float16).astype(np.float32) if precision == "fp16"
+                else (bits.astype(np.uint32) << 16).view(np.float32))
+    np.testing.assert_array_equal(codec.quantize(w), expected)

@@ -108,9 +108,19 @@ int slots_distinct(const int32_t *slots, int64_t n, uint64_t *bits);
 optim_ffibuilder = _builder("embstore._kernels._optim_kernels", OPTIM_CDEF, "optim_kernels.c",
                             "c99", ("-ffp-contract=off", "-fno-fast-math"))
 
+HALF_CDEF = """
+void half_decode(const uint16_t *in, int64_t n, int bf16, const float *table, float *out);
+void half_encode(const float *in, int64_t n, int64_t dim, int64_t stride, int bf16,
+                 const int64_t *ids, uint64_t seed_key, uint16_t *out);
+"""
+
+half_ffibuilder = _builder("embstore._kernels._half_kernels", HALF_CDEF, "half_kernels.c", "c99",
+                           ("-ffp-contract=off", "-fno-fast-math"))
+
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
     checksum_ffibuilder.compile(verbose=True)
     policy_ffibuilder.compile(verbose=True)
     bag_ffibuilder.compile(verbose=True)
     optim_ffibuilder.compile(verbose=True)
+    half_ffibuilder.compile(verbose=True)
