@@ -21,6 +21,7 @@ kept; `tests/test_profile.py` bounds the error against the exact curve (`SHARDS_
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,30 +48,33 @@ def sample_trace(trace: Trace, rate: float, seed: int = 0) -> Trace:
     return Trace([b[keep[d]] for b, d in zip(trace.batches, trace.dense, strict=True)])
 
 
-def stack_distances(trace: Trace) -> tuple[np.ndarray, int]:
-    """LRU stack distances of the trace's lookups (float64, cold lookups left out) and the
-    number of cold lookups (first lookups of an id)."""
+def stack_distances(trace: Trace, warmup: int = 0) -> tuple[np.ndarray, int, int]:
+    """LRU stack distances of the trace's lookups (float64, cold lookups left out), the
+    number of cold lookups (first lookups of an id) and of all lookups, counting only the
+    batches from `warmup` on (the earlier ones only fill the cache)."""
     n_batches = len(trace.unique)
     last = np.full(trace.distinct, -1, dtype=np.int64)
     marker = np.zeros(n_batches + 1, dtype=np.int64)  # ids whose last lookup is batch j
     out: list[np.ndarray] = []
-    cold = 0
+    cold = counted = 0
     for b, u in enumerate(trace.unique):
         if not len(u):
             continue
         p = last[u]
         seen = p >= 0
-        cold += int(len(u) - np.count_nonzero(seen))
         p = p[seen]
+        if b >= warmup:
+            cold += int(len(u) - len(p))
+            counted += len(u)
+            if len(p):
+                before = np.concatenate([[0], np.cumsum(marker[:b])])  # sum of marker[:j]
+                out.append(before[b] - before[p + 1] + 0.5 * (marker[p] - 1))
         if len(p):
-            before = np.concatenate([[0], np.cumsum(marker[:b])])  # before[j] = sum marker[:j]
-            between = before[b] - before[p + 1]
-            out.append(between + 0.5 * (marker[p] - 1))
             np.subtract.at(marker, p, 1)
         marker[b] = len(u)
         last[u] = b
     dist = np.concatenate(out) if out else np.zeros(0)
-    return dist, cold
+    return dist, cold, counted
 
 
 def capacity_grid(rows: int, points: int = 24) -> np.ndarray:
@@ -79,48 +83,56 @@ def capacity_grid(rows: int, points: int = 24) -> np.ndarray:
     return grid
 
 
-def lru_curve(trace: Trace, capacities: np.ndarray, rate: float = 1.0) -> np.ndarray:
+def lru_curve(trace: Trace, capacities: np.ndarray, rate: float = 1.0,
+              warmup: int = 0) -> np.ndarray:
     """LRU miss ratios (per lookup) at `capacities` (ids of the full trace), from stack
-    distances of the trace sampled at `rate` (1: exact)."""
+    distances of the trace sampled at `rate` (1: exact), batches from `warmup` on."""
     sub = sample_trace(trace, rate)
-    dist, cold = stack_distances(sub)
-    if not sub.lookups:
+    dist, cold, counted = stack_distances(sub, warmup)
+    if not counted:
         return np.zeros(len(capacities))
     dist = np.sort(dist / rate)
     beyond = len(dist) - np.searchsorted(dist, np.asarray(capacities, dtype=np.float64),
                                          side="left")
-    return (cold + beyond) / sub.lookups
+    return (cold + beyond) / counted
 
 
-def reuse_histogram(trace: Trace, rate: float = 1.0) -> dict[str, list[float]]:
+def reuse_histogram(trace: Trace, rate: float = 1.0, warmup: int = 0) -> dict[str, Any]:
     """Reuse distances in log2 bins: {"edges": bin upper edges (ids), "lookups": share of
     lookups per bin, "cold": share of first lookups}."""
     sub = sample_trace(trace, rate)
-    dist, cold = stack_distances(sub)
+    dist, cold, counted = stack_distances(sub, warmup)
     dist = dist / rate
     top = max(1, int(np.ceil(np.log2(max(float(dist.max()) if len(dist) else 1.0, 1.0)))) + 1)
     edges = 2.0 ** np.arange(top + 1)
     counts = np.histogram(dist, bins=np.concatenate([[0.0], edges]))[0]
-    total = max(sub.lookups, 1)
+    total = max(counted, 1)
     return {"edges": edges.tolist(), "lookups": (counts / total).tolist(),
             "cold": cold / total}
 
 
 def policy_curve(trace: Trace, policy: str, capacities: Sequence[int], rate: float = 1.0,
-                 seed: int = 0) -> np.ndarray:
+                 seed: int = 0, warmup: int = 0) -> np.ndarray:
     """Miss ratios of eviction `policy` (spec, admission "always") at `capacities`, replayed
-    on the trace sampled at `rate` through caches of rate x capacity ids."""
+    on the trace sampled at `rate` through caches of rate x capacity ids, counting the
+    batches from `warmup` on (a replay of the warm-up prefix alone is subtracted: the
+    policies are deterministic, so it is the same prefix)."""
     sub = sample_trace(trace, rate)
+    prefix = Trace(sub.batches[:warmup]) if warmup else None
     out = np.zeros(len(capacities))
-    if not sub.lookups:
+    counted = sub.lookups - (prefix.lookups if prefix else 0)
+    if not counted:
         return out
     for i, cap in enumerate(capacities):
         scaled = max(1, int(round(cap * rate)))
-        if scaled >= sub.distinct:
-            out[i] = sub.distinct / sub.lookups  # everything fits: only cold misses
+        if scaled >= sub.distinct:  # everything fits: only cold misses
+            out[i] = (sub.distinct - (prefix.distinct if prefix else 0)) / counted
             continue
-        result = run_policies(sub, parse_policy(policy, "eviction", seed),  # type: ignore[arg-type]
-                              parse_policy("always", "admission", seed),  # type: ignore[arg-type]
-                              scaled)
-        out[i] = result.miss_ratio
+        misses = 0
+        for part, sign in ((sub, 1), (prefix, -1)):
+            if part is not None and part.lookups:
+                misses += sign * run_policies(
+                    part, parse_policy(policy, "eviction", seed),  # type: ignore[arg-type]
+                    parse_policy("always", "admission", seed), scaled).misses  # type: ignore[arg-type]
+        out[i] = misses / counted
     return out

@@ -6,7 +6,9 @@ interpolated in log C), and cost(tier, op, k) = latency + k x r / throughput (0 
 
     lookup       cost(top, read, L) + cost(next, read, L m(C1)) + cost(bottom, read, L m(C1+C2))
     promotions   cost(top, write, L m(C1)) (+ cost(middle, write, L m(C1+C2)) with 3 tiers)
-    update       cost(top, read, L) + cost(top, write, L)   (apply_gradients reads, then writes)
+    update       cost(top', read, L) + cost(top, write, L)  (apply_gradients reads, then writes;
+                 top' is DRAM when the top is rocksdb or lmdb: their block and page caches
+                 serve a row read again within the step)
     write-backs  cost(next, write, L m(C1)) (+ cost(bottom, write, L m(C1+C2)))
 
 (every looked-up row is trained, so every eviction writes a dirty row back). Memory: a cache
@@ -30,6 +32,7 @@ import numpy as np
 
 from embstore.errors import ConfigError
 from embstore.placement import KNOWN_TIERS, load_document
+from embstore.simulate import parse_policy
 from embstore.spec import TierSpec, parse_bytes
 
 __all__ = ["Option", "chain_option", "naive_placement", "parse_budget", "plan", "to_placement"]
@@ -113,7 +116,9 @@ def chain_option(t: dict[str, Any], model: dict[str, Any], backends: list[str], 
     # misses below each cache level (a lower cache holds what the upper one does: inclusive)
     miss = [_miss(t, policies[i], sum(caps[:i + 1])) for i in range(len(caps))]
     reach = [n, *[n * m for m in miss]]
-    secs = _cost(model, top, "read", n, r) * 2 + _cost(model, top, "write", n, r)
+    again = "dram" if top in _SSD and "dram" in model["tiers"] else top
+    secs = (_cost(model, top, "read", n, r) + _cost(model, again, "read", n, r)
+            + _cost(model, top, "write", n, r))
     for i in range(1, len(backends)):
         secs += _cost(model, backends[i], "read", reach[i], r)
         secs += _cost(model, backends[i - 1], "write", reach[i], r) if i > 1 else 0.0
@@ -132,7 +137,10 @@ def chain_option(t: dict[str, Any], model: dict[str, Any], backends: list[str], 
 def _options(t: dict[str, Any], model: dict[str, Any], budget: dict[str, int]) -> list[Option]:
     tiers = model["tiers"]
     rows = t["rows_touched"]
-    caps = [c for c in t["mrc"]["capacities"] if c < rows]
+    # a cache must hold a step's rows from its lookup to its update, or it thrashes within
+    # the step (promoted rows evicted before the optimizer writes them): at least two
+    # batches' distinct ids
+    caps = [c for c in t["mrc"]["capacities"] if 2 * t["distinct_per_batch"] <= c < rows]
     out = []
     if "dram" in tiers:
         out.append(chain_option(t, model, ["dram"], []))
@@ -240,11 +248,19 @@ def naive_placement(profile: dict[str, Any], model: dict[str, Any], budget: dict
     return out
 
 
+def _cache_spec(backend: str, rows: int, policy: str) -> TierSpec:
+    """A cache tier running eviction spec `policy` ("name:key=value:..." as profiled)."""
+    config = parse_policy(policy, "eviction").config()
+    config.pop("seed", None)
+    return TierSpec(backend, capacity=rows, eviction=policy.split(":")[0],
+                    eviction_options=config)
+
+
 def to_placement(chosen: dict[str, Option], budget: dict[str, int]) -> dict[str, Any]:
     """The placement document of the chosen options."""
     tables = {}
     for name, o in chosen.items():
-        chain = [TierSpec(b, capacity=o.caps[i], eviction=o.policies[i]).to_json()
+        chain = [_cache_spec(b, o.caps[i], o.policies[i]).to_json()
                  if i < len(o.caps) else TierSpec(b).to_json()
                  for i, b in enumerate(o.backends)]
         tables[name] = {"tiers": chain, "policy": o.policies[0] if o.policies else None,

@@ -19,7 +19,7 @@ import numpy as np
 
 from embstore.errors import ConfigError
 
-__all__ = ["build_profile", "load_tables", "register"]
+__all__ = ["build_profile", "load_tables", "register", "save_tables", "split_tables"]
 
 EXACT_LOOKUPS = 2_000_000
 """Tables with more lookups than this are profiled by SHARDS sampling (unless told)."""
@@ -58,13 +58,18 @@ def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
                 return out
     from embstore.simulate import load_trace
 
-    trace = load_trace(spec)
-    tables = np.unique(np.concatenate(trace.batches) >> _TABLE_SHIFT) if trace.accesses else []
-    out = {}
-    for t in tables:
-        out[f"t{int(t):02d}"] = [b[(b >> _TABLE_SHIFT) == t] for b in trace.batches]
+    out = split_tables(load_trace(spec).batches)
     if not out:
         raise ConfigError(f"trace {spec!r} holds no ids")
+    return out
+
+
+def split_tables(batches: Sequence[np.ndarray]) -> dict[str, list[np.ndarray]]:
+    """Per table ("t00", "t01", ...: the id bits above 40), its share of each batch."""
+    flat = np.concatenate(batches) if len(batches) else np.zeros(0, np.int64)
+    out = {}
+    for t in np.unique(flat >> _TABLE_SHIFT):
+        out[f"t{int(t):02d}"] = [b[(b >> _TABLE_SHIFT) == t] for b in batches]
     return out
 
 
@@ -104,7 +109,8 @@ def _row_bytes(text: str | int, names: Sequence[str]) -> dict[str, int]:
 
 def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str] = ("clock",),
                   row_bytes: str | int = 260, samples_per_batch: int = 1,
-                  sample_rate: float | None = None, points: int = 12, trace_name: str = "",
+                  sample_rate: float | None = None, points: int = 12, warmup: float = 0.0,
+                  trace_name: str = "",
                   seed: int = 0, progress: Any = None) -> dict[str, Any]:
     """The profile document (see `embstore.placement`) of per-table batches.
 
@@ -116,6 +122,8 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         sample_rate: SHARDS rate for every table; None: exact up to `EXACT_LOOKUPS` lookups
             per table, sampled above (keeping at least MIN_SAMPLED_IDS ids).
         points: capacities on each curve (log-spaced, the last one the whole table).
+        warmup: share of the batches, in [0, 1), that only fill the caches: curves count the
+            rest (a steady state rather than from cold).
         trace_name: what the trace was, recorded in the profile.
         seed: seeds sampling and the policies.
         progress: an object with ``update(n)`` called once per table, or None.
@@ -134,10 +142,11 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         reuse_histogram,
     )
 
-    if samples_per_batch < 1 or points < 2 or (sample_rate is not None
-                                               and not 0 < sample_rate <= 1):
-        raise ConfigError("profile: need samples_per_batch >= 1, points >= 2 and a sample "
-                          f"rate in (0, 1], got {samples_per_batch}, {points}, {sample_rate}")
+    if samples_per_batch < 1 or points < 2 or not 0 <= warmup < 1 or (
+            sample_rate is not None and not 0 < sample_rate <= 1):
+        raise ConfigError("profile: need samples_per_batch >= 1, points >= 2, warmup in "
+                          f"[0, 1) and a sample rate in (0, 1], got {samples_per_batch}, "
+                          f"{points}, {warmup}, {sample_rate}")
     for p in policies:
         parse_policy(p, "eviction")  # a bad spec fails before any work
     names = sorted(tables)
@@ -155,15 +164,16 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         if sample_rate is None and trace.lookups > EXACT_LOOKUPS:
             rate = min(1.0, max(EXACT_LOOKUPS / trace.lookups, MIN_SAMPLED_IDS / trace.distinct))
         caps = capacity_grid(trace.distinct, points)
-        lru = lru_curve(trace, caps, rate)
+        skip = int(warmup * len(trace.batches))
+        lru = lru_curve(trace, caps, rate, skip)
         # below two batches' width the order inside a batch decides what LRU keeps, which
         # stack distances do not know: replay those few capacities instead
         narrow = caps < 2 * trace.lookups / max(len(trace.batches), 1)
         if narrow.any():
-            lru[narrow] = policy_curve(trace, "lru", caps[narrow].tolist(), rate, seed)
+            lru[narrow] = policy_curve(trace, "lru", caps[narrow].tolist(), rate, seed, skip)
         mrc: dict[str, list[Any]] = {"capacities": caps.tolist(), "lru": lru.tolist()}
         for p in policies:
-            mrc[p] = policy_curve(trace, p, caps.tolist(), rate, seed).tolist()
+            mrc[p] = policy_curve(trace, p, caps.tolist(), rate, seed, skip).tolist()
         per_sample = trace.accesses / max(n_batches, 1) / samples_per_batch
         out[name] = {
             "rows_touched": trace.distinct,
@@ -173,12 +183,13 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
             "bytes_per_sample": per_sample * sizes[name],
             "method": "exact" if rate >= 1 else "shards", "sample_rate": rate,
             "error_bound": 0.0 if rate >= 1 else SHARDS_ERROR_BOUND,
-            "reuse": reuse_histogram(trace, rate), "mrc": mrc,
+            "reuse": reuse_histogram(trace, rate, skip), "mrc": mrc,
         }
         if progress is not None:
             progress.update(1)
     return {"format": "embstore.profile", "version": 1, "trace": trace_name,
-            "batches": n_batches, "samples_per_batch": samples_per_batch,
+            "batches": n_batches, "warmup_batches": int(warmup * n_batches),
+            "samples_per_batch": samples_per_batch,
             "policies": ["lru", *policies], "tables": out}
 
 
@@ -220,15 +231,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "<table>.offsets), a simulator .npy/.npz, or synth:key=value,...")
     p.add_argument("-o", "--output", required=True, type=Path, help="profile JSON to write")
     p.add_argument("--plot", type=Path, default=None, help="draw the curves into this image")
-    p.add_argument("--policies", default="clock,wtinylfu",
-                   help="eviction specs to replay beside LRU (default: clock,wtinylfu; clock "
-                        "is a bounded tier's default)")
+    p.add_argument("--policies", default="clock,wtinylfu:hold_new=1",
+                   help="eviction specs to replay beside LRU (default: clock, a bounded "
+                        "tier's default, and W-TinyLFU as a training tier runs it)")
     p.add_argument("--row-bytes", default="260", help="bytes per row, e.g. 260 or "
                    "260,t00=516 (default 260: 64 float32 weights + row-wise Adagrad state)")
     p.add_argument("--samples-per-batch", type=int, default=1)
     p.add_argument("--sample-rate", type=float, default=None,
                    help=f"SHARDS rate (default: exact up to {EXACT_LOOKUPS} lookups a table)")
     p.add_argument("--points", type=int, default=12, help="capacities per curve")
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="share of the batches that only warm the caches (default 0: from cold)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=_run)
@@ -253,6 +266,7 @@ def _run(args: argparse.Namespace) -> int:
                                 row_bytes=args.row_bytes,
                                 samples_per_batch=args.samples_per_batch,
                                 sample_rate=args.sample_rate, points=args.points,
+                                warmup=args.warmup,
                                 trace_name=args.trace, seed=args.seed, progress=bar)
     finally:
         if bar is not None:

@@ -82,3 +82,18 @@ def test_wtinylfu_is_close_to_the_best_fixed_policy_on_the_calibrated_trace() ->
 def test_bad_settings_are_config_errors(setting: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="WTinyLFUEviction"):
         registry.load_policy("wtinylfu")(**setting)
+
+
+def test_hold_new_keeps_this_calls_inserts_until_a_later_call() -> None:
+    held = registry.load_policy("wtinylfu")(climb=False, window_share=0.0, hold_new=True)
+    plain = registry.load_policy("wtinylfu")(climb=False, window_share=0.0)
+    for policy in (held, plain):
+        policy.record_insert(ids_of(1, 2, 3), 0)
+        policy.choose_victims(0, 0)
+        policy.record_access(ids_of(1, 2, 3), 1)
+        policy.record_insert(ids_of(7, 8), 2)
+    # plain: the newcomers lose to the more frequent residents at once
+    assert sorted(plain.choose_victims(2, 2).tolist()) == [7, 8]
+    # held: they stay for this call; the residents give way (then compete normally)
+    assert sorted(held.choose_victims(2, 2).tolist()) == [1, 2]
+    assert np.isin([7, 8], held.choose_victims(2, 3)).all()
