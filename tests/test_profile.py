@@ -101,3 +101,32 @@ def test_profile_command_writes_json_and_a_plot(tmp_path: Path,
     assert "t00" in capsys.readouterr().out
     assert main(["profile", str(tmp_path / "missing.npy"), "-o", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["clock", "lru", "wtinylfu:hold_new=1"])
+def test_training_step_curve_predicts_a_real_tiers_hit_ratio(
+        tables: dict[str, list[np.ndarray]], policy: str) -> None:
+    import embstore
+    from embstore.simulate import parse_policy
+
+    batches = [np.unique(b) for b in tables["t02"][:60]]
+    trace = Trace(batches)
+    capacity = 4 * round(trace.lookups / len(batches))
+    predicted = 1 - policy_curve(trace, policy, [capacity], warmup=15, step_calls=3)[0]
+    options = parse_policy(policy, "eviction").config()
+    options.pop("seed")
+    chain = (embstore.TierSpec("dram", capacity=capacity, eviction=policy.split(":")[0],
+                               eviction_options=options), embstore.TierSpec("dram"))
+    spec = embstore.TableSpec("t", dim=4, optimizer=embstore.optim.RowWiseAdagrad(lr=0.1),
+                              tiers=chain)
+    hits = asked = 0
+    with embstore.open(None, tables=[spec]) as store:
+        for b, ids in enumerate(batches):
+            before = store.tier_statistics("t")[0]
+            store.lookup("t", ids)
+            after = store.tier_statistics("t")[0]
+            if b >= 15:
+                hits += after.hits - before.hits
+                asked += after.lookups - before.lookups
+            store.apply_gradients("t", ids, np.ones((len(ids), 4), np.float32))
+    assert abs(hits / asked - predicted) < 0.02, (hits / asked, predicted)

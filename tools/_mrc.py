@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from embstore.policies._hashing import splitmix64
+from embstore.policy import EvictionPolicy
 from embstore.simulate import Trace, parse_policy, run_policies
 
 __all__ = ["MIN_SAMPLED_IDS", "SHARDS_ERROR_BOUND", "capacity_grid", "lru_curve", "policy_curve",
@@ -112,11 +113,12 @@ def reuse_histogram(trace: Trace, rate: float = 1.0, warmup: int = 0) -> dict[st
 
 
 def policy_curve(trace: Trace, policy: str, capacities: Sequence[int], rate: float = 1.0,
-                 seed: int = 0, warmup: int = 0) -> np.ndarray:
+                 seed: int = 0, warmup: int = 0, step_calls: int = 1) -> np.ndarray:
     """Miss ratios of eviction `policy` (spec, admission "always") at `capacities`, replayed
     on the trace sampled at `rate` through caches of rate x capacity ids, counting the
     batches from `warmup` on (a replay of the warm-up prefix alone is subtracted: the
-    policies are deterministic, so it is the same prefix)."""
+    policies are deterministic, so it is the same prefix). `step_calls` > 1 replays each
+    batch as a store's training step (see `_training_misses`); 1 is `embstore simulate`."""
     sub = sample_trace(trace, rate)
     prefix = Trace(sub.batches[:warmup]) if warmup else None
     out = np.zeros(len(capacities))
@@ -131,8 +133,42 @@ def policy_curve(trace: Trace, policy: str, capacities: Sequence[int], rate: flo
         misses = 0
         for part, sign in ((sub, 1), (prefix, -1)):
             if part is not None and part.lookups:
-                misses += sign * run_policies(
-                    part, parse_policy(policy, "eviction", seed),  # type: ignore[arg-type]
-                    parse_policy("always", "admission", seed), scaled).misses  # type: ignore[arg-type]
+                eviction = parse_policy(policy, "eviction", seed)
+                if step_calls == 1:
+                    misses += sign * run_policies(
+                        part, eviction, parse_policy("always", "admission", seed),  # type: ignore[arg-type]
+                        scaled).misses
+                else:
+                    misses += sign * _training_misses(part, eviction, scaled,  # type: ignore[arg-type]
+                                                      step_calls)
         out[i] = misses / counted
     return out
+
+
+def _training_misses(trace: Trace, eviction: EvictionPolicy, capacity: int,
+                     step_calls: int) -> int:
+    """Misses of `eviction` when each batch is a training step of a store: the lookup (a
+    call that admits every miss, then evicts), then `step_calls - 1` more calls that touch
+    the same rows (the optimizer's read and write), each at its own time, as a tier sees them.
+    """
+    resident = np.zeros(trace.distinct, dtype=bool)
+    size = misses = 0
+    for b, (ids, u) in enumerate(zip(trace.batches, trace.unique, strict=True)):
+        if not len(u):
+            continue
+        now = b * step_calls
+        hit = resident[u]
+        misses += int(len(u) - np.count_nonzero(hit))
+        eviction.record_access(trace.ids[u[hit]], now)
+        new = u[~hit]
+        eviction.record_insert(trace.ids[new], now)
+        resident[new] = True
+        size += len(new)
+        if size > capacity:
+            victims = eviction.choose_victims(size - capacity, now)
+            resident[np.searchsorted(trace.ids, victims)] = False
+            size -= len(victims)
+        kept = trace.ids[u[resident[u]]]
+        for k in range(1, step_calls):
+            eviction.record_access(kept, now + k)
+    return misses

@@ -110,6 +110,7 @@ def _row_bytes(text: str | int, names: Sequence[str]) -> dict[str, int]:
 def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str] = ("clock",),
                   row_bytes: str | int = 260, samples_per_batch: int = 1,
                   sample_rate: float | None = None, points: int = 12, warmup: float = 0.0,
+                  step_calls: int = 3,
                   trace_name: str = "",
                   seed: int = 0, progress: Any = None) -> dict[str, Any]:
     """The profile document (see `embstore.placement`) of per-table batches.
@@ -124,6 +125,9 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         points: capacities on each curve (log-spaced, the last one the whole table).
         warmup: share of the batches, in [0, 1), that only fill the caches: curves count the
             rest (a steady state rather than from cold).
+        step_calls: calls a tier sees per batch: 3 for a training step (lookup, then the
+            optimizer's read and write of the same rows, which CLOCK and W-TinyLFU count as
+            accesses), 1 for lookups only (as `embstore simulate`).
         trace_name: what the trace was, recorded in the profile.
         seed: seeds sampling and the policies.
         progress: an object with ``update(n)`` called once per table, or None.
@@ -142,7 +146,7 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         reuse_histogram,
     )
 
-    if samples_per_batch < 1 or points < 2 or not 0 <= warmup < 1 or (
+    if samples_per_batch < 1 or points < 2 or not 0 <= warmup < 1 or step_calls < 1 or (
             sample_rate is not None and not 0 < sample_rate <= 1):
         raise ConfigError("profile: need samples_per_batch >= 1, points >= 2, warmup in "
                           f"[0, 1) and a sample rate in (0, 1], got {samples_per_batch}, "
@@ -170,10 +174,12 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         # stack distances do not know: replay those few capacities instead
         narrow = caps < 2 * trace.lookups / max(len(trace.batches), 1)
         if narrow.any():
-            lru[narrow] = policy_curve(trace, "lru", caps[narrow].tolist(), rate, seed, skip)
+            lru[narrow] = policy_curve(trace, "lru", caps[narrow].tolist(), rate, seed, skip,
+                                       step_calls)
         mrc: dict[str, list[Any]] = {"capacities": caps.tolist(), "lru": lru.tolist()}
         for p in policies:
-            mrc[p] = policy_curve(trace, p, caps.tolist(), rate, seed, skip).tolist()
+            mrc[p] = policy_curve(trace, p, caps.tolist(), rate, seed, skip,
+                                  step_calls).tolist()
         per_sample = trace.accesses / max(n_batches, 1) / samples_per_batch
         out[name] = {
             "rows_touched": trace.distinct,
@@ -189,6 +195,7 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
             progress.update(1)
     return {"format": "embstore.profile", "version": 1, "trace": trace_name,
             "batches": n_batches, "warmup_batches": int(warmup * n_batches),
+            "step_calls": step_calls,
             "samples_per_batch": samples_per_batch,
             "policies": ["lru", *policies], "tables": out}
 
@@ -240,6 +247,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-rate", type=float, default=None,
                    help=f"SHARDS rate (default: exact up to {EXACT_LOOKUPS} lookups a table)")
     p.add_argument("--points", type=int, default=12, help="capacities per curve")
+    p.add_argument("--step-calls", type=int, default=3,
+                   help="tier calls per batch: 3 for training steps (default), 1 for lookups")
     p.add_argument("--warmup", type=float, default=0.0,
                    help="share of the batches that only warm the caches (default 0: from cold)")
     p.add_argument("--seed", type=int, default=0)
@@ -266,7 +275,7 @@ def _run(args: argparse.Namespace) -> int:
                                 row_bytes=args.row_bytes,
                                 samples_per_batch=args.samples_per_batch,
                                 sample_rate=args.sample_rate, points=args.points,
-                                warmup=args.warmup,
+                                warmup=args.warmup, step_calls=args.step_calls,
                                 trace_name=args.trace, seed=args.seed, progress=bar)
     finally:
         if bar is not None:
