@@ -211,14 +211,20 @@ def _evaluate(args: argparse.Namespace, tables: dict[str, list[np.ndarray]],
     report["hit_ratio_error_points"] = {
         "vs_simulator_max": 100 * max(diffs_sim, default=0.0),
         "vs_store_max": 100 * max(diffs_store, default=0.0) if diffs_store else None}
-    print(f"  max |predicted - simulator| {report['hit_ratio_error_points']['vs_simulator_max']:.2f}"
-          f" points" + (f", |predicted - store| {100 * max(diffs_store):.2f} points"
+    err = report["hit_ratio_error_points"]
+    print(f"  max |predicted - simulator| {err['vs_simulator_max']:.2f} points"
+          + (f", |predicted - store| {100 * max(diffs_store):.2f} points"
                         if diffs_store else ""))
     print("\n(b) time per batch (ms): predicted / measured by replay")
     report["seconds_per_batch"] = {}
     for kind, chosen in placements.items():
         got = measured.get(kind, {}).get("seconds_per_batch")
-        report["seconds_per_batch"][kind] = {"predicted": _seconds(chosen), "measured": got}
+        report["seconds_per_batch"][kind] = {
+            "predicted": _seconds(chosen), "measured": got,
+            "tables": {n: {"chain": o.backends, "caps": o.caps, "policies": o.policies,
+                           "predicted": o.seconds,
+                           "measured": measured.get(kind, {}).get("table_seconds", {}).get(n)}
+                       for n, o in chosen.items()}}
         print(f"  {kind:<13} {_seconds(chosen) * 1e3:9.3f} / "
               + ("-" if got is None else f"{got * 1e3:9.3f}"))
     print("\n(c) DRAM share of the table bytes for 90% of all-DRAM throughput (predicted)")
@@ -226,7 +232,7 @@ def _evaluate(args: argparse.Namespace, tables: dict[str, list[np.ndarray]],
     all_dram = {n: chain_option(t, model, ["dram"], []) for n, t in profile["tables"].items()}
     base = replay(tables, all_dram, {"dram": int(total * 2), "pmem": 0},
                   directory / "all_dram", warm) if not args.no_replay else None
-    for pmem_share in (0.0, args.pmem):
+    for pmem_share in sorted({0.0, args.pmem, 1.0}):
         share, chosen, b = _dram_for_90(profile, model, total, pmem_share)
         got = (replay(tables, chosen, b, directory / f"at90_{pmem_share}", warm)
                if not args.no_replay else None)

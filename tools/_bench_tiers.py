@@ -1,9 +1,11 @@
 """Measure this machine's tiers for batched reads and writes and write a tier model (JSON).
 
-For each tier (dram, pmem or its mmap fallback, rocksdb, lmdb) a backend is loaded with
-`--rows` rows of `--row-bytes` bytes, then batches of distinct random ids are read (`get`)
-and overwritten (`put`, no flush: write-backs between checkpoints are not synced) at a small
-and a large batch size, interleaved, median of `--repeats`. A line through the two medians,
+For each tier (dram, pmem or its mmap fallback, rocksdb, lmdb) a store whose one table lives
+on that tier alone is loaded with `--rows` rows of `--row-bytes` bytes, then batches of
+distinct random ids are looked up (`lookup`) and overwritten (`update`, no flush: write-backs
+between checkpoints are not synced) at a small and a large batch size, interleaved, median of
+`--repeats`: the store's own work per call (validation, index, checksums) is in the figures,
+as it is in every tier access of a training step. A line through the two medians,
 time = latency + rows x row_bytes / bytes_per_s, gives each operation's per-batch latency
 and throughput, the tier model `embstore plan` reads (schema in `embstore.placement`).
 """
@@ -20,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
+import embstore
 from embstore import registry
-from embstore.backend import Backend, BackendSpec
+from embstore.backend import BackendSpec
 from embstore.errors import BackendUnavailableError, ConfigError
 from embstore.placement import KNOWN_TIERS, save_document
 
@@ -55,22 +58,22 @@ def _fit(small: int, t_small: float, large: int, t_large: float,
             "batch_latency_s": max(t_small - small * per_row, 0.0)}
 
 
-def _measure(backend: Backend, rows: int, row_bytes: int, small: int, large: int,
-             repeats: int, rng: np.random.Generator) -> dict[str, Any]:
+def _measure(store: embstore.EmbeddingStore, rows: int, row_bytes: int, small: int,
+             large: int, repeats: int, rng: np.random.Generator) -> dict[str, Any]:
     dim = row_bytes // 4
     for start in range(0, rows, _LOAD):
         n = min(_LOAD, rows - start)
-        backend.put(np.arange(start, start + n, dtype=np.int64),
-                    rng.standard_normal((n, dim), dtype=np.float32))
+        store.update("t", np.arange(start, start + n, dtype=np.int64),
+                     rng.standard_normal((n, dim), dtype=np.float32))
     times: dict[tuple[str, int], list[float]] = {}
     for i in range(repeats + 2):  # two warm-up rounds
         for size in (small, large):
-            ids = np.sort(rng.choice(rows, size=size, replace=False)).astype(np.int64)
+            ids = rng.choice(rows, size=size, replace=False).astype(np.int64)
             payload = rng.standard_normal((size, dim), dtype=np.float32)
             t0 = time.perf_counter()
-            backend.get(ids)
+            store.lookup("t", ids)
             t1 = time.perf_counter()
-            backend.put(ids, payload)
+            store.update("t", ids, payload)
             t2 = time.perf_counter()
             if i >= 2:
                 times.setdefault(("read", size), []).append(t1 - t0)
@@ -78,7 +81,8 @@ def _measure(backend: Backend, rows: int, row_bytes: int, small: int, large: int
     med = {k: float(np.median(v)) for k, v in times.items()}
     out: dict[str, Any] = {op: _fit(small, med[(op, small)], large, med[(op, large)], row_bytes)
                            for op in ("read", "write")}
-    out["overhead_bytes_per_row"] = max(0.0, backend.nbytes() / rows - row_bytes)
+    stats = store.tier_statistics("t")[0]
+    out["overhead_bytes_per_row"] = max(0.0, stats.bytes / rows - row_bytes)
     return out
 
 
@@ -108,20 +112,20 @@ def measure_tiers(tiers: list[str], *, rows: int, row_bytes: int, small: int, la
         except BackendUnavailableError as exc:
             doc["skipped"][name] = str(exc)
             continue
-        path = None if name == "dram" else directory / name
-        backend = cls.open(BackendSpec(path=path, dim=row_bytes // 4, table="bench",
-                                       capacity_bytes=2 * rows * (row_bytes + 64)))
-        try:
-            entry = _measure(backend, rows, row_bytes, small, large, repeats, rng)
-            stats = backend.statistics()
-            if name == "pmem":
-                entry["note"] = ("libpmem on persistent memory" if stats.get("is_pmem")
-                                 else "file mapping on ordinary storage (libpmem "
-                                      f"{'loaded' if stats.get('libpmem') else 'absent'}, "
-                                      "not persistent memory): the fallback")
-            doc["tiers"][name] = entry
-        finally:
-            backend.close()
+        spec = embstore.TableSpec("t", dim=row_bytes // 4, tiers=(embstore.TierSpec(name),))
+        with embstore.open(directory / name, tables=[spec]) as store:
+            entry = _measure(store, rows, row_bytes, small, large, repeats, rng)
+        if name == "pmem":
+            probe = cls.open(BackendSpec(path=directory / "probe", dim=1, table="probe"))
+            try:
+                stats = probe.statistics()
+            finally:
+                probe.close()
+            entry["note"] = ("libpmem on persistent memory" if stats.get("is_pmem")
+                             else "file mapping on ordinary storage (libpmem "
+                                  f"{'loaded' if stats.get('libpmem') else 'absent'}, "
+                                  "not persistent memory): the fallback")
+        doc["tiers"][name] = entry
     return doc
 
 

@@ -153,7 +153,7 @@ def _training_misses(trace: Trace, eviction: EvictionPolicy, capacity: int,
     """
     resident = np.zeros(trace.distinct, dtype=bool)
     size = misses = 0
-    for b, (ids, u) in enumerate(zip(trace.batches, trace.unique, strict=True)):
+    for b, u in enumerate(trace.unique):
         if not len(u):
             continue
         now = b * step_calls
