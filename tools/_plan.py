@@ -9,11 +9,11 @@ interpolated in log C), and cost(tier, op, k) = latency + k x r / throughput (0 
     update       cost(top', read, L) + cost(top, write, L)  (apply_gradients reads, then writes;
                  top' is DRAM when the top is rocksdb or lmdb: their block and page caches
                  serve a row read again within the step)
-    write-backs  cost(middle, write, L m(C1))   with 3 tiers; none into the bottom tier
+    write-backs  cost(next, write, L m(C1)) (+ cost(bottom, write, L m(C1+C2)))
 
-(every looked-up row is trained, so every eviction writes a dirty row back; write-backs into
-the bottom tier, the store of record, run on the store's write-back thread, off the step's
-path, so they are left out; with a pmem cache in the middle its write-backs count). Memory: a cache
+(every looked-up row is trained, so every eviction writes a dirty row back; the store writes
+back into the store of record on a second thread, but every read of that tier waits for the
+writes queued before it, so at steady state they are on the step's path too). Memory: a cache
 of C rows costs C x (r + the tier's overhead per row); a table whose bottom is DRAM or pmem
 costs all its rows there; rocksdb and lmdb are not budgeted.
 
@@ -125,8 +125,7 @@ def chain_option(t: dict[str, Any], model: dict[str, Any], backends: list[str], 
         secs += _cost(model, backends[i], "read", reach[i], r)
         secs += _cost(model, backends[i - 1], "write", reach[i], r) if i > 1 else 0.0
         secs += _cost(model, top, "write", reach[i], r) if i == 1 else 0.0
-        if i < len(backends) - 1:  # into a middle cache; the bottom's are asynchronous
-            secs += _cost(model, backends[i], "write", reach[i], r)
+        secs += _cost(model, backends[i], "write", reach[i], r)  # write-backs
     served = [1.0 - m for m in miss] + [1.0]
     hits = [served[0]] + [served[i] - served[i - 1] for i in range(1, len(served))]
     use = dict.fromkeys(_BUDGETED, 0.0)
