@@ -136,3 +136,16 @@ def test_plan_and_bench_tiers_commands(tmp_path: Path, profile: dict[str, Any],
     assert main(["plan", str(tmp_path / "p.json"), "--tiers", str(tmp_path / "tiers.json"),
                  "--budget", "dram=12B", "-o", str(out)]) == 2
     assert "below one row" in capsys.readouterr().err
+
+
+def test_bench_placement_checks_a_plan_against_the_simulator_and_a_store(
+        tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    assert main(["bench", "placement", "--quick", "--tiers", str(EXAMPLE_TIERS),
+                 "-o", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["hit_ratio_error_points"]["vs_simulator_max"] <= 3.0
+    times = report["seconds_per_batch"]
+    assert times["plan"]["predicted"] < min(times["proportional"]["predicted"],
+                                            times["hottest"]["predicted"])
+    assert all(t["measured"] > 0 for t in times.values())
