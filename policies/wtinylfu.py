@@ -48,8 +48,9 @@ class WTinyLFUEviction(TrackedEviction):
     frequency-heavy ones shrink it; the sketch's halving period shrinks with the window
     (times 1 - 3 x share, at least 0.1), so frequencies forget faster where recency pays.
     Samples are shorter than Caffeine's (3 x capacity, not 10): batches bring requests in
-    bursts, and a trace of a few hundred batches must see enough samples to climb. As for S3-FIFO, the capacity is the number of tracked ids
-    left after an eviction. A call costs O(batch + victims) numpy work.
+    bursts, and a trace of a few hundred batches must see enough samples to climb. As for
+    S3-FIFO, the capacity is the number of tracked ids left after an eviction. A call costs
+    O(batch + victims) numpy work.
 
     Args:
         window_share: initial share of the capacity in the window, in [0, 1).
