@@ -147,28 +147,29 @@ def policy_curve(trace: Trace, policy: str, capacities: Sequence[int], rate: flo
 
 def _training_misses(trace: Trace, eviction: EvictionPolicy, capacity: int,
                      step_calls: int) -> int:
-    """Misses of `eviction` when each batch is a training step of a store: the lookup (a
-    call that admits every miss, then evicts), then `step_calls - 1` more calls that touch
-    the same rows (the optimizer's read and write), each at its own time, as a tier sees them.
+    """Misses of `eviction` when each batch is a training step of a store: the lookup, then
+    `step_calls - 1` more calls on the same rows (the optimizer's read and write), each at
+    its own time, as a tier sees them. Every call touches the resident rows, brings in the
+    others (the update needs every row of the step: one evicted by this step's own inserts
+    comes back) and evicts down to `capacity`; only the lookup's misses count.
     """
     resident = np.zeros(trace.distinct, dtype=bool)
     size = misses = 0
     for b, u in enumerate(trace.unique):
         if not len(u):
             continue
-        now = b * step_calls
-        hit = resident[u]
-        misses += int(len(u) - np.count_nonzero(hit))
-        eviction.record_access(trace.ids[u[hit]], now)
-        new = u[~hit]
-        eviction.record_insert(trace.ids[new], now)
-        resident[new] = True
-        size += len(new)
-        if size > capacity:
-            victims = eviction.choose_victims(size - capacity, now)
-            resident[np.searchsorted(trace.ids, victims)] = False
-            size -= len(victims)
-        kept = trace.ids[u[resident[u]]]
-        for k in range(1, step_calls):
-            eviction.record_access(kept, now + k)
+        for k in range(step_calls):
+            now = b * step_calls + k
+            hit = resident[u]
+            if k == 0:
+                misses += int(len(u) - np.count_nonzero(hit))
+            eviction.record_access(trace.ids[u[hit]], now)
+            new = u[~hit]
+            eviction.record_insert(trace.ids[new], now)
+            resident[new] = True
+            size += len(new)
+            if size > capacity:
+                victims = eviction.choose_victims(size - capacity, now)
+                resident[np.searchsorted(trace.ids, victims)] = False
+                size -= len(victims)
     return misses
