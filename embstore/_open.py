@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from . import layout
 from .errors import ConfigError, ReadOnlyError, StoreNotFoundError
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
 from .manifest import fsync_dir
+from .placement import apply_placement
 from .spec import TableSpec, TierSpec
 from .store import DEFAULT_TIERS, EmbeddingStore
 
@@ -39,7 +41,8 @@ def _check_unique(specs: list[TableSpec]) -> None:
 
 
 def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = None,
-         tiers: list[TierSpec] | None = None, *, read_only: bool = False) -> EmbeddingStore:
+         tiers: list[TierSpec] | None = None, *, read_only: bool = False,
+         placement: str | os.PathLike[str] | dict[str, Any] | None = None) -> EmbeddingStore:
     """Open or create a store.
 
     Args:
@@ -48,6 +51,8 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
             manifest must be given exactly as stored, and new ones are added.
         tiers: the default tier chain, top first (default: one DRAM tier). Fixed at creation.
         read_only: open without write access (a shared lock; writes raise ReadOnlyError).
+        placement: a placement (path or dict, from `embstore plan`) giving tables their tier
+            chains; see `embstore.placement.apply_placement`.
 
     Raises:
         StoreNotFoundError: no store at `path` and no tables to create one, or `path` is a file
@@ -60,6 +65,8 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
     if not all(isinstance(s, TableSpec) for s in specs):
         raise ConfigError("tables must be a list of embstore.TableSpec")
     _check_unique(specs)
+    if placement is not None:
+        specs = apply_placement(specs, placement)
     tier_specs = tuple(tiers) if tiers is not None else None
     if tier_specs is not None and (not tier_specs
                                    or not all(isinstance(t, TierSpec) for t in tier_specs)):

@@ -1,0 +1,315 @@
+"""W-TinyLFU eviction: an LRU window, a segmented main region, TinyLFU admission between them."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, final
+
+import numpy as np
+
+from embstore.errors import ConfigError
+
+from ._hashing import positions
+from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids, slots_by_id
+
+__all__ = ["WTinyLFUEviction"]
+
+_WINDOW, _PROBATION, _PROTECTED = 0, 1, 2
+_DEPTH = 4  # rows of the frequency sketch
+_RESTART = 0.05  # a hit-ratio change this large restarts the climber's step
+_AGE_COUPLING = 3.0  # the sketch forgets (1 - 3 x window share) times as slowly
+_WIDTH = 16  # sketch counters per row per id of capacity
+
+
+@final
+class WTinyLFUEviction(TrackedEviction):
+    """Window TinyLFU with a hill-climbing window, after the design of Caffeine.
+
+    New ids enter a small LRU *window*. What overflows the window is a *candidate* for the
+    *main* region, a segmented LRU (a *probation* segment, and a *protected* one that holds
+    up to `protected_share` of main; a hit in probation moves an id to protected, protected
+    overflow falls back to probation). When ids must go, the candidates and main's oldest
+    ids (probation first) compete on their estimated frequency, read from a count-min sketch
+    of every id seen (resident or not; 4-bit counters, 16 per row per id of capacity,
+    halved after `sketch_factor` x capacity additions, as in TinyLFU): the least frequent
+    lose, a tie going against the candidate. Surviving candidates join probation; surviving
+    main ids keep their place.
+
+    Batches: one call is one step. A call counts each distinct id once in the sketch (so
+    the frequency is the number of batches an id was read in, what a tier's misses depend
+    on), and the competition ranks a whole batch of candidates and victims at once, so the
+    n evicted are the n least frequent of both groups together rather than the losers of n
+    sequential duels.
+
+    The window's share of the capacity starts at `window_share` and is tuned online by hill
+    climbing: after each sample of `sample_factor` x capacity requests (hits and inserts),
+    the share moves by a step in the direction that last raised the hit ratio and turns back
+    when it fell; the step restarts at `step` when the ratio jumps by 5 points and otherwise
+    decays by 2% a sample. Recency-heavy streams (a drifting hot set) grow the window,
+    frequency-heavy ones shrink it; the sketch's halving period shrinks with the window
+    (times 1 - 3 x share, at least 0.1), so frequencies forget faster where recency pays.
+    Samples are shorter than Caffeine's (3 x capacity, not 10): batches bring requests in
+    bursts, and a trace of a few hundred batches must see enough samples to climb. As for
+    S3-FIFO, the capacity is the number of tracked ids left after an eviction. A call costs
+    O(batch + victims) numpy work.
+
+    Args:
+        window_share: initial share of the capacity in the window, in [0, 1).
+        protected_share: share of the main region kept in the protected segment, in [0, 1].
+        climb: tune the window share online (False keeps `window_share`).
+        step: the climber's initial and restart step, as a share of the capacity, in (0, 1).
+        sample_factor: requests per climber sample, as a multiple of the capacity, > 0.
+        sketch_factor: sketch additions between halvings, as a multiple of the capacity,
+            > 0 (TinyLFU halves after 10 x capacity with a 4x narrower sketch; smaller
+            forgets faster, for a drifting hot set).
+        hold_new: keep the ids inserted at the current `now` out of the competition until a
+            later call (for a cache tier of a training store, where the rows a step promotes
+            are written by the same step; costs ~2% more misses on the calibrated trace).
+        seed: seeds the sketch's hashes.
+
+    Raises:
+        ConfigError: a setting is out of range.
+    """
+
+    name: ClassVar[str] = "wtinylfu"
+
+    def __init__(self, *, window_share: float = 0.01, protected_share: float = 0.8,
+                 climb: bool = True, step: float = 0.0625, sample_factor: float = 3.0,
+                 sketch_factor: float = 40.0, hold_new: bool = False,
+                 seed: int = 0) -> None:
+        if not 0 <= window_share < 1:
+            raise ConfigError(f"WTinyLFUEviction window_share must be in [0, 1), got "
+                              f"{window_share!r}")
+        if not 0 <= protected_share <= 1:
+            raise ConfigError(f"WTinyLFUEviction protected_share must be in [0, 1], got "
+                              f"{protected_share!r}")
+        if not 0 < step < 1:
+            raise ConfigError(f"WTinyLFUEviction step must be in (0, 1), got {step!r}")
+        if not sketch_factor > 0:
+            raise ConfigError(f"WTinyLFUEviction sketch_factor must be > 0, got "
+                              f"{sketch_factor!r}")
+        if not sample_factor > 0:
+            raise ConfigError(f"WTinyLFUEviction sample_factor must be > 0, got "
+                              f"{sample_factor!r}")
+        super().__init__(seed=seed)
+        self.window_share = float(window_share)
+        self.protected_share = float(protected_share)
+        self.climb = bool(climb)
+        self.step = float(step)
+        self.sample_factor = float(sample_factor)
+        self.sketch_factor = float(sketch_factor)
+        self.hold_new = bool(hold_new)
+        self._t = Tracked({"queue": (np.int8, _WINDOW), "stamp_w": (np.int64, 0),
+                           "stamp_p": (np.int64, 0), "stamp_r": (np.int64, 0)})
+        self._logs = {_WINDOW: SlotLog(), _PROBATION: SlotLog(), _PROTECTED: SlotLog()}
+        self._stamp = {_WINDOW: "stamp_w", _PROBATION: "stamp_p", _PROTECTED: "stamp_r"}
+        self._sizes = {_WINDOW: 0, _PROBATION: 0, _PROTECTED: 0}
+        self._bits = 10
+        self._sketch = np.zeros((_DEPTH, 1 << self._bits), dtype=np.uint16)
+        self._added = 0
+        self._capacity = 0  # largest number of ids tracked after an eviction
+        self._share = self.window_share
+        self._step = self.step
+        self._hits = 0
+        self._misses = 0
+        self._last_ratio: float | None = None
+        self._fresh = (-np.inf, 0)  # (now, ids inserted at that time)
+
+    @property
+    def current_window_share(self) -> float:
+        """The window's share of the capacity now (the climber moves it)."""
+        return self._share
+
+    # --- frequency sketch -------------------------------------------------------------------
+
+    def _cells(self, ids: np.ndarray) -> np.ndarray:
+        pos = positions(ids, self.seed, _DEPTH, self._bits)
+        return pos + (np.arange(_DEPTH, dtype=np.int64) << self._bits)[:, None]
+
+    def _count(self, ids: np.ndarray) -> None:
+        """Add distinct `ids` to the sketch (4-bit saturating), halving it when a sample ends."""
+        if not len(ids):
+            return
+        flat = self._sketch.reshape(-1)
+        cells = self._cells(ids).ravel()
+        np.add.at(flat, cells, 1)  # at most 15 + len(ids) per call: clip before uint8 wraps
+        flat[cells] = np.minimum(flat[cells], 15)
+        self._added += len(ids)
+        if self._added >= self._sketch_period():
+            self._sketch >>= 1
+            self._added //= 2
+
+    def _sketch_period(self) -> float:
+        """Sketch additions between halvings.
+
+        Shorter as the climber grows the window: a recency-heavy stream also wants
+        frequencies that forget sooner.
+        """
+        base = self.sketch_factor * max(self._capacity, 1 << self._bits >> 4)
+        return base * max(0.1, 1.0 - _AGE_COUPLING * self._share)
+
+    def _estimate(self, ids: np.ndarray) -> np.ndarray:
+        return self._sketch.reshape(-1)[self._cells(ids)].min(axis=0)
+
+    def _fit_sketch(self) -> None:
+        """Grow the sketch to 4 counters per row per id of capacity (Caffeine's sizing).
+
+        Tiling keeps every estimate: a position at the wider mask is the old one plus
+        high bits, and each copy starts from the old counter.
+        """
+        want = max(10, int(_WIDTH * self._capacity - 1).bit_length())
+        if want > self._bits:
+            self._sketch = np.tile(self._sketch, (1, 1 << (want - self._bits)))
+            self._bits = want
+
+    # --- queues -----------------------------------------------------------------------------
+
+    def _push(self, queue: int, slots: np.ndarray) -> None:
+        cols = self._t.cols
+        cols["queue"][slots] = queue
+        self._logs[queue].push(slots, cols[self._stamp[queue]], self._t.alive)
+        self._sizes[queue] += len(slots)
+
+    def _leave(self, queue: int, slots: np.ndarray) -> None:
+        """Make the log entries of `slots` in `queue` stale (they move or go)."""
+        self._t.cols[self._stamp[queue]][slots] = 0
+        self._sizes[queue] -= len(slots)
+
+    def _oldest(self, queue: int, n: int) -> tuple[np.ndarray, int]:
+        """The `n` oldest ids of `queue` (slots) and where the scan stopped; consumes nothing."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.int32), self._logs[queue].head
+        slots, _, end = self._logs[queue].peek_live(n, self._t.cols[self._stamp[queue]],
+                                                    self._t.alive)
+        return slots, end
+
+    def _keep_at_head(self, queue: int, end: int, slots: np.ndarray) -> None:
+        """Consume `queue`'s log up to `end`, then put `slots` back at its head, in order.
+
+        The entries before `end` were all scanned, so the last len(slots) positions before it
+        are free to rewrite: survivors keep their place, as an unsuccessful challenge in
+        Caffeine leaves the victim where it was.
+        """
+        log = self._logs[queue]
+        k = len(slots)
+        stamp = self._t.cols[self._stamp[queue]]
+        fresh = np.arange(log.next_stamp, log.next_stamp + k, dtype=np.int64)
+        log.next_stamp += k
+        log.slots[end - k:end] = slots
+        log.stamps[end - k:end] = fresh
+        stamp[slots] = fresh
+        log.head = end - k
+        if log.head == log.tail:
+            log.head = log.tail = 0
+
+    # --- the policy interface -----------------------------------------------------------------
+
+    def _access(self, slots: np.ndarray, now: float) -> None:
+        slots = np.unique(slots)
+        slots = slots_by_id(self._t.ids[slots], slots)  # id order: same as with a shared index
+        self._hits += len(slots)
+        self._count(self._t.ids[slots])
+        queue = self._t.cols["queue"][slots]
+        window = slots[queue == _WINDOW]
+        self._leave(_WINDOW, window)
+        self._push(_WINDOW, window)
+        promoted = slots[queue == _PROBATION]
+        self._leave(_PROBATION, promoted)
+        self._push(_PROTECTED, promoted)
+        protected = slots[queue == _PROTECTED]
+        self._leave(_PROTECTED, protected)
+        self._push(_PROTECTED, protected)
+
+    def record_insert(self, ids: np.ndarray, now: float) -> None:
+        # docstring inherited
+        if not len(ids):
+            return
+        ids = np.sort(as_ids(ids))
+        slots = self._t.insert(ids)
+        self._fresh = (now, len(ids) + (self._fresh[1] if self._fresh[0] == now else 0))
+        self._misses += len(ids)
+        self._count(ids)
+        self._push(_WINDOW, slots)
+
+    def record_remove(self, ids: np.ndarray) -> None:
+        # docstring inherited
+        freed = self._t.remove(ids)
+        queue = self._t.cols["queue"][freed]
+        for q in self._sizes:
+            self._leave(q, freed[queue == q])
+
+    def _adapt(self) -> None:
+        """One hill-climbing step of the window share once a sample of requests is complete."""
+        requests = self._hits + self._misses
+        if not self.climb or requests < self.sample_factor * self._capacity:
+            return
+        ratio = self._hits / requests
+        self._hits = self._misses = 0
+        if self._last_ratio is None:  # the first sample only sets the reference
+            self._last_ratio = ratio
+            return
+        change = ratio - self._last_ratio
+        amount = self._step if change >= 0 else -self._step
+        self._step = (np.copysign(self.step, amount) if abs(change) >= _RESTART
+                      else 0.98 * amount)
+        self._last_ratio = ratio
+        self._share = float(np.clip(self._share + amount, 0.0, 0.8))
+
+    def choose_victims(self, n: int, now: float) -> np.ndarray:
+        # docstring inherited
+        n = min(int(n), len(self))
+        if n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        capacity = len(self) - n
+        if capacity > self._capacity:
+            self._capacity = capacity
+            self._fit_sketch()
+        self._adapt()
+        # with hold_new, ids inserted at this very time stay in the window: a training tier
+        # promotes a batch's rows at its lookup and writes them at its update, and a row
+        # rejected in between is read from below twice
+        fresh = self._fresh[1] if self.hold_new and self._fresh[0] == now else 0
+        share_target = int(round(self._share * capacity))
+        window_target = max(share_target, min(fresh, capacity))
+        protected_target = int(self.protected_share * (capacity - share_target))
+        sizes = self._sizes
+        if sizes[_PROTECTED] > protected_target:
+            demoted, end = self._oldest(_PROTECTED, sizes[_PROTECTED] - protected_target)
+            self._logs[_PROTECTED].advance(end)
+            self._leave(_PROTECTED, demoted)
+            self._push(_PROBATION, demoted)
+        n_main = sizes[_PROBATION] + sizes[_PROTECTED]
+        from_main = min(n, n_main)
+        # candidates: the window's overflow, or more of its oldest if main cannot give n
+        k = max(sizes[_WINDOW] - window_target, n - from_main, 0)
+        cand, cand_end = self._oldest(_WINDOW, k)
+        prob, prob_end = self._oldest(_PROBATION, from_main)
+        prot, prot_end = self._oldest(_PROTECTED, from_main - len(prob))
+        pool = np.concatenate([cand, prob, prot])
+        ids = self._t.ids[pool]
+        freq = self._estimate(ids) if len(pool) else np.zeros(0, dtype=np.uint8)
+        # least frequent first; a tie goes against the candidate, then the older id
+        is_main = np.repeat(np.array([0, 1, 1], dtype=np.int8), [len(cand), len(prob), len(prot)])
+        order = np.lexsort((np.arange(len(pool)), is_main, freq))
+        evict = np.zeros(len(pool), dtype=bool)
+        evict[order[:n]] = True
+        parts = np.cumsum([len(cand), len(prob)])
+        ev_c, ev_p, ev_r = np.split(evict, parts)
+        # main's survivors go back first: a push could compact a log and move its entries
+        for queue, slots, end, gone in ((_PROBATION, prob, prob_end, ev_p),
+                                        (_PROTECTED, prot, prot_end, ev_r)):
+            if len(slots):
+                self._leave(queue, slots)
+                self._keep_at_head(queue, end, slots[~gone])
+                self._sizes[queue] += int(np.count_nonzero(~gone))
+        self._logs[_WINDOW].advance(cand_end)
+        self._leave(_WINDOW, cand)
+        self._push(_PROBATION, cand[~ev_c])
+        return self._t.remove_slots(pool[evict])
+
+    def config(self) -> dict[str, Any]:
+        # docstring inherited
+        return {"window_share": self.window_share, "protected_share": self.protected_share,
+                "climb": self.climb, "step": self.step, "sample_factor": self.sample_factor,
+                "sketch_factor": self.sketch_factor,
+                "hold_new": self.hold_new,
+                "seed": self.seed}

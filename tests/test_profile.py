@@ -1,0 +1,135 @@
+"""`embstore profile`: per-table figures, LRU curves against the simulator, SHARDS error, files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embstore.errors import ConfigError
+from embstore.placement import load_document
+from embstore.simulate import Trace
+from embstore.tools._mrc import (
+    MIN_SAMPLED_IDS,
+    SHARDS_ERROR_BOUND,
+    capacity_grid,
+    lru_curve,
+    policy_curve,
+    sample_trace,
+)
+from embstore.tools.cli import main
+from embstore.tools.profile import build_profile, load_tables, save_tables
+
+
+@pytest.fixture(scope="module")
+def tables() -> dict[str, list[np.ndarray]]:
+    return load_tables("synth:seed=1,batches=96,lookups=4096")
+
+
+def test_lru_curve_from_stack_distances_matches_the_simulator(
+        tables: dict[str, list[np.ndarray]]) -> None:
+    checked = 0
+    for batches in tables.values():
+        trace = Trace(batches)
+        caps = capacity_grid(trace.distinct, 10)
+        caps = caps[caps >= 2 * trace.lookups / len(trace.batches)]
+        if not len(caps):
+            continue
+        exact = lru_curve(trace, caps)
+        replay = policy_curve(trace, "lru", caps.tolist())
+        assert np.abs(exact - replay).max() < 0.03
+        checked += 1
+    assert checked >= 8
+
+
+def test_shards_curve_is_within_its_stated_bound_of_the_exact_one() -> None:
+    big = load_tables("synth:seed=2,batches=160,lookups=8192")
+    checked = 0
+    for rate in (0.1, 0.2):
+        for batches in big.values():
+            trace = Trace(batches)
+            if sample_trace(trace, rate).distinct < MIN_SAMPLED_IDS:
+                continue
+            caps = capacity_grid(trace.distinct, 12)
+            err = np.abs(lru_curve(trace, caps, rate) - lru_curve(trace, caps)).max()
+            assert err <= SHARDS_ERROR_BOUND, (rate, trace.distinct, err)
+            checked += 1
+    assert checked >= 2
+
+
+def test_profile_figures_per_table(tables: dict[str, list[np.ndarray]]) -> None:
+    profile = build_profile(tables, policies=["clock"], row_bytes="100,t00=400",
+                            samples_per_batch=4, points=6)
+    doc = load_document(profile, "profile")
+    t0 = doc["tables"]["t00"]
+    ids = np.concatenate(tables["t00"])
+    assert t0["rows_touched"] == len(np.unique(ids))
+    assert t0["lookups_per_sample"] == pytest.approx(len(ids) / 96 / 4)
+    assert t0["bytes_per_sample"] == pytest.approx(t0["lookups_per_sample"] * 400)
+    assert doc["tables"]["t01"]["row_bytes"] == 100
+    mrc = t0["mrc"]
+    assert mrc["capacities"][-1] == t0["rows_touched"]
+    for curve in (mrc["lru"], mrc["clock"]):
+        assert all(a >= b - 1e-9 for a, b in zip(curve, curve[1:], strict=False))
+    assert sum(t0["reuse"]["lookups"]) + t0["reuse"]["cold"] == pytest.approx(1.0)
+
+
+def test_per_table_npz_round_trips_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    tables = {"user": [np.array([1, 2, 2]), np.array([3])],
+              "item": [np.array([7]), np.array([], np.int64)]}
+    save_tables(tmp_path / "t.npz", tables)
+    back = load_tables(str(tmp_path / "t.npz"))
+    assert sorted(back) == ["item", "user"]
+    assert [b.tolist() for b in back["user"]] == [[1, 2, 2], [3]]
+    np.savez(tmp_path / "bad.npz", **{"user.ids": np.arange(3), "user.offsets": np.array([0, 5])})
+    with pytest.raises(ConfigError, match="offsets rising"):
+        load_tables(str(tmp_path / "bad.npz"))
+    with pytest.raises(ConfigError, match="nosuch"):
+        build_profile(tables, policies=["nosuch"])
+
+
+def test_profile_command_writes_json_and_a_plot(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "p.json", tmp_path / "mrc.png"
+    assert main(["profile", "synth:seed=3,batches=20,lookups=1024", "-o", str(out),
+                 "--plot", str(png), "--policies", "clock", "--points", "5"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "embstore.profile" and doc["policies"] == ["lru", "clock"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "t00" in capsys.readouterr().out
+    assert main(["profile", str(tmp_path / "missing.npy"), "-o", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["clock", "lru", "wtinylfu", "wtinylfu:hold_new=1"])
+def test_training_step_replay_equals_a_real_tiers_hits(
+        tables: dict[str, list[np.ndarray]], policy: str, tmp_path: Path) -> None:
+    import embstore
+    from embstore.simulate import parse_policy
+
+    batches = [np.unique(b) for b in tables["t02"][:40]]
+    trace = Trace(batches)
+    capacity = 2 * round(trace.lookups / len(batches))
+    predicted = 1 - policy_curve(trace, policy, [capacity], warmup=10, step_calls=3)[0]
+    options = parse_policy(policy, "eviction").config()
+    options.pop("seed")
+    chain = (embstore.TierSpec("dram", capacity=capacity, eviction=policy.split(":")[0],
+                               eviction_options=options), embstore.TierSpec("pmem"))
+    spec = embstore.TableSpec("t", dim=4, optimizer=embstore.optim.RowWiseAdagrad(lr=0.1),
+                              tiers=chain)
+    every = np.unique(np.concatenate(batches))
+    with embstore.open(tmp_path / "s", tables=[spec]) as store:  # every row stored below
+        store.update("t", every, np.zeros((len(every), 4), np.float32))
+    hits = asked = 0
+    with embstore.open(tmp_path / "s") as store:  # the cache starts empty
+        for b, ids in enumerate(batches):
+            before = store.tier_statistics("t")[0]
+            store.lookup("t", ids)
+            after = store.tier_statistics("t")[0]
+            if b >= 10:
+                hits += after.hits - before.hits
+                asked += after.lookups - before.lookups
+            store.apply_gradients("t", ids, np.ones((len(ids), 4), np.float32))
+    assert hits / asked == pytest.approx(predicted, abs=1e-9)

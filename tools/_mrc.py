@@ -1,0 +1,186 @@
+"""Reuse distances and miss-ratio curves of batched id traces: exact, SHARDS-sampled, simulated.
+
+The model is the simulator's (`embstore.simulate`): a batch makes one lookup per distinct id,
+and a lookup misses when the id is not resident at the start of its batch. For LRU the stack
+distance of a lookup of x in batch b, last looked up in batch p < b, is the number of other
+ids LRU keeps more recently than x at the end of batch b-1: every distinct id looked up in
+batches p+1..b-1, plus the ids of batch p that come after x within it. The first part is
+exact (one cumulative sum per batch over per-batch "last access" counters, O(batches^2 +
+lookups) numpy work); for the second the order inside a batch is unknown, so half of batch
+p's other ids whose last lookup is still p is taken (their expected share). LRU at capacity C
+hits exactly the lookups whose distance is below C, which gives the whole curve at once.
+
+SHARDS (Waldspurger et al., FAST 2015) keeps only the ids whose hash falls below a rate R,
+computes distances on that sub-trace and scales them by 1/R; other policies have no stack
+property and are replayed at a few capacities (miniature simulation: the sampled trace
+through a cache of R x C ids). The error of a sampled curve shrinks with the number of
+sampled ids, so a table is sampled only when at least `MIN_SAMPLED_IDS` of its ids would be
+kept; `tests/test_profile.py` bounds the error against the exact curve (`SHARDS_ERROR_BOUND`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from embstore.policies._hashing import splitmix64
+from embstore.policy import EvictionPolicy
+from embstore.simulate import Trace, parse_policy, run_policies
+
+__all__ = ["MIN_SAMPLED_IDS", "SHARDS_ERROR_BOUND", "capacity_grid", "lru_curve", "policy_curve",
+           "sample_trace", "stack_distances"]
+
+MIN_SAMPLED_IDS = 2000
+"""A table is sampled only if about this many of its ids survive the sampling."""
+SHARDS_ERROR_BOUND = 0.03
+"""Largest absolute miss-ratio error of a sampled curve against the exact one in the tests
+(calibrated trace, at least `MIN_SAMPLED_IDS` sampled ids)."""
+_HASH_BITS = 24
+
+
+def sample_trace(trace: Trace, rate: float, seed: int = 0) -> Trace:
+    """The sub-trace of the ids whose hash falls below `rate` (spatial sampling)."""
+    if rate >= 1:
+        return trace
+    threshold = np.uint64(int(rate * (1 << _HASH_BITS)))
+    keep = (splitmix64(trace.ids, seed) >> np.uint64(64 - _HASH_BITS)) < threshold
+    return Trace([b[keep[d]] for b, d in zip(trace.batches, trace.dense, strict=True)])
+
+
+def stack_distances(trace: Trace, warmup: int = 0) -> tuple[np.ndarray, int, int]:
+    """Compute the LRU stack distances of the trace's lookups.
+
+    Returns the distances (float64, cold lookups left out), the number of cold lookups
+    (first lookups of an id) and of all lookups, counting only the batches from `warmup` on
+    (the earlier ones only fill the cache).
+    """
+    n_batches = len(trace.unique)
+    last = np.full(trace.distinct, -1, dtype=np.int64)
+    marker = np.zeros(n_batches + 1, dtype=np.int64)  # ids whose last lookup is batch j
+    out: list[np.ndarray] = []
+    cold = counted = 0
+    for b, u in enumerate(trace.unique):
+        if not len(u):
+            continue
+        p = last[u]
+        seen = p >= 0
+        p = p[seen]
+        if b >= warmup:
+            cold += int(len(u) - len(p))
+            counted += len(u)
+            if len(p):
+                before = np.concatenate([[0], np.cumsum(marker[:b])])  # sum of marker[:j]
+                out.append(before[b] - before[p + 1] + 0.5 * (marker[p] - 1))
+        if len(p):
+            np.subtract.at(marker, p, 1)
+        marker[b] = len(u)
+        last[u] = b
+    dist = np.concatenate(out) if out else np.zeros(0)
+    return dist, cold, counted
+
+
+def capacity_grid(rows: int, points: int = 24) -> np.ndarray:
+    """Capacities (ids, int64, increasing, distinct) from 1 to `rows`, log-spaced."""
+    grid = np.unique(np.round(np.geomspace(1, max(rows, 1), points)).astype(np.int64))
+    return grid
+
+
+def lru_curve(trace: Trace, capacities: np.ndarray, rate: float = 1.0,
+              warmup: int = 0) -> np.ndarray:
+    """LRU miss ratios (per lookup) at `capacities` (ids of the full trace).
+
+    From stack distances of the trace sampled at `rate` (1: exact), batches from `warmup` on.
+    """
+    sub = sample_trace(trace, rate)
+    dist, cold, counted = stack_distances(sub, warmup)
+    if not counted:
+        return np.zeros(len(capacities))
+    dist = np.sort(dist / rate)
+    beyond = len(dist) - np.searchsorted(dist, np.asarray(capacities, dtype=np.float64),
+                                         side="left")
+    return (cold + beyond) / counted
+
+
+def reuse_histogram(trace: Trace, rate: float = 1.0, warmup: int = 0) -> dict[str, Any]:
+    """Reuse distances in log2 bins.
+
+    Returns {"edges": bin upper edges (ids), "lookups": share of lookups per bin, "cold":
+    share of first lookups}.
+    """
+    sub = sample_trace(trace, rate)
+    dist, cold, counted = stack_distances(sub, warmup)
+    dist = dist / rate
+    top = max(1, int(np.ceil(np.log2(max(float(dist.max()) if len(dist) else 1.0, 1.0)))) + 1)
+    edges = 2.0 ** np.arange(top + 1)
+    counts = np.histogram(dist, bins=np.concatenate([[0.0], edges]))[0]
+    total = max(counted, 1)
+    return {"edges": edges.tolist(), "lookups": (counts / total).tolist(),
+            "cold": cold / total}
+
+
+def policy_curve(trace: Trace, policy: str, capacities: Sequence[int], rate: float = 1.0,
+                 seed: int = 0, warmup: int = 0, step_calls: int = 1) -> np.ndarray:
+    """Miss ratios of eviction `policy` (spec, admission "always") at `capacities`.
+
+    Replayed on the trace sampled at `rate` through caches of rate x capacity ids, counting the
+    batches from `warmup` on (a replay of the warm-up prefix alone is subtracted: the
+    policies are deterministic, so it is the same prefix). `step_calls` > 1 replays each
+    batch as a store's training step (see `_training_misses`); 1 is `embstore simulate`.
+    """
+    sub = sample_trace(trace, rate)
+    prefix = Trace(sub.batches[:warmup]) if warmup else None
+    out = np.zeros(len(capacities))
+    counted = sub.lookups - (prefix.lookups if prefix else 0)
+    if not counted:
+        return out
+    for i, cap in enumerate(capacities):
+        scaled = max(1, int(round(cap * rate)))
+        if scaled >= sub.distinct:  # everything fits: only cold misses
+            out[i] = (sub.distinct - (prefix.distinct if prefix else 0)) / counted
+            continue
+        misses = 0
+        for part, sign in ((sub, 1), (prefix, -1)):
+            if part is not None and part.lookups:
+                eviction = parse_policy(policy, "eviction", seed)
+                if step_calls == 1:
+                    misses += sign * run_policies(
+                        part, eviction, parse_policy("always", "admission", seed),  # type: ignore[arg-type]
+                        scaled).misses
+                else:
+                    misses += sign * _training_misses(part, eviction, scaled,  # type: ignore[arg-type]
+                                                      step_calls)
+        out[i] = misses / counted
+    return out
+
+
+def _training_misses(trace: Trace, eviction: EvictionPolicy, capacity: int,
+                     step_calls: int) -> int:
+    """Misses of `eviction` when each batch is a training step of a store.
+
+    The lookup, then `step_calls - 1` more calls on the same rows (the optimizer's read and
+    write), each at its own time, as a tier sees them. Every call touches the resident rows, brings in the
+    others (the update needs every row of the step: one evicted by this step's own inserts
+    comes back) and evicts down to `capacity`; only the lookup's misses count.
+    """
+    resident = np.zeros(trace.distinct, dtype=bool)
+    size = misses = 0
+    for b, u in enumerate(trace.unique):
+        if not len(u):
+            continue
+        for k in range(step_calls):
+            now = b * step_calls + k
+            hit = resident[u]
+            if k == 0:
+                misses += int(len(u) - np.count_nonzero(hit))
+            eviction.record_access(trace.ids[u[hit]], now)
+            new = u[~hit]
+            eviction.record_insert(trace.ids[new], now)
+            resident[new] = True
+            size += len(new)
+            if size > capacity:
+                victims = eviction.choose_victims(size - capacity, now)
+                resident[np.searchsorted(trace.ids, victims)] = False
+                size -= len(victims)
+    return misses

@@ -1,0 +1,300 @@
+"""The planner: per-table tier chains and cache sizes that minimise the predicted time per batch.
+
+Cost model, per table and batch, with L the distinct ids a batch looks up, r its row bytes,
+m(C) the miss ratio of a cache of C rows (the profile's curve of the chosen policy,
+interpolated in log C), and cost(tier, op, k) = latency + k x r / throughput (0 for k = 0):
+
+    lookup       cost(top, read, L) + cost(next, read, L m(C1)) + cost(bottom, read, L m(C1+C2))
+    promotions   cost(top, write, L m(C1)) (+ cost(middle, write, L m(C1+C2)) with 3 tiers)
+    update       cost(top', read, L) + cost(top, write, L)  (apply_gradients reads, then writes;
+                 top' is DRAM when the top is rocksdb or lmdb: their block and page caches
+                 serve a row read again within the step)
+    write-backs  cost(next, write, L m(C1)) (+ cost(bottom, write, L m(C1+C2)))
+
+(every looked-up row is trained, so every eviction writes a dirty row back; the store writes
+back into the store of record on a second thread, but every read of that tier waits for the
+writes queued before it, so at steady state they are on the step's path too). Memory: a cache
+of C rows costs C x (r + the tier's overhead per row); a table whose bottom is DRAM or pmem
+costs all its rows there; rocksdb and lmdb are not budgeted.
+
+Each table's options are: all in DRAM; a DRAM cache (0 or one of the profile's capacities)
+over pmem, rocksdb or lmdb; a DRAM cache over a pmem cache over rocksdb. Each cache takes the
+profiled eviction policy with the fewest misses at its size. The options of all tables form
+a multiple-choice knapsack under the budgets; the planner starts every table at its cheapest
+option and repeatedly takes the move with the largest time saved per budget share spent
+(free improvements first) until no move fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from embstore.errors import ConfigError
+from embstore.placement import KNOWN_TIERS, load_document
+from embstore.simulate import parse_policy
+from embstore.spec import TierSpec, parse_bytes
+
+__all__ = ["Option", "chain_option", "naive_placement", "parse_budget", "plan", "to_placement"]
+
+_BUDGETED = ("dram", "pmem")
+_SSD = ("rocksdb", "lmdb")
+
+
+@dataclass
+class Option:
+    """One way to place a table: a chain, its caches' sizes and policies, and its figures."""
+
+    backends: list[str]
+    """Tier backends, top first."""
+    caps: list[int]
+    """Rows of each cache tier (all but the bottom)."""
+    policies: list[str]
+    """Eviction policy of each cache tier."""
+    hit_ratios: list[float]
+    """Share of lookups each tier serves, top first (they sum to 1)."""
+    seconds: float
+    """Predicted seconds per batch."""
+    use: dict[str, float] = field(default_factory=dict)
+    """Budgeted bytes per tier."""
+
+
+def parse_budget(text: str, row_bytes: int, model: dict[str, Any]) -> dict[str, int]:
+    """Bytes per budgeted tier from "dram=8GiB,pmem=64GiB".
+
+    Raises:
+        ConfigError: bad syntax, an unknown or unmeasured tier, or a budget below one row.
+    """
+    out = dict.fromkeys(_BUDGETED, 0)
+    for item in filter(None, text.split(",")):
+        name, eq, size = item.partition("=")
+        name = name.strip()
+        if not eq:
+            raise ConfigError(f"--budget {text!r}: expected tier=size, e.g. dram=8GiB,pmem=64GiB")
+        if name not in _BUDGETED:
+            raise ConfigError(f"--budget names tier {name!r}; budgets are for {list(_BUDGETED)} "
+                              f"(rocksdb and lmdb are not limited)")
+        if name not in model["tiers"]:
+            raise ConfigError(f"--budget gives {name} but the tier model has no {name!r} tier; "
+                              "measure it (embstore bench tiers) or drop the budget")
+        out[name] = parse_bytes(size)
+        if out[name] < row_bytes:
+            raise ConfigError(f"--budget {name}={size} is below one row ({row_bytes} bytes); "
+                              "raise it or leave the tier out")
+    if out["dram"] < row_bytes:
+        raise ConfigError("--budget needs dram=SIZE of at least one row: every chain but the "
+                          "SSD-only one caches in DRAM")
+    return out
+
+
+def _cost(model: dict[str, Any], tier: str, op: str, rows: float, row_bytes: int) -> float:
+    if rows <= 0:
+        return 0.0
+    o = model["tiers"][tier][op]
+    return float(o["batch_latency_s"] + rows * row_bytes / o["bytes_per_s"])
+
+
+def _miss(t: dict[str, Any], policy: str, cap: float) -> float:
+    if cap <= 0:
+        return 1.0
+    caps = np.log(np.asarray(t["mrc"]["capacities"], dtype=np.float64))
+    return float(np.interp(np.log(cap), caps, t["mrc"][policy]))
+
+
+def _best_policy(t: dict[str, Any], cap: float) -> str:
+    curves = [k for k in t["mrc"] if k != "capacities"]
+    return min(curves, key=lambda p: (_miss(t, p, cap), p != "clock", p))
+
+
+def chain_option(t: dict[str, Any], model: dict[str, Any], backends: list[str], caps: list[int],
+                 policies: list[str] | None = None) -> Option:
+    """The figures of one chain for profiled table `t` (policies: best per cache if None)."""
+    r, n, rows = t["row_bytes"], float(t["distinct_per_batch"]), t["rows_touched"]
+    if policies is None:
+        policies = [_best_policy(t, sum(caps[:i + 1])) for i in range(len(caps))]
+    top = backends[0]
+    # misses below each cache level (a lower cache holds what the upper one does: inclusive)
+    miss = [_miss(t, policies[i], sum(caps[:i + 1])) for i in range(len(caps))]
+    reach = [n, *[n * m for m in miss]]
+    again = "dram" if top in _SSD and "dram" in model["tiers"] else top
+    secs = (_cost(model, top, "read", n, r) + _cost(model, again, "read", n, r)
+            + _cost(model, top, "write", n, r))
+    for i in range(1, len(backends)):
+        secs += _cost(model, backends[i], "read", reach[i], r)
+        secs += _cost(model, backends[i - 1], "write", reach[i], r) if i > 1 else 0.0
+        secs += _cost(model, top, "write", reach[i], r) if i == 1 else 0.0
+        secs += _cost(model, backends[i], "write", reach[i], r)  # write-backs
+    served = [1.0 - m for m in miss] + [1.0]
+    hits = [served[0]] + [served[i] - served[i - 1] for i in range(1, len(served))]
+    use = dict.fromkeys(_BUDGETED, 0.0)
+    for i, b in enumerate(backends):
+        if b in _BUDGETED:
+            held = caps[i] if i < len(caps) else rows
+            use[b] += held * (r + float(model["tiers"][b].get("overhead_bytes_per_row", 0.0)))
+    return Option(list(backends), list(caps), list(policies), hits, secs, use)
+
+
+def _options(t: dict[str, Any], model: dict[str, Any], budget: dict[str, int]) -> list[Option]:
+    tiers = model["tiers"]
+    rows = t["rows_touched"]
+    # a cache must hold a step's rows from its lookup to its update, or it thrashes within
+    # the step (promoted rows evicted before the optimizer writes them): at least two
+    # batches' distinct ids
+    caps = [c for c in t["mrc"]["capacities"] if 2 * t["distinct_per_batch"] <= c < rows]
+    out = []
+    if "dram" in tiers:
+        out.append(chain_option(t, model, ["dram"], []))
+    bottoms = [b for b in (*_SSD, "pmem") if b in tiers and (b != "pmem" or budget["pmem"])]
+    for bottom in bottoms:
+        out.append(chain_option(t, model, [bottom], []))
+        if "dram" in tiers:
+            out += [chain_option(t, model, ["dram", bottom], [c]) for c in caps]
+    if "dram" in tiers and "pmem" in tiers and budget["pmem"]:
+        for ssd in (b for b in _SSD if b in tiers):
+            out += [chain_option(t, model, ["pmem", ssd], [c]) for c in caps]
+            out += [chain_option(t, model, ["dram", "pmem", ssd], [c1, c2])
+                    for c1 in caps for c2 in caps if c2 > c1]
+    return out
+
+
+def plan(profile: dict[str, Any], model: dict[str, Any], budget: dict[str, int]
+         ) -> dict[str, Option]:
+    """The chosen option of every profiled table.
+
+    Raises:
+        ConfigError: the budgets cannot hold even the cheapest placement.
+    """
+    profile, model = load_document(profile, "profile"), load_document(model, "tiers")
+    names = sorted(profile["tables"])
+    opts = [_options(profile["tables"][n], model, budget) for n in names]
+    if any(not o for o in opts):
+        raise ConfigError("the tier model has no tier a table can live on; measure dram and "
+                          "rocksdb at least")
+    # flat arrays over every option of every table
+    owner = np.concatenate([np.full(len(o), i) for i, o in enumerate(opts)])
+    flat = [x for o in opts for x in o]
+    secs = np.array([x.seconds for x in flat])
+    use = np.array([[x.use[b] for b in _BUDGETED] for x in flat])
+    cap = np.array([budget[b] for b in _BUDGETED], dtype=np.float64)
+    scale = np.where(cap > 0, 1.0 / np.maximum(cap, 1.0), 0.0)
+    # start: each table's least memory, then fastest
+    cur = np.zeros(len(names), dtype=np.int64)
+    for i in range(len(names)):
+        idx = np.flatnonzero(owner == i)
+        key = np.lexsort((secs[idx], (use[idx] * scale).sum(axis=1) + 1e9 * (
+            (use[idx] > 0) & (cap == 0)).any(axis=1)))
+        cur[i] = idx[key[0]]
+    used = use[cur].sum(axis=0)
+    if (used > cap + 1e-6).any():
+        have = {b: int(c) for b, c in zip(_BUDGETED, cap, strict=True)}
+        need = {b: int(u) for b, u in zip(_BUDGETED, used, strict=True)}
+        raise ConfigError(f"the budgets ({have} bytes) cannot hold even the smallest placement "
+                          f"({need}); raise them or add rocksdb to the tier model")
+    while True:
+        d_time = secs[cur[owner]] - secs
+        d_use = use - use[cur[owner]]
+        fits = ((used + d_use) <= cap + 1e-6).all(axis=1) & (d_time > 1e-15)
+        if not fits.any():
+            break
+        spend = (d_use * scale).sum(axis=1)
+        free = fits & (spend <= 0)
+        if free.any():  # faster for no more memory: the largest saving first
+            best = int(np.argmax(np.where(free, d_time, -1.0)))
+        else:
+            best = int(np.argmax(np.where(fits, d_time / np.maximum(spend, 1e-300), -1.0)))
+        used += d_use[best]
+        cur[owner[best]] = best
+    return {name: flat[cur[i]] for i, name in enumerate(names)}
+
+
+def naive_placement(profile: dict[str, Any], model: dict[str, Any], budget: dict[str, int],
+                    kind: str) -> dict[str, Option]:
+    """A reference placement, "proportional" or "hottest".
+
+    "proportional": each table a DRAM cache, and a pmem one, in proportion to its size,
+    clock eviction, over rocksdb; "hottest": whole tables in DRAM by bandwidth demand per
+    sample while they fit, then in pmem, the rest on rocksdb.
+    """
+    profile = load_document(profile, "profile")
+    tables = profile["tables"]
+    ssd = "rocksdb" if "rocksdb" in model["tiers"] else "lmdb"
+    full = {n: chain_option(t, model, ["dram"], []) for n, t in tables.items()}
+    out: dict[str, Option] = {}
+    if kind == "proportional":
+        total = sum(o.use["dram"] for o in full.values())
+        for n, t in tables.items():
+            share = full[n].use["dram"] / total
+            per_row = {b: t["row_bytes"] + model["tiers"].get(b, {}).get(
+                "overhead_bytes_per_row", 0.0) for b in _BUDGETED}
+            c1 = int(budget["dram"] * share / per_row["dram"])
+            c2 = int(budget["pmem"] * share / per_row["pmem"]) if budget["pmem"] else 0
+            if c1 >= t["rows_touched"]:
+                out[n] = chain_option(t, model, ["dram"], [])
+            elif c2 > c1:
+                out[n] = chain_option(t, model, ["dram", "pmem", ssd], [max(c1, 1), c2],
+                                      ["clock", "clock"])
+            else:
+                out[n] = chain_option(t, model, ["dram", ssd], [max(c1, 1)], ["clock"])
+        return out
+    if kind != "hottest":
+        raise ConfigError(f"unknown naive placement {kind!r}; use proportional or hottest")
+    left = {b: float(budget[b]) for b in _BUDGETED}
+    for n in sorted(tables, key=lambda n: -tables[n]["bytes_per_sample"]):
+        t = tables[n]
+        for bottom in ("dram", "pmem", ssd):
+            o = chain_option(t, model, [bottom], [])
+            if bottom == ssd or (bottom in model["tiers"] and o.use[bottom] <= left[bottom]):
+                if bottom in left:
+                    left[bottom] -= o.use[bottom]
+                out[n] = o
+                break
+    return out
+
+
+def _cache_spec(backend: str, rows: int, policy: str) -> TierSpec:
+    """A cache tier running eviction spec `policy` ("name:key=value:..." as profiled)."""
+    config = parse_policy(policy, "eviction").config()
+    config.pop("seed", None)
+    return TierSpec(backend, capacity=rows, eviction=policy.split(":")[0],
+                    eviction_options=config)
+
+
+def to_placement(chosen: dict[str, Option], budget: dict[str, int]) -> dict[str, Any]:
+    """The placement document of the chosen options."""
+    tables = {}
+    for name, o in chosen.items():
+        chain = [_cache_spec(b, o.caps[i], o.policies[i]).to_json()
+                 if i < len(o.caps) else TierSpec(b).to_json()
+                 for i, b in enumerate(o.backends)]
+        tables[name] = {"tiers": chain, "policy": o.policies[0] if o.policies else None,
+                        "cache_rows": o.caps, "hit_ratios": o.hit_ratios,
+                        "seconds_per_batch": o.seconds,
+                        "bytes": {b: int(v) for b, v in o.use.items() if v}}
+    return {"format": "embstore.placement", "version": 1, "budget": dict(budget),
+            "predicted_seconds_per_batch": sum(o.seconds for o in chosen.values()),
+            "tables": tables}
+
+
+def describe(chosen: dict[str, Option]) -> str:
+    """The plan as a printed table."""
+    lines = [f"{'table':<10} {'chain':<44} {'hit ratios':<20} {'DRAM MiB':>9} {'pmem MiB':>9} "
+             f"{'ms/batch':>9}"]
+    for name, o in chosen.items():
+        parts = [f"{b}({c} {p})" for b, c, p in zip(o.backends, o.caps, o.policies,
+                                                     strict=False)]
+        parts += o.backends[len(o.caps):]
+        lines.append(f"{name:<10} {' > '.join(parts):<44} "
+                     f"{'/'.join(f'{h:.3f}' for h in o.hit_ratios):<20} "
+                     f"{o.use['dram'] / 2**20:>9.2f} {o.use['pmem'] / 2**20:>9.2f} "
+                     f"{o.seconds * 1e3:>9.3f}")
+    total = sum(o.seconds for o in chosen.values())
+    lines.append(f"{'total':<10} {'':<44} {'':<20} "
+                 f"{sum(o.use['dram'] for o in chosen.values()) / 2**20:>9.2f} "
+                 f"{sum(o.use['pmem'] for o in chosen.values()) / 2**20:>9.2f} "
+                 f"{total * 1e3:>9.3f}")
+    return "\n".join(lines)
+
+
+assert set(_BUDGETED) | set(_SSD) == set(KNOWN_TIERS)

@@ -1,0 +1,302 @@
+"""`embstore profile TRACE`: per-table bandwidth demand, reuse and miss-ratio curves.
+
+A trace gives, per table, the ids of each batch: a .npz holding ``<table>.ids`` (int64) and
+``<table>.offsets`` (where each batch starts, one more than the batches) per table, a .npy or
+.npz the simulator reads (tables told apart by the bits above 40, as the generator writes
+them), or ``synth:key=value,...`` (`embstore.traces.synthesize`). The profile (schema in
+`embstore.placement`) is what `embstore plan` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embstore.errors import ConfigError
+
+__all__ = ["build_profile", "load_tables", "register", "save_tables", "split_tables"]
+
+EXACT_LOOKUPS = 2_000_000
+"""Tables with more lookups than this are profiled by SHARDS sampling (unless told)."""
+_TABLE_SHIFT = 40
+
+
+def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
+    """Per table, its id batches (all tables have the same number of batches).
+
+    Raises:
+        ConfigError: the trace cannot be read.
+    """
+    path = Path(spec)
+    if path.suffix == ".npz" and path.exists():
+        with np.load(path) as data:
+            names = sorted({k.rsplit(".", 1)[0] for k in data.files if k.endswith(".ids")})
+            if names:
+                out = {}
+                for name in names:
+                    if f"{name}.offsets" not in data.files:
+                        raise ConfigError(f"trace {spec!r}: table {name!r} has ids but no "
+                                          f"'{name}.offsets'; save both arrays per table")
+                    ids = np.asarray(data[f"{name}.ids"])
+                    off = np.asarray(data[f"{name}.offsets"], dtype=np.int64)
+                    if not np.issubdtype(ids.dtype, np.integer) or off.ndim != 1 or len(
+                            off) < 1 or off[0] != 0 or off[-1] != len(ids) or (
+                            np.diff(off) < 0).any():
+                        raise ConfigError(
+                            f"trace {spec!r}: table {name!r} needs integer ids and offsets "
+                            "rising from 0 to len(ids)")
+                    out[name] = [ids[off[i]:off[i + 1]].astype(np.int64)
+                                 for i in range(len(off) - 1)]
+                if len({len(b) for b in out.values()}) != 1:
+                    raise ConfigError(f"trace {spec!r}: tables have different batch counts "
+                                      f"({ {k: len(v) for k, v in out.items()} })")
+                return out
+    from embstore.simulate import load_trace
+
+    out = split_tables(load_trace(spec).batches)
+    if not out:
+        raise ConfigError(f"trace {spec!r} holds no ids")
+    return out
+
+
+def split_tables(batches: Sequence[np.ndarray]) -> dict[str, list[np.ndarray]]:
+    """Per table ("t00", "t01", ...: the id bits above 40), its share of each batch."""
+    flat = np.concatenate(batches) if len(batches) else np.zeros(0, np.int64)
+    out = {}
+    for t in np.unique(flat >> _TABLE_SHIFT):
+        out[f"t{int(t):02d}"] = [b[(b >> _TABLE_SHIFT) == t] for b in batches]
+    return out
+
+
+def save_tables(path: str | Path, tables: dict[str, list[np.ndarray]]) -> None:
+    """Write per-table batches in the .npz layout `load_tables` reads."""
+    arrays = {}
+    for name, batches in tables.items():
+        arrays[f"{name}.ids"] = (np.concatenate(batches) if batches
+                                 else np.zeros(0, np.int64)).astype(np.int64)
+        arrays[f"{name}.offsets"] = np.concatenate(
+            [[0], np.cumsum([len(b) for b in batches])]).astype(np.int64)
+    np.savez(path, **arrays)
+
+
+def _row_bytes(text: str | int, names: Sequence[str]) -> dict[str, int]:
+    """Row bytes per table from "260" or "260,t00=516"."""
+    if isinstance(text, int):
+        return dict.fromkeys(names, text)
+    default, per = 260, {}
+    for item in filter(None, str(text).split(",")):
+        key, eq, value = item.rpartition("=")
+        try:
+            n = int(value)
+        except ValueError:
+            raise ConfigError(f"--row-bytes {text!r}: {value!r} is not a byte count") from None
+        if n < 1:
+            raise ConfigError(f"--row-bytes {text!r}: a row needs at least 1 byte")
+        if eq:
+            if key not in names:
+                raise ConfigError(f"--row-bytes names table {key!r}, not in the trace "
+                                  f"({sorted(names)})")
+            per[key] = n
+        else:
+            default = n
+    return {name: per.get(name, default) for name in names}
+
+
+def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str] = ("clock",),
+                  row_bytes: str | int = 260, samples_per_batch: int = 1,
+                  sample_rate: float | None = None, points: int = 12, warmup: float = 0.0,
+                  step_calls: int = 3,
+                  trace_name: str = "",
+                  seed: int = 0, progress: Any = None) -> dict[str, Any]:
+    """The profile document (see `embstore.placement`) of per-table batches.
+
+    Args:
+        tables: per table, its batches of ids.
+        policies: eviction specs to replay for a miss-ratio curve beside LRU's.
+        row_bytes: bytes per row (weights and optimizer state): an int, or "N,table=M,...".
+        samples_per_batch: training samples per batch, for per-sample figures.
+        sample_rate: SHARDS rate for every table; None: exact up to `EXACT_LOOKUPS` lookups
+            per table, sampled above (keeping at least MIN_SAMPLED_IDS ids).
+        points: capacities on each curve (log-spaced, the last one the whole table).
+        warmup: share of the batches, in [0, 1), that only fill the caches: curves count the
+            rest (a steady state rather than from cold).
+        step_calls: calls a tier sees per batch: 3 for a training step (lookup, then the
+            optimizer's read and write of the same rows, which CLOCK and W-TinyLFU count as
+            accesses), 1 for lookups only (as `embstore simulate`).
+        trace_name: what the trace was, recorded in the profile.
+        seed: seeds sampling and the policies.
+        progress: an object with ``update(n)`` called once per table, or None.
+
+    Raises:
+        ConfigError: a bad setting or policy spec.
+    """
+    from embstore.simulate import Trace, parse_policy
+
+    from ._mrc import (
+        MIN_SAMPLED_IDS,
+        SHARDS_ERROR_BOUND,
+        capacity_grid,
+        lru_curve,
+        policy_curve,
+        reuse_histogram,
+    )
+
+    if samples_per_batch < 1 or points < 2 or not 0 <= warmup < 1 or step_calls < 1 or (
+            sample_rate is not None and not 0 < sample_rate <= 1):
+        raise ConfigError("profile: need samples_per_batch >= 1, points >= 2, warmup in "
+                          f"[0, 1) and a sample rate in (0, 1], got {samples_per_batch}, "
+                          f"{points}, {warmup}, {sample_rate}")
+    for p in policies:
+        parse_policy(p, "eviction")  # a bad spec fails before any work
+    names = sorted(tables)
+    sizes = _row_bytes(row_bytes, names)
+    out: dict[str, Any] = {}
+    n_batches = 0
+    for name in names:
+        trace = Trace(tables[name])
+        n_batches = len(trace.batches)
+        if not trace.lookups:
+            if progress is not None:
+                progress.update(1)
+            continue
+        rate = 1.0 if sample_rate is None else sample_rate
+        if sample_rate is None and trace.lookups > EXACT_LOOKUPS:
+            rate = min(1.0, max(EXACT_LOOKUPS / trace.lookups, MIN_SAMPLED_IDS / trace.distinct))
+        caps = capacity_grid(trace.distinct, points)
+        skip = int(warmup * len(trace.batches))
+        lru = lru_curve(trace, caps, rate, skip)
+        # below two batches' width the order inside a batch decides what LRU keeps, which
+        # stack distances do not know: replay those few capacities instead
+        narrow = caps < 2 * trace.lookups / max(len(trace.batches), 1)
+        if narrow.any():
+            lru[narrow] = policy_curve(trace, "lru", caps[narrow].tolist(), rate, seed, skip,
+                                       step_calls)
+        mrc: dict[str, list[Any]] = {"capacities": caps.tolist(), "lru": lru.tolist()}
+        for p in policies:
+            mrc[p] = policy_curve(trace, p, caps.tolist(), rate, seed, skip,
+                                  step_calls).tolist()
+        per_sample = trace.accesses / max(n_batches, 1) / samples_per_batch
+        out[name] = {
+            "rows_touched": trace.distinct,
+            "lookups_per_batch": trace.accesses / max(n_batches, 1),
+            "distinct_per_batch": trace.lookups / max(n_batches, 1),
+            "lookups_per_sample": per_sample, "row_bytes": sizes[name],
+            "bytes_per_sample": per_sample * sizes[name],
+            "method": "exact" if rate >= 1 else "shards", "sample_rate": rate,
+            "error_bound": 0.0 if rate >= 1 else SHARDS_ERROR_BOUND,
+            "reuse": reuse_histogram(trace, rate, skip), "mrc": mrc,
+        }
+        if progress is not None:
+            progress.update(1)
+    return {"format": "embstore.profile", "version": 1, "trace": trace_name,
+            "batches": n_batches, "warmup_batches": int(warmup * n_batches),
+            "step_calls": step_calls,
+            "samples_per_batch": samples_per_batch,
+            "policies": ["lru", *policies], "tables": out}
+
+
+def plot_profile(profile: dict[str, Any], path: str | Path) -> None:
+    """Draw each table's miss-ratio curves (one line per table, a panel per policy).
+
+    Raises:
+        ConfigError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'embstore[plot]'") from None
+    policies = profile["policies"]
+    fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 4), squeeze=False,
+                             sharey=True)
+    for ax, policy in zip(axes[0], policies, strict=True):
+        for name, t in profile["tables"].items():
+            ax.plot(t["mrc"]["capacities"], t["mrc"][policy], marker=".", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("cache size (rows)")
+        ax.set_title(f"{policy} miss ratio")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("misses per lookup")
+    axes[0][-1].legend(fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `profile` subcommand."""
+    p = sub.add_parser("profile", help="per-table bandwidth demand and miss-ratio curves",
+                       description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("trace", metavar="TRACE", help="a per-table .npz (<table>.ids, "
+                   "<table>.offsets), a simulator .npy/.npz, or synth:key=value,...")
+    p.add_argument("-o", "--output", required=True, type=Path, help="profile JSON to write")
+    p.add_argument("--plot", type=Path, default=None, help="draw the curves into this image")
+    p.add_argument("--policies", default="clock,wtinylfu:hold_new=1",
+                   help="eviction specs to replay beside LRU (default: clock, a bounded "
+                        "tier's default, and W-TinyLFU as a training tier runs it)")
+    p.add_argument("--row-bytes", default="260", help="bytes per row, e.g. 260 or "
+                   "260,t00=516 (default 260: 64 float32 weights + row-wise Adagrad state)")
+    p.add_argument("--samples-per-batch", type=int, default=1)
+    p.add_argument("--sample-rate", type=float, default=None,
+                   help=f"SHARDS rate (default: exact up to {EXACT_LOOKUPS} lookups a table)")
+    p.add_argument("--points", type=int, default=12, help="capacities per curve")
+    p.add_argument("--step-calls", type=int, default=3,
+                   help="tier calls per batch: 3 for training steps (default), 1 for lookups")
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="share of the batches that only warm the caches (default 0: from cold)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import json
+
+    from embstore.placement import save_document
+
+    tables = load_tables(args.trace)
+    bar = None
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(tables), unit="table", leave=False)
+        except ImportError:
+            pass
+    try:
+        profile = build_profile(tables, policies=[p for p in args.policies.split(",") if p],
+                                row_bytes=args.row_bytes,
+                                samples_per_batch=args.samples_per_batch,
+                                sample_rate=args.sample_rate, points=args.points,
+                                warmup=args.warmup, step_calls=args.step_calls,
+                                trace_name=args.trace, seed=args.seed, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    save_document(args.output, profile)
+    if args.plot is not None:
+        plot_profile(profile, args.plot)
+    if args.json:
+        print(json.dumps(profile, indent=1))
+        return 0
+    print(f"{'table':<12} {'rows':>9} {'lookups/sample':>15} {'row B':>6} {'B/sample':>10} "
+          f"{'method':>7}  miss ratio at 1%/10% of rows ({', '.join(profile['policies'])})")
+    for name, t in profile["tables"].items():
+        caps = np.asarray(t["mrc"]["capacities"], dtype=np.float64)
+        marks = []
+        for frac in (0.01, 0.1):
+            at = max(1.0, frac * t["rows_touched"])
+            marks.append("/".join(f"{np.interp(np.log(at), np.log(caps), t['mrc'][p]):.2f}"
+                                  for p in profile["policies"]))
+        print(f"{name:<12} {t['rows_touched']:>9} {t['lookups_per_sample']:>15.2f} "
+              f"{t['row_bytes']:>6} {t['bytes_per_sample']:>10.1f} {t['method']:>7}  "
+              f"{'  '.join(marks)}")
+    print(f"wrote {args.output}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
