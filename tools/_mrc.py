@@ -160,9 +160,9 @@ def _training_misses(trace: Trace, eviction: EvictionPolicy, capacity: int,
     """Misses of `eviction` when each batch is a training step of a store.
 
     The lookup, then `step_calls - 1` more calls on the same rows (the optimizer's read and
-    write), each at its own time, as a tier sees them. Every call touches the resident rows, brings in the
-    others (the update needs every row of the step: one evicted by this step's own inserts
-    comes back) and evicts down to `capacity`; only the lookup's misses count.
+    write), each at its own time, as a tier sees them. Every call touches the resident rows,
+    brings in the others (the update needs every row of the step: one evicted by this step's
+    own inserts comes back) and evicts down to `capacity`; only the lookup's misses count.
     """
     resident = np.zeros(trace.distinct, dtype=bool)
     size = misses = 0
