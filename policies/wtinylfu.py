@@ -9,7 +9,7 @@ import numpy as np
 from embstore.errors import ConfigError
 
 from ._hashing import positions
-from ._tracked import SlotLog, Tracked, TrackedEviction, as_ids, slots_by_id
+from ._tracked import SlotLog, Tracked, TrackedEviction, slots_by_id
 
 __all__ = ["WTinyLFUEviction"]
 
@@ -219,18 +219,16 @@ class WTinyLFUEviction(TrackedEviction):
         self._leave(_PROTECTED, protected)
         self._push(_PROTECTED, protected)
 
-    def record_insert(self, ids: np.ndarray, now: float) -> None:
+    def _record_insert(self, ids: np.ndarray, now: float) -> None:
         # docstring inherited
-        if not len(ids):
-            return
-        ids = np.sort(as_ids(ids))
+        ids = np.sort(ids)
         slots = self._t.insert(ids)
         self._fresh = (now, len(ids) + (self._fresh[1] if self._fresh[0] == now else 0))
         self._misses += len(ids)
         self._count(ids)
         self._push(_WINDOW, slots)
 
-    def record_remove(self, ids: np.ndarray) -> None:
+    def _record_remove(self, ids: np.ndarray) -> None:
         # docstring inherited
         freed = self._t.remove(ids)
         queue = self._t.cols["queue"][freed]
@@ -254,11 +252,8 @@ class WTinyLFUEviction(TrackedEviction):
         self._last_ratio = ratio
         self._share = float(np.clip(self._share + amount, 0.0, 0.8))
 
-    def choose_victims(self, n: int, now: float) -> np.ndarray:
+    def _choose_victims(self, n: int, now: float) -> np.ndarray:
         # docstring inherited
-        n = min(int(n), len(self))
-        if n <= 0:
-            return np.zeros(0, dtype=np.int64)
         capacity = len(self) - n
         if capacity > self._capacity:
             self._capacity = capacity

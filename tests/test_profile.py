@@ -10,7 +10,6 @@ import pytest
 
 from embstore.errors import ConfigError
 from embstore.placement import load_document
-from embstore.simulate import Trace
 from embstore.tools._mrc import (
     MIN_SAMPLED_IDS,
     SHARDS_ERROR_BOUND,
@@ -21,6 +20,7 @@ from embstore.tools._mrc import (
 )
 from embstore.tools.cli import main
 from embstore.tools.profile import build_profile, load_tables, save_tables
+from embstore.tools.simulator import Trace
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_profile_command_writes_json_and_a_plot(tmp_path: Path,
 def test_training_step_replay_equals_a_real_tiers_hits(
         tables: dict[str, list[np.ndarray]], policy: str, tmp_path: Path) -> None:
     import embstore
-    from embstore.simulate import parse_policy
+    from embstore.tools.simulator import parse_policy
 
     batches = [np.unique(b) for b in tables["t02"][:40]]
     trace = Trace(batches)

@@ -36,8 +36,8 @@ import numpy as np
 
 import embstore
 from embstore.placement import load_document
-from embstore.simulate import Trace
-from embstore.traces import PROFILES, synthesize
+from embstore.tools.simulator import Trace
+from embstore.tools.traces import PROFILES, synthesize
 
 from ._bench_tiers import measure_tiers
 from ._mrc import policy_curve

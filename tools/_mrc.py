@@ -27,7 +27,7 @@ import numpy as np
 
 from embstore.policies._hashing import splitmix64
 from embstore.policy import EvictionPolicy
-from embstore.simulate import Trace, parse_policy, run_policies
+from embstore.tools.simulator import Trace, parse_policy, run_policies
 
 __all__ = ["MIN_SAMPLED_IDS", "SHARDS_ERROR_BOUND", "capacity_grid", "lru_curve", "policy_curve",
            "sample_trace", "stack_distances"]

@@ -34,8 +34,8 @@ import numpy as np
 
 from embstore.errors import ConfigError
 from embstore.placement import KNOWN_TIERS, load_document
-from embstore.simulate import parse_policy
 from embstore.spec import TierSpec, parse_bytes
+from embstore.tools.simulator import parse_policy
 
 __all__ = ["Option", "chain_option", "naive_placement", "parse_budget", "plan", "to_placement"]
 

@@ -3,7 +3,7 @@
 A trace gives, per table, the ids of each batch: a .npz holding ``<table>.ids`` (int64) and
 ``<table>.offsets`` (where each batch starts, one more than the batches) per table, a .npy or
 .npz the simulator reads (tables told apart by the bits above 40, as the generator writes
-them), or ``synth:key=value,...`` (`embstore.traces.synthesize`). The profile (schema in
+them), or ``synth:key=value,...`` (`embstore.tools.traces.synthesize`). The profile (schema in
 `embstore.placement`) is what `embstore plan` reads.
 """
 
@@ -56,7 +56,7 @@ def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
                     raise ConfigError(f"trace {spec!r}: tables have different batch counts "
                                       f"({ {k: len(v) for k, v in out.items()} })")
                 return out
-    from embstore.simulate import load_trace
+    from embstore.tools.simulator import load_trace
 
     out = split_tables(load_trace(spec).batches)
     if not out:
@@ -135,7 +135,7 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
     Raises:
         ConfigError: a bad setting or policy spec.
     """
-    from embstore.simulate import Trace, parse_policy
+    from embstore.tools.simulator import Trace, parse_policy
 
     from ._mrc import (
         MIN_SAMPLED_IDS,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from embstore import registry
+from embstore import TableSpec, TierSpec, registry
+from embstore._build import build_chain
 from embstore.errors import ConfigError
-from embstore.simulate import Trace, belady, parse_policy, run_policies
-from embstore.traces import synthesize
+from embstore.tools.simulator import Trace, belady, parse_policy, run_policies
+from embstore.tools.traces import synthesize
 
 
 def ids_of(*values: int) -> np.ndarray:
@@ -56,10 +57,17 @@ def test_the_climber_grows_the_window_on_a_recency_trace_and_not_on_a_stationary
     drifting = Trace(list(synthesize(batches=120, seed=3, lookups=2048, drift=0.02)))
     shares = []
     for trace in (stationary, drifting):
-        policy = parse_policy("wtinylfu", "eviction")
-        run_policies(trace, policy, parse_policy("always", "admission"),  # type: ignore[arg-type]
-                     round(0.05 * trace.distinct))
-        shares.append(policy.current_window_share)  # type: ignore[attr-defined]
+        # a real bounded DRAM tier over a DRAM store of record, as the simulator builds it
+        tiers = [TierSpec("dram", capacity=round(0.05 * trace.distinct), eviction="wtinylfu"),
+                 TierSpec("dram")]
+        chain = build_chain(TableSpec("t", dim=1), tiers, None, read_only=False,
+                            background_writes=False)
+        chain.tiers[-1].backend.put(trace.ids, np.zeros((trace.distinct, 1), np.float32))
+        for dense in trace.unique:
+            if len(dense):
+                chain.get(np.ascontiguousarray(trace.ids[dense]))
+        shares.append(chain.tiers[0].eviction.current_window_share)  # type: ignore[union-attr]
+        chain.close()
     assert shares[0] < 0.1 and shares[1] > 0.2
 
 
