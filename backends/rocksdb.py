@@ -197,7 +197,9 @@ class RocksDBBackend(KeyValueBackend):
                                                   for n in cfs if n != "default"} or None,
                                  access_type=access)
         except Exception as exc:
-            if "lock" in str(exc).lower():
+            # "While lock file: .../LOCK: Resource temporarily unavailable" (not any message
+            # that merely contains "block")
+            if "lock file" in str(exc).lower():
                 raise StoreLockedError(
                     f"RocksDB directory {self._dir} is open in another process ({exc}); "
                     "close the store that uses it first"

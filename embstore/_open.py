@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from . import layout
-from .errors import ConfigError, ReadOnlyError, StoreNotFoundError
+from .errors import ConfigError, CorruptStoreError, ReadOnlyError, StoreNotFoundError
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
 from .manifest import fsync_dir
 from .spec import TableSpec, TierSpec
@@ -27,8 +27,26 @@ def _make_dirs(directory: Path) -> None:
         missing.append(d)
         d = d.parent
     for d in reversed(missing):
-        d.mkdir(exist_ok=True)
+        d.mkdir(mode=0o700 if d == directory else 0o777, exist_ok=True)
         fsync_dir(d.parent)
+
+
+def _parse_manifest(directory: Path, doc: dict[str, object]
+                    ) -> tuple[tuple[TierSpec, ...], list[TableSpec]]:
+    """The default tiers and tables of a manifest that passed its checksum.
+
+    Raises:
+        CorruptStoreError: a field is missing or of the wrong kind (a manifest written by
+            hand or by a foreign tool).
+    """
+    try:
+        tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])  # type: ignore[attr-defined]
+        tables = [TableSpec.from_json(t) for t in doc["tables"]]  # type: ignore[attr-defined]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptStoreError(
+            f"{directory / MANIFEST_NAME} passes its checksum but does not describe a store "
+            f"({type(exc).__name__}: {exc}); restore it from a checkpoint") from exc
+    return tiers, tables
 
 
 def _check_unique(specs: list[TableSpec]) -> None:
@@ -96,13 +114,12 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
                     f"{directory} is an incremental checkpoint (only changed rows); materialise "
                     "it with embstore.restore(src, new_path) and open that"
                 )
-            stored_tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
+            stored_tiers, stored = _parse_manifest(directory, doc)
             if tier_specs is not None and tier_specs != stored_tiers:
                 raise ConfigError(
                     f"{directory} was created with tiers {stored_tiers}; a store's default chain "
                     "is fixed at creation: omit tiers= or export/import into a new store"
                 )
-            stored = [TableSpec.from_json(t) for t in doc["tables"]]
             by_name = {s.name: s for s in stored}
             for spec in specs:
                 if spec.name in by_name and by_name[spec.name] != spec:

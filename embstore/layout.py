@@ -8,6 +8,9 @@ checkpoints, restore), so the names below are written in one place:
         LOCK                          flock: exclusive for a writer, shared for readers (`lock`)
         tier<level>-<backend>/        the store of record of every table whose chain ends there
         cache/tier<level>-<backend>/  cache tiers that need files; emptied on open
+        written/<table>.ids           the written-id record of a table (`embstore._written`)
+
+Directories are created 0700 and files 0600; the lock file names the pid of its holder.
 
 A checkpoint adds `checkpoint` to the manifest (and `<table>.deleted` files when incremental).
 """
@@ -25,10 +28,16 @@ from .manifest import MANIFEST_NAME, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "lock", "manifest_body", "read_manifest",
-           "table_chain", "tier_dir", "write_manifest"]
+           "table_chain", "tier_dir", "write_manifest", "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
+WRITTEN_DIR = "written"
+
+
+def written_file(root: Path, table: str) -> Path:
+    """The written-id record of table `table` in the store rooted at `root`."""
+    return root / WRITTEN_DIR / f"{table}.ids"
 
 
 def tier_dir(root: Path, level: int, backend: str, *, is_bottom: bool) -> Path:
@@ -67,12 +76,29 @@ def lock(root: Path, read_only: bool) -> int:
     Raises:
         StoreLockedError: another process or handle holds the store.
     """
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, (fcntl.LOCK_SH if read_only else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
+        holder = _holder(fd)
         os.close(fd)
+        who = ("a handle of this process" if holder == os.getpid()
+               else f"process {holder}" if holder is not None else "its writer")
         raise StoreLockedError(
-            f"{root} is open in another process or handle; close that store first"
+            f"{root} is open in another process or handle ({who} holds it for writing); close "
+            "that store first", holder_pid=holder
         ) from None
+    if not read_only:
+        # the holder's pid, for the error of the next one to try (not synced: only a hint)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _holder(fd: int) -> int | None:
+    """The pid written in the lock file by its writer, if any."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
