@@ -18,12 +18,15 @@ from typing import Any
 
 import numpy as np
 
+from . import _crash, layout
 from ._build import build_chain
 from ._validate import as_ids, as_rows
+from ._written import WrittenIds
 from .backend import Backend
 from .checkpoint import CheckpointPlan, CopyState, take_checkpoint
 from .errors import (
     ConfigError,
+    CorruptStoreError,
     InvalidValuesError,
     NonFiniteValueError,
     ReadOnlyError,
@@ -44,6 +47,8 @@ class _Table:
     spec: TableSpec
     chain: TableChain
     updates_dropped: int = 0
+    written: WrittenIds | None = None
+    """The written-id record (embstore._written); None where the table keeps none."""
 
 
 class EmbeddingStore:
@@ -72,7 +77,10 @@ class EmbeddingStore:
         self._last_checkpoint: Path | None = None
         try:
             for spec in specs:
-                self._tables[spec.name] = _Table(spec, self._build_chain(spec))
+                chain = self._build_chain(spec)
+                self._tables[spec.name] = _Table(spec, chain)
+                _crash.point("recovery.opened")
+                self._tables[spec.name].written = self._open_written(spec, chain)
         except BaseException:
             self._close_tables()  # the lock stays with `open`, which releases it
             raise
@@ -81,6 +89,20 @@ class EmbeddingStore:
 
     def _build_chain(self, spec: TableSpec) -> TableChain:
         return build_chain(spec, self._default_tiers, self._path, read_only=self._read_only)
+
+    def _open_written(self, spec: TableSpec, chain: TableChain) -> WrittenIds | None:
+        """The written-id record of a table whose store of record persists and keeps every row.
+
+        None for in-memory tables and for a bottom tier with a policy of its own (feature
+        admission drops writes and feature expiry drops rows, on purpose).
+        """
+        bottom = chain.tiers[-1]
+        medium = getattr(bottom.backend, "wrapped", bottom.backend)
+        if (self._path is None or not medium.supports_persistence
+                or bottom.eviction is not None or bottom.admission is not None):
+            return None
+        return WrittenIds(layout.written_file(self._path, spec.name), spec.num_embeddings,
+                          bottom.backend.ids, read_only=self._read_only)
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -99,8 +121,14 @@ class EmbeddingStore:
         if self._closed:
             raise StoreClosedError("the store is closed; open it again with embstore.open(path)")
 
-    def _before_write(self, name: str, t: _Table, ids: np.ndarray) -> None:
-        """Record distinct `ids` as changed and save their pre-images for a running checkpoint."""
+    def _before_write(self, name: str, t: _Table, ids: np.ndarray, *,
+                      deleting: bool = False) -> None:
+        """Record distinct `ids` as changed and save their pre-images for a running checkpoint.
+
+        The written-id record learns them too (written, or forgotten when `deleting`).
+        """
+        if t.written is not None:
+            (t.written.remove if deleting else t.written.add)(ids)
         if self._changes is not None:
             self._changes[name].add(ids)
         if self._copy is not None:
@@ -114,12 +142,26 @@ class EmbeddingStore:
         if found.all():
             return
         miss = np.flatnonzero(~found)
+        written = self._tables[spec.name].written
+        if written is not None:
+            lost = written.holds(ids[miss])
+            if lost.any():
+                self._raise_lost(spec.name, ids[miss][lost])
         # initializers hash every (id, column): once per distinct id, then copied
         groups = IdGroups(np.ascontiguousarray(ids[miss]))
         init = spec.init(groups.unique, spec.dim, spec.dtype)
         rows[miss, : spec.dim] = init[groups.inverse] if groups.has_duplicates else init
         if with_state and spec.row_width > spec.dim:
             rows[miss, spec.dim :] = spec.optimizer.initial_state(len(miss), spec.dim, spec.dtype)
+
+    def _raise_lost(self, name: str, lost: np.ndarray) -> None:
+        t = self._tables[name]
+        record = t.written.file if t.written is not None else None
+        raise CorruptStoreError(
+            f"table {name!r}: id {int(lost[0])} (and {len(lost) - 1} more in this batch) was "
+            f"written but its row is gone from {t.chain.tiers[-1].backend.spec.path} (the "
+            f"written-id record {record} holds it): the medium lost it; restore the table "
+            "from a checkpoint, or run `embstore fsck` to list every lost row")
 
     # --- public API -------------------------------------------------------------------------
 
@@ -310,7 +352,7 @@ class EmbeddingStore:
             ids = as_ids(ids, t.spec)
             self._check_writable()
             unique = IdGroups(ids).unique
-            self._before_write(table, t, unique)
+            self._before_write(table, t, unique, deleting=True)
             return int(np.count_nonzero(t.chain.delete(unique)))
 
     def num_rows(self, table: str) -> int:
@@ -466,13 +508,29 @@ class EmbeddingStore:
 
         Dirty rows in cache tiers are written down to the store of record, which is then
         synced; after `flush` returns, a crash loses none of the writes before it.
+
+        Raises:
+            StoreClosedError: the store is closed.
+            StorageIOError: the medium failed a write or a sync.
+            SyncFailedError: a sync of this handle's media failed before: writes since the
+                last good flush may be lost, and no later flush can make them durable; close
+                the store and reopen it. (A failed write-back, unlike a failed sync, stays
+                queued and a later flush retries it.)
         """
         with self._mutex:
             self._check_open()
             if self._read_only:
                 return
-            for t in self._tables.values():
-                t.chain.flush()
+            self._flush_tables()
+
+    def _flush_tables(self) -> None:
+        for t in self._tables.values():
+            if t.written is not None:
+                t.written.before_sync()
+            _crash.point("flush.before_sync")
+            t.chain.flush()
+            if t.written is not None:
+                t.written.after_sync()
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Counters per table: {"updates_dropped": int, "tiers": [TierStatistics, top first]}.
@@ -514,6 +572,21 @@ class EmbeddingStore:
                     "read_only": self._read_only,
                     "tiers": [ts.to_json() for ts in self._default_tiers], "tables": tables}
 
+    def lost_rows(self, table: str) -> np.ndarray:
+        """Ids the written-id record holds that no tier of `table` stores (sorted int64).
+
+        Empty for a healthy table and for tables that keep no record; fsck reports the rest.
+
+        Raises:
+            UnknownTableError, StoreClosedError, CorruptStoreError.
+        """
+        with self._mutex:
+            t = self._table(table)
+            if t.written is None:
+                return np.zeros(0, dtype=np.int64)
+            ids = np.ascontiguousarray(t.written.ids())
+            return ids[~t.chain.contains(ids)] if len(ids) else ids
+
     def tier_statistics(self, table: str) -> list[TierStatistics]:
         """One `TierStatistics` per tier of `table`, top first."""
         with self._mutex:
@@ -526,8 +599,7 @@ class EmbeddingStore:
                 return
             try:
                 if not self._read_only:
-                    for t in self._tables.values():
-                        t.chain.flush()
+                    self._flush_tables()
             finally:
                 self._closed = True
                 try:
