@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import registry
+from . import _crash, registry
 from .backend import Backend, BackendSpec
 from .checksum import crc32c
 from .errors import ConfigError, CorruptStoreError, StoreExistsError
@@ -185,10 +185,11 @@ def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
     if dest.exists():
         raise StoreExistsError(f"{dest} exists; checkpoints never overwrite: choose a new name")
     plan = source.begin_checkpoint(incremental)
+    _crash.point("checkpoint.begin")
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.mkdir(mode=0o700, parents=True)
         for spec in plan.specs:
             total = plan.rows[spec.name]
             with _bottom_backend(tmp, spec, plan.tiers, read_only=False) as target:
@@ -196,6 +197,7 @@ def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
                 scanned = 0
                 for n, ids, rows, found in source.checkpoint_pages(spec.name, BATCH_ROWS):
                     _write_batch(target, ids, rows, found, deleted)
+                    _crash.point("checkpoint.page")
                     scanned += n
                     if progress is not None:
                         progress(spec.name, min(scanned, total), total)
@@ -211,6 +213,7 @@ def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
                               else os.path.relpath(plan.parent.resolve(),
                                                    dest.parent.resolve())}
         write_manifest(tmp, body)
+        _crash.point("checkpoint.before_publish")
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
     except BaseException:
