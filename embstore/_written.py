@@ -56,7 +56,7 @@ from .errors import CorruptStoreError
 from .index import IdIndex
 from .manifest import read_bytes_nofollow, write_atomic
 
-__all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds"]
+__all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds", "write_record"]
 
 MAGIC: Final = b"EMBWRIT1"
 HEADER: Final = struct.Struct("<8sII Q")
@@ -75,10 +75,15 @@ class WrittenIds:
         num_embeddings: the table's id range, or None for an unbounded table.
         stored_ids: called for the ids of the store of record when no file exists yet.
         read_only: never write the file.
+        must_exist: the manifest lists the table as having a record: a missing file is damage.
+
+    Raises:
+        CorruptStoreError: the file is damaged, or missing where it must exist.
     """
 
     def __init__(self, file: Path, num_embeddings: int | None,
-                 stored_ids: Callable[[], np.ndarray], *, read_only: bool) -> None:
+                 stored_ids: Callable[[], np.ndarray], *, read_only: bool,
+                 must_exist: bool = False) -> None:
         self.file = file
         self._n = num_embeddings
         self._read_only = read_only
@@ -90,6 +95,12 @@ class WrittenIds:
             raw: bytes | None = read_bytes_nofollow(file, 16 + (1 << 40))
         except FileNotFoundError:
             raw = None
+        if raw is None and must_exist:
+            raise CorruptStoreError(
+                f"written-id record {file} is missing, and the manifest says the table has "
+                "one: files of the store were removed. Restore the store from a checkpoint; "
+                "if the table's rows are known to be intact, rebuild the record with "
+                "embstore.rebuild_written_records(path)")
         if raw is None:
             _crash.point("recovery.written")
             ids = stored_ids()
@@ -264,6 +275,13 @@ class WrittenIds:
         self._write(self.ids())
         self._empty_journal()
         self._changed = False
+
+
+def write_record(file: Path, num_embeddings: int | None, ids: np.ndarray) -> None:
+    """Write a fresh record holding exactly `ids` at `file` (a checkpoint's, a restore's)."""
+    file.unlink(missing_ok=True)
+    file.with_suffix(".del").unlink(missing_ok=True)
+    WrittenIds(file, num_embeddings, lambda: ids, read_only=False)
 
 
 def _fsync_dir(path: Path) -> None:

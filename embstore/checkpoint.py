@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _crash, registry
+from ._written import write_record
 from .backend import Backend, BackendSpec
 from .checksum import crc32c
 from .errors import ConfigError, CorruptStoreError, StoreExistsError
@@ -50,6 +51,7 @@ from .layout import (
     read_manifest,
     table_chain,
     write_manifest,
+    written_file,
 )
 from .manifest import fsync_dir, write_atomic
 from .spec import TableSpec, TierSpec
@@ -204,6 +206,9 @@ def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
                 saved = source.checkpoint_preimages(spec.name)
                 if saved is not None:
                     _write_batch(target, *saved, deleted)
+                if not incremental:  # a full checkpoint opens as a store: its written ids
+                    write_record(written_file(tmp, spec.name), spec.num_embeddings,
+                                 target.ids())
             if incremental:
                 _write_tombstones(tmp / f"{spec.name}.deleted",
                                   np.concatenate(deleted) if deleted else np.zeros(0, np.int64))
@@ -276,6 +281,9 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
         tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
         for path, inc in reversed(chain[:-1]):  # oldest increment first
             _apply_increment(tmp, path, inc, tables, tiers)
+        for spec in tables.values():  # the rows now stored are the written ones
+            with _bottom_backend(tmp, spec, tiers, read_only=True) as bottom:
+                write_record(written_file(tmp, spec.name), spec.num_embeddings, bottom.ids())
         doc.pop("format"), doc.pop("version")
         doc["restored_from"] = {"checkpoint": str(Path(src)), "step": chain[0][1]["checkpoint"]
                                 ["step"]}

@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import StoreLockedError
+from .errors import CorruptStoreError, StoreLockedError
 from .manifest import MANIFEST_NAME, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
-__all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "lock", "manifest_body", "read_manifest",
-           "table_chain", "tier_dir", "write_manifest", "written_file"]
+__all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "lock", "manifest_body",
+           "read_manifest", "table_chain", "tier_dir", "write_manifest", "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
@@ -50,6 +50,35 @@ def tier_dir(root: Path, level: int, backend: str, *, is_bottom: bool) -> Path:
     return root / name if is_bottom else root / CACHE_DIR / name
 
 
+def check_inside(root: Path, path: Path) -> None:
+    """Refuse a tier directory that is, or holds, a symbolic link, or lies outside `root`.
+
+    The manifest names tables and backends, and from them the files a store opens; a link
+    planted among them would make the store read or write a file elsewhere.
+
+    Raises:
+        CorruptStoreError: a symbolic link, or a path outside the store.
+    """
+    def refuse(what: str) -> CorruptStoreError:
+        return CorruptStoreError(
+            f"{what}: embstore opens only files inside the store directory {root}, never "
+            "through a symbolic link; replace the link with the files themselves")
+
+    for p in (path, *path.parents):
+        if p == root or p in root.parents:
+            break
+        if p.is_symlink():
+            raise refuse(f"{p} is a symbolic link")
+    if not path.exists():
+        return
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise refuse(f"{path} lies outside the store")
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                raise refuse(f"{os.path.join(dirpath, name)} is a symbolic link")
+
+
 def table_chain(spec: TableSpec, default_tiers: Sequence[TierSpec]) -> tuple[TierSpec, ...]:
     """The tier chain of table `spec`: its own, else the store's default."""
     return tuple(spec.tiers or default_tiers)
@@ -63,9 +92,14 @@ def bottom_dir(root: Path, spec: TableSpec, default_tiers: Sequence[TierSpec]) -
 
 def manifest_body(default_tiers: Sequence[TierSpec],
                   specs: Sequence[TableSpec]) -> dict[str, Any]:
-    """The manifest's fields beside format and version: the default chain and every table."""
+    """The manifest's fields beside format and version: the default chain and every table.
+
+    `written_records` names the tables whose written-id record must exist (embstore._written):
+    once a manifest lists a table, a missing record is damage, not a new table.
+    """
     return {"tiers": [t.to_json() for t in default_tiers],
-            "tables": [s.to_json() for s in specs]}
+            "tables": [s.to_json() for s in specs],
+            "written_records": sorted(s.name for s in specs)}
 
 
 def lock(root: Path, read_only: bool) -> int:

@@ -31,6 +31,7 @@ from .errors import (
     NonFiniteValueError,
     ReadOnlyError,
     StoreClosedError,
+    StoreNotFoundError,
     UnknownTableError,
 )
 from .hierarchy import TableChain, TierStatistics
@@ -68,6 +69,7 @@ class EmbeddingStore:
         self._read_only = read_only
         self._lock_fd = lock_fd
         self._mutex = threading.RLock()
+        self._checkpointing = threading.Lock()
         self._tables: dict[str, _Table] = {}
         self._closed = False
         # checkpoints: ids written since the last one (None until one is taken) and the copy
@@ -75,6 +77,7 @@ class EmbeddingStore:
         self._changes: dict[str, IdIndex] | None = None
         self._copy: CopyState | None = None
         self._last_checkpoint: Path | None = None
+        self._listed: set[str] | None = None  # tables the manifest says have a written record
         try:
             for spec in specs:
                 chain = self._build_chain(spec)
@@ -101,8 +104,17 @@ class EmbeddingStore:
         if (self._path is None or not medium.supports_persistence
                 or bottom.eviction is not None or bottom.admission is not None):
             return None
-        return WrittenIds(layout.written_file(self._path, spec.name), spec.num_embeddings,
-                          bottom.backend.ids, read_only=self._read_only)
+        if self._listed is None:
+            try:
+                listed = layout.read_manifest(self._path).get("written_records", [])
+            except StoreNotFoundError:  # being created
+                listed = []
+            self._listed = set(listed) if isinstance(listed, list) else set()
+        file = layout.written_file(self._path, spec.name)
+        layout.check_inside(self._path, file.parent)
+        return WrittenIds(file, spec.num_embeddings,
+                          bottom.backend.ids, read_only=self._read_only,
+                          must_exist=spec.name in self._listed)
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -409,13 +421,17 @@ class EmbeddingStore:
             step: the training step to record.
             incremental: write only the changes since the previous checkpoint.
             progress: called as progress(table, rows_done, rows_total) after each batch.
+                Checkpoints asked for by several threads are taken one after the other.
 
         Raises:
             StoreExistsError: `dest` exists.
             ConfigError: incremental without an earlier checkpoint from this handle.
         """
-        return take_checkpoint(self, Path(dest), step=step, incremental=incremental,
-                               progress=progress)
+        # one checkpoint at a time: each keeps its own copy state from begin to end (two
+        # threads checkpointing at once would share it); other calls go on meanwhile
+        with self._checkpointing:
+            return take_checkpoint(self, Path(dest), step=step, incremental=incremental,
+                                   progress=progress)
 
     # --- the checkpoint interface (embstore.checkpoint.CheckpointSource) --------------------
 

@@ -134,12 +134,36 @@ def test_a_record_with_a_good_checksum_and_a_foreign_id_is_refused(tmp_path):
         embstore.open(tmp_path / "s")
 
 
-def test_a_missing_record_is_rebuilt_from_the_rows(tmp_path):
-    _make(tmp_path / "s", "rocksdb", bounded=False)
+@pytest.mark.parametrize("backend", PERSISTENT)
+def test_a_missing_record_is_damage_and_can_be_rebuilt_from_the_rows(tmp_path, backend):
+    # the data file and the record both removed must not read as an empty, new table
+    _make(tmp_path / "s", backend, bounded=False)
     written_file(tmp_path / "s", "t").unlink()
+    with pytest.raises(CorruptStoreError, match="written-id record .* is missing"):
+        embstore.open(tmp_path / "s")
+    assert embstore.rebuild_written_records(tmp_path / "s") == ["t"]
     with embstore.open(tmp_path / "s") as store:
         assert len(store.lost_rows("t")) == 0
     assert written_file(tmp_path / "s", "t").stat().st_size == _written.BODY_OFFSET + 8 * ROWS
+    written_file(tmp_path / "s", "t").unlink()  # still required after the rebuild
+    with pytest.raises(CorruptStoreError):
+        embstore.open(tmp_path / "s")
+
+
+def test_checkpoints_and_restores_carry_exact_records(tmp_path):
+    rows = _make(tmp_path / "s", "lmdb", bounded=True)
+    with embstore.open(tmp_path / "s") as store:
+        store.checkpoint(tmp_path / "c0", step=0)
+        store.delete("t", np.arange(10))
+        store.update("t", np.array([ROWS + 5]), rows[:1])
+        store.checkpoint(tmp_path / "c1", step=1, incremental=True)
+    embstore.restore(tmp_path / "c1", tmp_path / "r")
+    for path in (tmp_path / "c0", tmp_path / "r"):
+        assert fsck.check(path) == []
+        with embstore.open(path) as store:
+            assert len(store.lost_rows("t")) == 0
+    with embstore.open(tmp_path / "r") as store:
+        assert np.array_equal(store.lookup("t", np.array([ROWS + 5])), rows[:1])
 
 
 def _flip_trials(tmp_path: Path, backend: str, bounded: bool, trials: int) -> dict[str, int]:
