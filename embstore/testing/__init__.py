@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["METHODS", "FaultyBackend", "inject"]
 
-METHODS = ("get", "put", "delete", "contains", "ids", "items", "flush", "len", "close", "any")
-"""The calls a `FaultyBackend` can fail (`len` is `len(backend)`; `any`: every call counts)."""
+METHODS = ("get", "put", "delete", "contains", "ids", "items", "flush", "len", "close")
+"""The calls a `FaultyBackend` can fail (`len` is `len(backend)`); "any" counts them all."""
 
 
 @final
@@ -59,7 +59,7 @@ class FaultyBackend(Backend):
 
     def __init__(self, wrapped: Backend, *, method: str, nth: int = 1,
                  error: BaseException | None = None, persistent: bool = False) -> None:
-        if method not in METHODS:
+        if method not in METHODS and method != "any":
             raise ConfigError(f"FaultyBackend method must be one of {METHODS}, got {method!r}")
         if nth < 1:
             raise ConfigError(f"FaultyBackend nth must be >= 1, got {nth}")
