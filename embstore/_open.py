@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -47,6 +48,14 @@ def _parse_manifest(directory: Path, doc: dict[str, object]
             f"{directory / MANIFEST_NAME} passes its checksum but does not describe a store "
             f"({type(exc).__name__}: {exc}); restore it from a checkpoint") from exc
     return tiers, tables
+
+
+_LEFTOVER = re.compile(r"^(tier\d+-\w+|cache|written|MANIFEST\.json\.tmp)$")
+
+
+def _ours(entry: Path) -> bool:
+    """Whether `entry` is one a store's creation makes before it writes the manifest."""
+    return bool(_LEFTOVER.match(entry.name))
 
 
 def _check_unique(specs: list[TableSpec]) -> None:
@@ -98,15 +107,22 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
     if not exists:
         if not specs or read_only:
             read_manifest(directory)  # raises StoreNotFoundError with the reason
-        if directory.exists() and any(p.name != LOCK_NAME for p in directory.iterdir()):
+        leftovers = ({p for p in directory.iterdir() if p.name != LOCK_NAME}
+                     if directory.exists() else set())
+        if not all(_ours(p) for p in leftovers):
             raise StoreNotFoundError(
                 f"{directory} holds files but no {MANIFEST_NAME}: it is not an embstore store; "
                 "choose an empty or new directory"
             )
-        before = set(directory.iterdir()) if directory.exists() else None
+        before = set(directory.iterdir()) - leftovers if directory.exists() else None
         _make_dirs(directory)
     lock_fd = layout.lock(directory, read_only)
     try:
+        if not exists:
+            # what a creation cut short by a crash left: its manifest, written last, is
+            # missing, so no write was ever acknowledged in it
+            for entry in leftovers:
+                (shutil.rmtree if entry.is_dir() and not entry.is_symlink() else os.unlink)(entry)
         if exists:
             doc = read_manifest(directory)
             if (doc.get("checkpoint") or {}).get("kind") == "incremental":
