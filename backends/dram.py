@@ -72,7 +72,7 @@ class DRAMBackend(SlottedBackend):
         self._dirty_since_flush = False
         self._file = (spec.path / f"{spec.table}.dram") if spec.path is not None else None
         if self._file is not None:
-            spec.path.mkdir(parents=True, exist_ok=True)
+            spec.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             if self._file.exists():
                 self._load(self._file)
 
@@ -117,7 +117,8 @@ class DRAMBackend(SlottedBackend):
                                      self.spec.dtype.str.encode(), len(ids), crc_body, 0))
         struct.pack_into("<I", head, 36, _crc(bytes(head[:36])))
         tmp = file.with_name(file.name + ".tmp")
-        with open(tmp, "wb") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with open(fd, "wb") as fh:
             fh.write(head)
             fh.write(ids.data)
             fh.write(rows.data)

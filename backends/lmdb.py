@@ -116,7 +116,7 @@ class LMDBBackend(KeyValueBackend):
         self._rec = record_dtype(spec.dtype, spec.dim)
         if not spec.read_only:
             # Made here, not by lmdb.open: LMDB would give the directory FILE_MODE, no x bit.
-            self._dir.mkdir(parents=True, exist_ok=True)
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._key = _HANDLES.key(self._dir)
         self._stale_readers_cleared = 0  # set by _open_env when this instance opens the env
         self._env: Any = _HANDLES.acquire(self._key, self._settings, spec.read_only,
@@ -137,6 +137,8 @@ class LMDBBackend(KeyValueBackend):
                 f"no LMDB environment in {self._dir}; open it for writing first to create it"
             )
         created_before = self._file.exists()
+        if created_before:
+            check_data_file(self._file)
         try:
             env = lmdb.open(str(self._dir), map_size=s["map_size_bytes"], subdir=True,
                             readonly=self.spec.read_only, create=not self.spec.read_only,
@@ -304,6 +306,49 @@ class LMDBBackend(KeyValueBackend):
         self._db = None
         self._env = None
         _HANDLES.release(self._key, _close_env)
+
+
+# LMDB's meta pages (pages 0 and 1, 64-bit build): offsets within a page.
+META_MAGIC = 0xBEEFC0DE
+META_MAGIC_OFFSET = 16   # uint32 mm_magic, after the 16-byte page header
+META_PSIZE_OFFSET = 40   # uint32 md_pad of the free-list database: the page size
+META_LAST_PG_OFFSET = 136  # uint64 mm_last_pg: the last page in use
+META_TXNID_OFFSET = 144  # uint64 mm_txnid: the meta page with the larger one is current
+
+
+def check_data_file(file: Path) -> None:
+    """Refuse a `data.mdb` shorter than its current meta page says it is.
+
+    LMDB maps the file and reads pages up to the last one in use without comparing with the
+    file's size: a truncated file would end the process with SIGBUS instead of an error.
+
+    Raises:
+        CorruptStoreError: the file is shorter than the pages it claims.
+    """
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(4096 * 2 + 64)
+    metas = []
+    psize = int.from_bytes(head[META_PSIZE_OFFSET:META_PSIZE_OFFSET + 4], "little") \
+        if len(head) >= META_PSIZE_OFFSET + 4 else 0
+    if not 512 <= psize <= 65536 or psize & (psize - 1):
+        psize = 4096  # damaged: LMDB reports the meta page itself
+    for page in (0, 1):
+        base = page * psize
+        meta = head[base:base + META_TXNID_OFFSET + 8]
+        if len(meta) < META_TXNID_OFFSET + 8:
+            continue
+        if int.from_bytes(meta[META_MAGIC_OFFSET:META_MAGIC_OFFSET + 4], "little") != META_MAGIC:
+            continue
+        metas.append((int.from_bytes(meta[META_TXNID_OFFSET:META_TXNID_OFFSET + 8], "little"),
+                      int.from_bytes(meta[META_LAST_PG_OFFSET:META_LAST_PG_OFFSET + 8],
+                                     "little")))
+    if metas:
+        _, last_pg = max(metas)
+        if (last_pg + 1) * psize > size:
+            raise CorruptStoreError(
+                f"{file} has {size} bytes but its meta page uses {last_pg + 1} pages of "
+                f"{psize} bytes: the file was truncated; restore the tier from a checkpoint")
 
 
 def _close_env(env: Any) -> None:

@@ -154,10 +154,10 @@ class PmemBackend(Backend):
         if not self._file.exists():
             if self.spec.read_only:
                 return  # nothing written yet: an empty, unmapped table
-            self._file.parent.mkdir(parents=True, exist_ok=True)
+            self._file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._create()
         flags = os.O_RDONLY if self.spec.read_only else os.O_RDWR
-        self._fd = os.open(self._file, flags | os.O_CLOEXEC)
+        self._fd = os.open(self._file, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             fcntl.flock(self._fd, (fcntl.LOCK_SH if self.spec.read_only else fcntl.LOCK_EX)
                         | fcntl.LOCK_NB)
@@ -189,7 +189,8 @@ class PmemBackend(Backend):
         struct.pack_into("<I", head, HEADER_CRC_OFFSET, crc32c(bytes(head[:HEADER_CRC_OFFSET])))
         self._pack_state(head, gen=1, watermark=0, reserve=0)
         tmp = self._file.with_name(f"{self._file.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
         try:
             os.pwrite(fd, bytes(head), 0)
             self._fallocate(fd, DATA_OFFSET + slots * self._rec, DATA_OFFSET, tmp)

@@ -88,6 +88,21 @@ def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool
     return opts
 
 
+def restrict_modes(directory: Path) -> None:
+    """Make the files RocksDB created in `directory` 0600 (it creates them 0644).
+
+    RocksDB has no setting for the mode of its files; the directory itself is 0700, and this
+    pass, on open and on every flush, takes the group and other bits off the files as well.
+    """
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            try:
+                if entry.is_file(follow_symlinks=False) and entry.stat().st_mode & 0o077:
+                    os.chmod(entry.path, 0o600, follow_symlinks=False)
+            except FileNotFoundError:  # removed by a compaction meanwhile
+                continue
+
+
 def _fail(exc: Exception, what: str) -> NoReturn:
     """Re-raise an error of rocksdict as the embstore error it means."""
     msg = str(exc)
@@ -169,7 +184,7 @@ class RocksDBBackend(KeyValueBackend):
         self._write_opt.sync = bool(sync_writes)
         self._count: tuple[int, int] | None = None  # (rows, sequence number it was counted at)
         if not spec.read_only:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._key = _HANDLES.key(self._dir)
         shared = _HANDLES.acquire(self._key, self._settings, spec.read_only, self._open_db)
         try:
@@ -200,13 +215,17 @@ class RocksDBBackend(KeyValueBackend):
                                                   for n in cfs if n != "default"} or None,
                                  access_type=access)
         except Exception as exc:
-            if "lock" in str(exc).lower():
+            # "While lock file: .../LOCK: Resource temporarily unavailable" (not any message
+            # that merely contains "block")
+            if "lock file" in str(exc).lower():
                 raise StoreLockedError(
                     f"RocksDB directory {self._dir} is open in another process ({exc}); "
                     "close the store that uses it first"
                 ) from exc
             _fail(exc, f"opening RocksDB directory {self._dir}")
         settings = self._settings
+        if not self.spec.read_only:
+            restrict_modes(self._dir)
         return _Shared(db, lambda: _make_options(settings, cache), set(cfs))
 
     def _open_table(self, shared: _Shared) -> tuple[Any, Any]:
@@ -394,6 +413,7 @@ class RocksDBBackend(KeyValueBackend):
             self._db.flush_wal(True)
         except Exception as exc:
             _fail(exc, f"syncing the write-ahead log of {self._dir}")
+        restrict_modes(self._dir)
 
     def _close(self) -> None:
         # Drop every reference to the column family first: rocksdict closes the database only
@@ -402,6 +422,8 @@ class RocksDBBackend(KeyValueBackend):
         del self._cf, self._cf_handle
         self._db = None
         _HANDLES.release(self._key, _Shared.close)
+        if not self.spec.read_only and self._dir.exists():
+            restrict_modes(self._dir)  # closing may have written a new log or manifest
 
 
 class _Shared:

@@ -8,15 +8,20 @@ Caveats:
     - A store is used by one process at a time (a lock file enforces it); within the process
       one handle per store, shared by threads.
     - Cache tiers start empty on every open; only the bottom tier is the store of record.
-    - Only `flush()` (or `close()`) makes writes durable.
+    - Only `flush()` (or `close()`) makes writes durable. After a flush fails, the handle
+      refuses every later flush (SyncFailedError): close it and reopen the store.
+    - A table whose store of record persists keeps a written-id record beside it, so a row the
+      medium lost raises CorruptStoreError instead of reading as new; if those records are
+      lost while the rows are intact, `rebuild_written_records(path)` rebuilds them.
 """
 
 from . import errors, fsck, init, optim
 from ._open import open
+from ._rebuild import rebuild_written_records
 from .checkpoint import restore
 from .spec import TableSpec, TierSpec
 from .store import EmbeddingStore
 
 __all__ = ["EmbeddingStore", "TableSpec", "TierSpec", "errors", "fsck", "init", "open", "optim",
-           "restore"]
+           "rebuild_written_records", "restore"]
 __version__ = "0.1.0"

@@ -17,7 +17,7 @@ from . import registry
 from .backend import BackendSpec
 from .errors import ConfigError
 from .hierarchy import TableChain, Tier
-from .layout import table_chain, tier_dir
+from .layout import check_inside, table_chain, tier_dir
 from .policy import AdmissionPolicy, EvictionPolicy
 from .spec import TableSpec, TierSpec
 
@@ -59,6 +59,8 @@ def build_chain(spec: TableSpec, default_tiers: Sequence[TierSpec], root: Path |
                     f"table {spec.name!r}: backend {ts.backend!r} needs a directory; open the "
                     "store with a path, or use only 'dram' tiers for an in-memory store"
                 )
+            if path is not None and root is not None:
+                check_inside(root, path)
             capacity = ts.capacity_rows(row_bytes)
             bspec = BackendSpec(path=path, dim=width, dtype=dtype, table=spec.name,
                                 read_only=read_only and is_bottom,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from . import layout
-from .errors import ConfigError, ReadOnlyError, StoreNotFoundError
+from .errors import ConfigError, CorruptStoreError, ReadOnlyError, StoreNotFoundError
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
 from .manifest import fsync_dir
 from .placement import apply_placement
@@ -29,8 +30,34 @@ def _make_dirs(directory: Path) -> None:
         missing.append(d)
         d = d.parent
     for d in reversed(missing):
-        d.mkdir(exist_ok=True)
+        d.mkdir(mode=0o700 if d == directory else 0o777, exist_ok=True)
         fsync_dir(d.parent)
+
+
+def _parse_manifest(directory: Path, doc: dict[str, object]
+                    ) -> tuple[tuple[TierSpec, ...], list[TableSpec]]:
+    """The default tiers and tables of a manifest that passed its checksum.
+
+    Raises:
+        CorruptStoreError: a field is missing or of the wrong kind (a manifest written by
+            hand or by a foreign tool).
+    """
+    try:
+        tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])  # type: ignore[attr-defined]
+        tables = [TableSpec.from_json(t) for t in doc["tables"]]  # type: ignore[attr-defined]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptStoreError(
+            f"{directory / MANIFEST_NAME} passes its checksum but does not describe a store "
+            f"({type(exc).__name__}: {exc}); restore it from a checkpoint") from exc
+    return tiers, tables
+
+
+_LEFTOVER = re.compile(r"^(tier\d+-\w+|cache|written|MANIFEST\.json\.tmp)$")
+
+
+def _ours(entry: Path) -> bool:
+    """Whether `entry` is one a store's creation makes before it writes the manifest."""
+    return bool(_LEFTOVER.match(entry.name))
 
 
 def _check_unique(specs: list[TableSpec]) -> None:
@@ -87,15 +114,22 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
     if not exists:
         if not specs or read_only:
             read_manifest(directory)  # raises StoreNotFoundError with the reason
-        if directory.exists() and any(p.name != LOCK_NAME for p in directory.iterdir()):
+        leftovers = ({p for p in directory.iterdir() if p.name != LOCK_NAME}
+                     if directory.exists() else set())
+        if not all(_ours(p) for p in leftovers):
             raise StoreNotFoundError(
                 f"{directory} holds files but no {MANIFEST_NAME}: it is not an embstore store; "
                 "choose an empty or new directory"
             )
-        before = set(directory.iterdir()) if directory.exists() else None
+        before = set(directory.iterdir()) - leftovers if directory.exists() else None
         _make_dirs(directory)
     lock_fd = layout.lock(directory, read_only)
     try:
+        if not exists:
+            # what a creation cut short by a crash left: its manifest, written last, is
+            # missing, so no write was ever acknowledged in it
+            for entry in leftovers:
+                (shutil.rmtree if entry.is_dir() and not entry.is_symlink() else os.unlink)(entry)
         if exists:
             doc = read_manifest(directory)
             if (doc.get("checkpoint") or {}).get("kind") == "incremental":
@@ -103,13 +137,12 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
                     f"{directory} is an incremental checkpoint (only changed rows); materialise "
                     "it with embstore.restore(src, new_path) and open that"
                 )
-            stored_tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
+            stored_tiers, stored = _parse_manifest(directory, doc)
             if tier_specs is not None and tier_specs != stored_tiers:
                 raise ConfigError(
                     f"{directory} was created with tiers {stored_tiers}; a store's default chain "
                     "is fixed at creation: omit tiers= or export/import into a new store"
                 )
-            stored = [TableSpec.from_json(t) for t in doc["tables"]]
             by_name = {s.name: s for s in stored}
             for spec in specs:
                 if spec.name in by_name and by_name[spec.name] != spec:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
+from . import _crash
 from .backend import Backend
 
 __all__ = ["BackgroundWriter", "DrainedBackend"]
@@ -68,6 +69,11 @@ class BackgroundWriter:
             jobs = [ids for ids, _ in self._jobs]
         return np.concatenate(jobs) if jobs else np.zeros(0, dtype=np.int64)
 
+    def retarget(self, backend: Backend) -> None:
+        """Write into `backend` from now on (queued writes too)."""
+        with self._cond:
+            self._backend = backend
+
     def drain(self) -> None:
         """Return once every queued write is applied; raises a write that fails again."""
         with self._cond:
@@ -106,7 +112,9 @@ class BackgroundWriter:
                     return
                 ids, rows = self._jobs[0]
             try:
+                _crash.point("writeback.before_put")
                 self._backend.put(ids, rows)
+                _crash.point("writeback.after_put")
             except BaseException as exc:  # held for the caller, which retries and raises it
                 with self._cond:
                     self._error = exc
@@ -129,11 +137,25 @@ class DrainedBackend(Backend):
     """
 
     name: ClassVar[str] = "drained"
+    # its own flush fails on a queued write, which is retried; the medium's failed sync
+    # bars the wrapped backend's later flushes
+    bars_flush_after_failure: ClassVar[bool] = False
 
     def __init__(self, backend: Backend, writer: BackgroundWriter) -> None:
         super().__init__(backend.spec)
         self.wrapped = backend
         self._writer = writer
+
+    def drain(self) -> None:
+        """Return once every queued write is applied (raises a write that fails again)."""
+        self._writer.drain()
+
+    def writer_backend(self, backend: Backend) -> None:
+        """Make the writer write into `backend` from now on (for fault injection).
+
+        Call after `drain()`; `backend` must stand for `wrapped` (a wrapper of it).
+        """
+        self._writer.retarget(backend)
 
     def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self._writer.drain()

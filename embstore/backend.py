@@ -20,17 +20,24 @@ import numpy as np
 
 from .errors import (
     ConfigError,
+    CorruptStoreError,
     DimensionMismatchError,
     DtypeMismatchError,
+    EmbstoreError,
     InvalidIdsError,
     ReadOnlyError,
+    StorageIOError,
     StoreClosedError,
+    SyncFailedError,
 )
+
+_OURS = (EmbstoreError, MemoryError)  # raised as they are: never wrapped
 
 if TYPE_CHECKING:
     from .index import IdIndex
 
-__all__ = ["Backend", "BackendSpec", "SlottedBackend", "SupportsBulkLoad", "SupportsSlots"]
+__all__ = ["Backend", "BackendSpec", "SlottedBackend", "SupportsBulkLoad", "SupportsSlots",
+           "foreign_error"]
 
 
 @dataclass(frozen=True)
@@ -84,10 +91,14 @@ class Backend(ABC):
     supports_concurrent_reads: ClassVar[bool] = False
     """`get` may run on one thread while `put`, `delete` or `get` run on others (the
     medium's own library serialises them); a prefetch then reads without the store's lock."""
+    # a failed `_flush` bars every later flush of the instance (see `flush`); False only for
+    # views whose `_flush` fails for reasons of their own before the medium's sync
+    bars_flush_after_failure: ClassVar[bool] = True
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         self._closed = False
+        self._failed_sync: Exception | None = None
 
     @classmethod
     def open(cls, spec: BackendSpec, **options: Any) -> Backend:
@@ -107,7 +118,13 @@ class Backend(ABC):
                 f"unknown {cls.name} backend option(s) {unknown}; it takes {sorted(known)}: "
                 "fix the tier's options"
             )
-        return cls(spec, **options)
+        try:
+            return cls(spec, **options)
+        except _OURS:
+            raise
+        except Exception as exc:
+            raise foreign_error(exc, f"opening {cls.name} table {spec.table!r} in {spec.path}",
+                                spec.path) from exc
 
     # --- guards -------------------------------------------------------------------------
 
@@ -168,7 +185,12 @@ class Backend(ABC):
         """
         self._check_open()
         ids = self._check_ids(ids)
-        return self._get(ids)
+        try:
+            return self._get(ids)
+        except _OURS:
+            raise
+        except Exception as exc:
+            raise self._foreign(exc, "reading") from exc
 
     def put(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Store `rows` (array[N, dim]) under distinct `ids` (int64[N]), replacing old rows.
@@ -181,7 +203,12 @@ class Backend(ABC):
         ids = self._check_ids(ids)
         rows = self._check_rows(ids, rows)
         if len(ids):
-            self._put(ids, rows)
+            try:
+                self._put(ids, rows)
+            except _OURS:
+                raise
+            except Exception as exc:
+                raise self._foreign(exc, "writing") from exc
 
     def delete(self, ids: np.ndarray) -> np.ndarray:
         """Remove `ids`; absent ids are ignored. Returns bool[N], which ids were present."""
@@ -189,7 +216,12 @@ class Backend(ABC):
         ids = self._check_ids(ids)
         if not len(ids):
             return np.zeros(0, dtype=bool)
-        return self._delete(ids)
+        try:
+            return self._delete(ids)
+        except _OURS:
+            raise
+        except Exception as exc:
+            raise self._foreign(exc, "deleting from") from exc
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """bool[N]: whether each id is stored.
@@ -199,12 +231,23 @@ class Backend(ABC):
             InvalidIdsError: `ids` is not a 1-D int64 array.
         """
         self._check_open()
-        return self._contains(self._check_ids(ids))
+        ids = self._check_ids(ids)
+        try:
+            return self._contains(ids)
+        except _OURS:
+            raise
+        except Exception as exc:
+            raise self._foreign(exc, "reading") from exc
 
     def ids(self) -> np.ndarray:
         """Every stored id, int64, in no particular order unless the backend says so."""
         self._check_open()
-        return self._ids()
+        try:
+            return self._ids()
+        except _OURS:
+            raise
+        except Exception as exc:
+            raise self._foreign(exc, "scanning") from exc
 
     def items(self, batch_rows: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield (ids, rows) batches of at most `batch_rows` covering every stored row once.
@@ -219,28 +262,76 @@ class Backend(ABC):
         self._check_open()
         if batch_rows < 1:
             raise ConfigError(f"batch_rows must be >= 1, got {batch_rows}")
-        return self._items(batch_rows)
+        return self._translated(self._items(batch_rows))
+
+    def _translated(self, pages: Iterator[tuple[np.ndarray, np.ndarray]]
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        try:
+            yield from pages
+        except _OURS:
+            raise
+        except Exception as exc:
+            raise self._foreign(exc, "scanning") from exc
 
     def __len__(self) -> int:
         self._check_open()
-        return self._len()
+        try:
+            return self._len()
+        except _OURS:
+            raise
+        except Exception as exc:
+            raise self._foreign(exc, "counting the rows of") from exc
 
     def flush(self) -> None:
-        """Make every write before this call durable (a no-op on volatile media)."""
+        """Make every write before this call durable (a no-op on volatile media).
+
+        After a flush fails, every later one raises `SyncFailedError` until the backend is
+        closed and opened again: a retried sync may report success after the kernel dropped
+        the pages it failed to write (fsyncgate), so no later flush can vouch for them.
+
+        Raises:
+            StoreClosedError: after close().
+            StorageIOError: the sync failed.
+            SyncFailedError: an earlier flush of this instance failed.
+        """
         self._check_open()
-        if not self.spec.read_only:
+        if self.spec.read_only:
+            return
+        if self._failed_sync is not None:
+            raise SyncFailedError(
+                f"a flush of {self.name} table {self.spec.table!r} in {self.spec.path} failed "
+                f"({self._failed_sync}); writes since the flush before it may be lost and "
+                "none can be made durable through this handle: close the store and reopen it"
+            ) from self._failed_sync
+        try:
             self._flush()
+        except Exception as exc:
+            err = exc if isinstance(exc, _OURS) else self._foreign(exc, "syncing")
+            if self.bars_flush_after_failure:
+                self._failed_sync = err
+            if err is exc:
+                raise
+            raise err from exc
 
     def close(self) -> None:
         """Flush (unless read-only) and release every resource. Idempotent."""
         if self._closed:
             return
         try:
-            if not self.spec.read_only:
+            if not self.spec.read_only and self._failed_sync is None:
                 self._flush()
+        except _OURS:
+            raise
+        except Exception as exc:
+            raise self._foreign(exc, "syncing") from exc
         finally:
             self._closed = True
             self._close()
+
+    def _foreign(self, exc: Exception, what: str) -> Exception:
+        """The embstore error for `exc`, raised by the medium while `what` this table."""
+        return foreign_error(exc, f"{what} {self.name} table {self.spec.table!r} in "
+                                  f"{self.spec.path}", self.spec.path)
 
     def statistics(self) -> dict[str, Any]:
         """Medium-specific facts: rows, bytes, and e.g. whether libpmem is in use."""
@@ -388,3 +479,23 @@ class SupportsBulkLoad(Protocol):
 
     def bulk_load(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Store `rows` under distinct `ids`, replacing stored rows; durable on return."""
+
+
+def foreign_error(exc: Exception, what: str, path: object) -> Exception:
+    """`exc` as a documented embstore error; `what` says what was being done, `path` where.
+
+    An embstore error passes unchanged; an `OSError` becomes a `StorageIOError` with its errno;
+    `MemoryError` stays itself; anything else a library raised (RocksDB's "Corruption", an
+    LMDB error, a numpy or struct error on a short or foreign file) means the files are not
+    what the backend wrote: `CorruptStoreError`.
+    """
+    if isinstance(exc, EmbstoreError | MemoryError):
+        return exc
+    if isinstance(exc, OSError):
+        fix = ("free disk space" if exc.errno == 28 else
+               "check the device (dmesg), then reopen the store")
+        return StorageIOError(exc.errno, f"{what}: {exc.strerror or exc}; {fix}",
+                              exc.filename or str(path))
+    return CorruptStoreError(
+        f"{what}: {type(exc).__name__}: {exc}; the files are damaged or not embstore's: "
+        "restore the store from a checkpoint (`embstore fsck` lists what is damaged)")

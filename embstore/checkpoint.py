@@ -38,7 +38,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import registry
+from . import _crash, registry
+from ._written import write_record
 from .backend import Backend, BackendSpec
 from .checksum import crc32c
 from .errors import ConfigError, CorruptStoreError, StoreExistsError
@@ -50,6 +51,7 @@ from .layout import (
     read_manifest,
     table_chain,
     write_manifest,
+    written_file,
 )
 from .manifest import fsync_dir, write_atomic
 from .spec import TableSpec, TierSpec
@@ -187,10 +189,11 @@ def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
     if dest.exists():
         raise StoreExistsError(f"{dest} exists; checkpoints never overwrite: choose a new name")
     plan = source.begin_checkpoint(incremental)
+    _crash.point("checkpoint.begin")
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.mkdir(mode=0o700, parents=True)
         for spec in plan.specs:
             total = plan.rows[spec.name]
             with _bottom_backend(tmp, spec, plan.tiers, read_only=False) as target:
@@ -198,12 +201,16 @@ def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
                 scanned = 0
                 for n, ids, rows, found in source.checkpoint_pages(spec.name, BATCH_ROWS):
                     _write_batch(target, ids, rows, found, deleted)
+                    _crash.point("checkpoint.page")
                     scanned += n
                     if progress is not None:
                         progress(spec.name, min(scanned, total), total)
                 saved = source.checkpoint_preimages(spec.name)
                 if saved is not None:
                     _write_batch(target, *saved, deleted)
+                if not incremental:  # a full checkpoint opens as a store: its written ids
+                    write_record(written_file(tmp, spec.name), spec.num_embeddings,
+                                 target.ids())
             if incremental:
                 _write_tombstones(tmp / f"{spec.name}.deleted",
                                   np.concatenate(deleted) if deleted else np.zeros(0, np.int64))
@@ -213,6 +220,7 @@ def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
                               else os.path.relpath(plan.parent.resolve(),
                                                    dest.parent.resolve())}
         write_manifest(tmp, body)
+        _crash.point("checkpoint.before_publish")
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
     except BaseException:
@@ -275,6 +283,9 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
         tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
         for path, inc in reversed(chain[:-1]):  # oldest increment first
             _apply_increment(tmp, path, inc, tables, tiers)
+        for spec in tables.values():  # the rows now stored are the written ones
+            with _bottom_backend(tmp, spec, tiers, read_only=True) as bottom:
+                write_record(written_file(tmp, spec.name), spec.num_embeddings, bottom.ids())
         doc.pop("format"), doc.pop("version")
         doc["restored_from"] = {"checkpoint": str(Path(src)), "step": chain[0][1]["checkpoint"]
                                 ["step"]}

@@ -25,6 +25,8 @@ __all__ = [
     "StoreExistsError",
     "StoreLockedError",
     "StoreNotFoundError",
+    "StorageIOError",
+    "SyncFailedError",
     "UnknownNameError",
     "UnknownTableError",
 ]
@@ -86,7 +88,15 @@ class ReadOnlyError(EmbstoreError):
 
 
 class StoreLockedError(EmbstoreError):
-    """Another process (or another open handle) holds the store's lock."""
+    """Another process (or another open handle) holds the store's lock.
+
+    Attributes:
+        holder_pid: the process that holds it, when the lock file names one (else None).
+    """
+
+    def __init__(self, message: str, holder_pid: int | None = None) -> None:
+        super().__init__(message)
+        self.holder_pid = holder_pid
 
 
 class StoreNotFoundError(EmbstoreError, FileNotFoundError):
@@ -121,4 +131,21 @@ class PeerFailedError(EmbstoreError):
     """A collective call of a sharded store failed on another rank.
 
     That rank died, raised, or did not make the same call within the group's timeout.
+    """
+
+
+class StorageIOError(EmbstoreError, OSError):
+    """The medium failed a read, a write or a sync (EIO, ENOSPC, ...).
+
+    An `OSError` too, with the medium's `errno` and the file in `filename`. What the call
+    wrote may or may not be applied; nothing acknowledged by an earlier `flush()` is lost.
+    """
+
+
+class SyncFailedError(EmbstoreError):
+    """A flush failed, so writes acknowledged since the one before may be lost.
+
+    The handle refuses every later flush (a retried fsync can report success after the
+    kernel dropped the unwritten pages: the fsyncgate lesson); close it and reopen the store,
+    which then holds what the last successful flush made durable.
     """

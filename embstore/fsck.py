@@ -58,6 +58,15 @@ def _check_table(store: EmbeddingStore, name: str) -> list[Finding]:
     if counted != seen:
         findings.append(Finding(name, f"the backend counts {counted} rows but a scan "
                                       f"returned {seen}"))
+    # rows written and flushed that the medium no longer has (embstore._written)
+    try:
+        lost = store.lost_rows(name)
+    except EmbstoreError as exc:
+        findings.append(Finding(name, f"cannot compare the written-id record: {exc}"))
+        return findings
+    if len(lost):
+        findings.append(Finding(name, f"{len(lost)} written row(s) lost by the medium, "
+                                      f"e.g. id {int(lost[0])}: restore them from a checkpoint"))
     return findings
 
 

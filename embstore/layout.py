@@ -9,6 +9,9 @@ checkpoints, restore), so the names below are written in one place:
         LOCK                          flock: exclusive for a writer, shared for readers (`lock`)
         tier<level>-<backend>/        the store of record of every table whose chain ends there
         cache/tier<level>-<backend>/  cache tiers that need files; emptied on open
+        written/<table>.ids           the written-id record of a table (`embstore._written`)
+
+Directories are created 0700 and files 0600; the lock file names the pid of its holder.
 
 A checkpoint adds `checkpoint` to the manifest (and `<table>.deleted` files when incremental).
 """
@@ -21,15 +24,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import StoreLockedError
+from .errors import CorruptStoreError, StoreLockedError
 from .manifest import MANIFEST_NAME, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
-__all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "lock", "manifest_body", "read_manifest",
-           "table_chain", "tier_dir", "write_manifest"]
+__all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "lock", "manifest_body",
+           "read_manifest", "table_chain", "tier_dir", "write_manifest", "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
+WRITTEN_DIR = "written"
+
+
+def written_file(root: Path, table: str) -> Path:
+    """The written-id record of table `table` in the store rooted at `root`."""
+    return root / WRITTEN_DIR / f"{table}.ids"
 
 
 def tier_dir(root: Path, level: int, backend: str, *, is_bottom: bool) -> Path:
@@ -40,6 +49,35 @@ def tier_dir(root: Path, level: int, backend: str, *, is_bottom: bool) -> Path:
     """
     name = f"tier{level}-{backend}"
     return root / name if is_bottom else root / CACHE_DIR / name
+
+
+def check_inside(root: Path, path: Path) -> None:
+    """Refuse a tier directory that is, or holds, a symbolic link, or lies outside `root`.
+
+    The manifest names tables and backends, and from them the files a store opens; a link
+    planted among them would make the store read or write a file elsewhere.
+
+    Raises:
+        CorruptStoreError: a symbolic link, or a path outside the store.
+    """
+    def refuse(what: str) -> CorruptStoreError:
+        return CorruptStoreError(
+            f"{what}: embstore opens only files inside the store directory {root}, never "
+            "through a symbolic link; replace the link with the files themselves")
+
+    for p in (path, *path.parents):
+        if p == root or p in root.parents:
+            break
+        if p.is_symlink():
+            raise refuse(f"{p} is a symbolic link")
+    if not path.exists():
+        return
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise refuse(f"{path} lies outside the store")
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                raise refuse(f"{os.path.join(dirpath, name)} is a symbolic link")
 
 
 def table_chain(spec: TableSpec, default_tiers: Sequence[TierSpec]) -> tuple[TierSpec, ...]:
@@ -57,11 +95,14 @@ def manifest_body(default_tiers: Sequence[TierSpec], specs: Sequence[TableSpec],
                   gradient_steps: dict[str, int] | None = None) -> dict[str, Any]:
     """The manifest's fields beside format and version: the default chain and every table.
 
+    `written_records` names the tables whose written-id record must exist (embstore._written):
+    once a manifest lists a table, a missing record is damage, not a new table.
     `gradient_steps` (per table, its count of optimizer steps, which seeds the stochastic
     rounding of half-precision tables) is recorded where given and not empty.
     """
     body: dict[str, Any] = {"tiers": [t.to_json() for t in default_tiers],
-                            "tables": [s.to_json() for s in specs]}
+                            "tables": [s.to_json() for s in specs],
+                            "written_records": sorted(s.name for s in specs)}
     if gradient_steps:
         body["gradient_steps"] = dict(gradient_steps)
     return body
@@ -75,12 +116,29 @@ def lock(root: Path, read_only: bool) -> int:
     Raises:
         StoreLockedError: another process or handle holds the store.
     """
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, (fcntl.LOCK_SH if read_only else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
+        holder = _holder(fd)
         os.close(fd)
+        who = ("a handle of this process" if holder == os.getpid()
+               else f"process {holder}" if holder is not None else "its writer")
         raise StoreLockedError(
-            f"{root} is open in another process or handle; close that store first"
+            f"{root} is open in another process or handle ({who} holds it for writing); close "
+            "that store first", holder_pid=holder
         ) from None
+    if not read_only:
+        # the holder's pid, for the error of the next one to try (not synced: only a hint)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _holder(fd: int) -> int | None:
+    """The pid written in the lock file by its writer, if any."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

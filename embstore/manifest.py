@@ -1,16 +1,22 @@
 """The store manifest: `MANIFEST.json` in the store's directory, written atomically.
 
 It records the format version, the default tier chain and every table (dim, dtype, initializer,
-optimizer, chain), which is all `embstore.open(path)` needs to reopen a store.
+optimizer, chain), which is all `embstore.open(path)` needs to reopen a store, and a checksum:
+`"checksum": "crc32:<8 hex digits>"`, the zlib CRC-32 of the document without that field as
+`json.dumps(doc, indent=2, sort_keys=True)` writes it, so damage anywhere in the file (a key
+name included) is reported as such. Files are created 0600 and opened without following a
+symbolic link.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
+from . import _crash
 from .errors import CorruptStoreError, StoreNotFoundError
 
 __all__ = ["FORMAT", "MANIFEST_NAME", "VERSION", "read_manifest", "write_atomic", "write_manifest"]
@@ -18,6 +24,9 @@ __all__ = ["FORMAT", "MANIFEST_NAME", "VERSION", "read_manifest", "write_atomic"
 FORMAT = "embstore"
 VERSION = 1
 MANIFEST_NAME = "MANIFEST.json"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+MAX_MANIFEST_BYTES = 16 << 20  # a damaged size never makes a reader allocate more
 
 
 def fsync_dir(path: Path) -> None:
@@ -35,31 +44,80 @@ def write_atomic(file: Path, data: bytes) -> None:
     Writes a temporary file, fsyncs it, renames it over the target, fsyncs the directory.
     """
     tmp = file.with_name(file.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)  # a leftover temporary file may have had another mode
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        _crash.point("manifest.before_sync")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _crash.point("manifest.before_rename")
     os.replace(tmp, file)
+    _crash.point("manifest.before_dir_sync")
     fsync_dir(file.parent)
+
+
+def _checksum(doc: dict[str, Any]) -> str:
+    text = json.dumps(doc, indent=2, sort_keys=True).encode()
+    return f"crc32:{zlib.crc32(text):08x}"
+
+
+def read_bytes_nofollow(file: Path, limit: int) -> bytes:
+    """The content of `file`, opened without following a symbolic link; at most `limit` bytes.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CorruptStoreError: `file` is a symbolic link or not a regular file, or is larger.
+    """
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (40, 6):  # ELOOP (a symbolic link), ENXIO (a socket or FIFO)
+            raise CorruptStoreError(
+                f"{file} is a symbolic link or special file; embstore opens only regular files "
+                "inside the store directory: replace it with the file itself") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not (st.st_mode & 0o170000) == 0o100000:
+            raise CorruptStoreError(f"{file} is not a regular file; replace it with the store's "
+                                    "own file or restore the store from a checkpoint")
+        if st.st_size > limit:
+            raise CorruptStoreError(f"{file} has {st.st_size} bytes, more than the {limit} "
+                                    "it may have: it is damaged or not embstore's")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def write_manifest(directory: Path, body: dict[str, Any]) -> None:
     """Write the manifest of the store in `directory` atomically."""
-    doc = {"format": FORMAT, "version": VERSION, **body}
+    doc = {**{k: v for k, v in body.items() if k != "checksum"}, "format": FORMAT,
+           "version": VERSION}
+    doc["checksum"] = _checksum(doc)
     write_atomic(directory / MANIFEST_NAME, json.dumps(doc, indent=2, sort_keys=True).encode())
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     """Read and check the manifest of the store in `directory`.
 
+    The checksum is checked and left out of the returned document.
+
     Raises:
         StoreNotFoundError: there is no manifest.
-        CorruptStoreError: the manifest is unreadable or not an embstore manifest.
+        CorruptStoreError: the manifest is unreadable, fails its checksum, or is not an
+            embstore manifest.
     """
     file = directory / MANIFEST_NAME
     try:
-        raw = file.read_bytes()
-    except FileNotFoundError:
+        raw = read_bytes_nofollow(file, MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
         raise StoreNotFoundError(
             f"{directory} holds no embstore store (no {MANIFEST_NAME}); create one by passing "
             "tables=[TableSpec(...)] to embstore.open"
@@ -71,6 +129,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
                                 ) from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptStoreError(f"{file} is not an embstore manifest (format field missing)")
+    stored = doc.pop("checksum", None)
+    if stored != _checksum(doc):
+        raise CorruptStoreError(
+            f"{file} fails its checksum (stored {stored!r}, computed {_checksum(doc)!r}): it "
+            "was damaged or edited by hand; restore it from a checkpoint of the store")
     if doc.get("version") != VERSION:
         raise CorruptStoreError(
             f"{file} has format version {doc.get('version')!r}; this embstore reads version "

@@ -18,18 +18,21 @@ from typing import Any
 
 import numpy as np
 
-from . import _fused, _prefetch
+from . import _crash, _fused, _prefetch, layout
 from ._build import build_chain
 from ._precision import RowCodec
 from ._validate import as_ids, as_rows
+from ._written import WrittenIds
 from .backend import Backend
 from .checkpoint import CheckpointPlan, CopyState, take_checkpoint
 from .errors import (
     ConfigError,
+    CorruptStoreError,
     InvalidValuesError,
     NonFiniteValueError,
     ReadOnlyError,
     StoreClosedError,
+    StoreNotFoundError,
     UnknownTableError,
 )
 from .hierarchy import TableChain, TierStatistics
@@ -51,6 +54,8 @@ class _Table:
     """How rows of a half-precision table are stored; None: as the spec's dtype."""
     steps: int = 0
     """Optimizer steps applied (apply_gradients calls): seeds stochastic rounding."""
+    written: WrittenIds | None = None
+    """The written-id record (embstore._written); None where the table keeps none."""
 
 
 class EmbeddingStore:
@@ -71,6 +76,7 @@ class EmbeddingStore:
         self._read_only = read_only
         self._lock_fd = lock_fd
         self._mutex = threading.RLock()
+        self._checkpointing = threading.Lock()
         self._tables: dict[str, _Table] = {}
         self._closed = False
         # checkpoints: ids written since the last one (None until one is taken) and the copy
@@ -79,13 +85,17 @@ class EmbeddingStore:
         self._copy: CopyState | None = None
         self._last_checkpoint: Path | None = None
         self._steps_saved = {name: int(n) for name, n in (gradient_steps or {}).items()}
+        self._listed: set[str] | None = None  # tables the manifest says have a written record
         steps = gradient_steps or {}
         try:
             for spec in specs:
                 codec = None if spec.precision == "fp32" else RowCodec(
                     spec.name, spec.precision, spec.dim, spec.row_width - spec.dim)
-                self._tables[spec.name] = _Table(spec, self._build_chain(spec), codec=codec,
+                chain = self._build_chain(spec)
+                self._tables[spec.name] = _Table(spec, chain, codec=codec,
                                                  steps=int(steps.get(spec.name, 0)))
+                _crash.point("recovery.opened")
+                self._tables[spec.name].written = self._open_written(spec, chain)
         except BaseException:
             self._close_tables()  # the lock stays with `open`, which releases it
             raise
@@ -94,6 +104,29 @@ class EmbeddingStore:
 
     def _build_chain(self, spec: TableSpec) -> TableChain:
         return build_chain(spec, self._default_tiers, self._path, read_only=self._read_only)
+
+    def _open_written(self, spec: TableSpec, chain: TableChain) -> WrittenIds | None:
+        """The written-id record of a table whose store of record persists and keeps every row.
+
+        None for in-memory tables and for a bottom tier with a policy of its own (feature
+        admission drops writes and feature expiry drops rows, on purpose).
+        """
+        bottom = chain.tiers[-1]
+        medium = getattr(bottom.backend, "wrapped", bottom.backend)
+        if (self._path is None or not medium.supports_persistence
+                or bottom.eviction is not None or bottom.admission is not None):
+            return None
+        if self._listed is None:
+            try:
+                listed = layout.read_manifest(self._path).get("written_records", [])
+            except StoreNotFoundError:  # being created
+                listed = []
+            self._listed = set(listed) if isinstance(listed, list) else set()
+        file = layout.written_file(self._path, spec.name)
+        layout.check_inside(self._path, file.parent)
+        return WrittenIds(file, spec.num_embeddings,
+                          bottom.backend.ids, read_only=self._read_only,
+                          must_exist=spec.name in self._listed)
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -112,8 +145,14 @@ class EmbeddingStore:
         if self._closed:
             raise StoreClosedError("the store is closed; open it again with embstore.open(path)")
 
-    def _before_write(self, name: str, t: _Table, ids: np.ndarray) -> None:
-        """Record distinct `ids` as changed and save their pre-images for a running checkpoint."""
+    def _before_write(self, name: str, t: _Table, ids: np.ndarray, *,
+                      deleting: bool = False) -> None:
+        """Record distinct `ids` as changed and save their pre-images for a running checkpoint.
+
+        The written-id record learns them too (written, or forgotten when `deleting`).
+        """
+        if t.written is not None:
+            (t.written.remove if deleting else t.written.add)(ids)
         if self._changes is not None:
             self._changes[name].add(ids)
         if self._copy is not None:
@@ -155,6 +194,11 @@ class EmbeddingStore:
         if found.all():
             return
         miss = np.flatnonzero(~found)
+        written = self._tables[spec.name].written
+        if written is not None:
+            lost = written.holds(ids[miss])
+            if lost.any():
+                self._raise_lost(spec.name, ids[miss][lost])
         # initializers hash every (id, column): once per distinct id, then copied
         groups = IdGroups(np.ascontiguousarray(ids[miss]))
         init = spec.init(groups.unique, spec.dim, spec.dtype)
@@ -164,6 +208,15 @@ class EmbeddingStore:
         rows[miss, : spec.dim] = init[groups.inverse] if groups.has_duplicates else init
         if with_state and spec.row_width > spec.dim:
             rows[miss, spec.dim :] = spec.optimizer.initial_state(len(miss), spec.dim, spec.dtype)
+
+    def _raise_lost(self, name: str, lost: np.ndarray) -> None:
+        t = self._tables[name]
+        record = t.written.file if t.written is not None else None
+        raise CorruptStoreError(
+            f"table {name!r}: id {int(lost[0])} (and {len(lost) - 1} more in this batch) was "
+            f"written but its row is gone from {t.chain.tiers[-1].backend.spec.path} (the "
+            f"written-id record {record} holds it): the medium lost it; restore the table "
+            "from a checkpoint, or run `embstore fsck` to list every lost row")
 
     # --- public API -------------------------------------------------------------------------
 
@@ -411,7 +464,7 @@ class EmbeddingStore:
             ids = as_ids(ids, t.spec)
             self._check_writable()
             unique = IdGroups(ids).unique
-            self._before_write(table, t, unique)
+            self._before_write(table, t, unique, deleting=True)
             return int(np.count_nonzero(t.chain.delete(unique)))
 
     def num_rows(self, table: str) -> int:
@@ -470,13 +523,17 @@ class EmbeddingStore:
             step: the training step to record.
             incremental: write only the changes since the previous checkpoint.
             progress: called as progress(table, rows_done, rows_total) after each batch.
+                Checkpoints asked for by several threads are taken one after the other.
 
         Raises:
             StoreExistsError: `dest` exists.
             ConfigError: incremental without an earlier checkpoint from this handle.
         """
-        return take_checkpoint(self, Path(dest), step=step, incremental=incremental,
-                               progress=progress)
+        # one checkpoint at a time: each keeps its own copy state from begin to end (two
+        # threads checkpointing at once would share it); other calls go on meanwhile
+        with self._checkpointing:
+            return take_checkpoint(self, Path(dest), step=step, incremental=incremental,
+                                   progress=progress)
 
     # --- the checkpoint interface (embstore.checkpoint.CheckpointSource) --------------------
 
@@ -569,14 +626,30 @@ class EmbeddingStore:
 
         Dirty rows in cache tiers are written down to the store of record, which is then
         synced; after `flush` returns, a crash loses none of the writes before it.
+
+        Raises:
+            StoreClosedError: the store is closed.
+            StorageIOError: the medium failed a write or a sync.
+            SyncFailedError: a sync of this handle's media failed before: writes since the
+                last good flush may be lost, and no later flush can make them durable; close
+                the store and reopen it. (A failed write-back, unlike a failed sync, stays
+                queued and a later flush retries it.)
         """
         with self._mutex:
             self._check_open()
             if self._read_only:
                 return
-            for t in self._tables.values():
-                t.chain.flush()
+            self._flush_tables()
             self._save_steps()
+
+    def _flush_tables(self) -> None:
+        for t in self._tables.values():
+            if t.written is not None:
+                t.written.before_sync()
+            _crash.point("flush.before_sync")
+            t.chain.flush()
+            if t.written is not None:
+                t.written.after_sync()
 
     def _gradient_steps(self) -> dict[str, int]:
         """Optimizer steps of every half-precision table that has taken one."""
@@ -634,6 +707,21 @@ class EmbeddingStore:
                     "read_only": self._read_only,
                     "tiers": [ts.to_json() for ts in self._default_tiers], "tables": tables}
 
+    def lost_rows(self, table: str) -> np.ndarray:
+        """Ids the written-id record holds that no tier of `table` stores (sorted int64).
+
+        Empty for a healthy table and for tables that keep no record; fsck reports the rest.
+
+        Raises:
+            UnknownTableError, StoreClosedError, CorruptStoreError.
+        """
+        with self._mutex:
+            t = self._table(table)
+            if t.written is None:
+                return np.zeros(0, dtype=np.int64)
+            ids = np.ascontiguousarray(t.written.ids())
+            return ids[~t.chain.contains(ids)] if len(ids) else ids
+
     def tier_statistics(self, table: str) -> list[TierStatistics]:
         """One `TierStatistics` per tier of `table`, top first."""
         with self._mutex:
@@ -646,8 +734,7 @@ class EmbeddingStore:
                 return
             try:
                 if not self._read_only:
-                    for t in self._tables.values():
-                        t.chain.flush()
+                    self._flush_tables()
                     self._save_steps()
             finally:
                 self._closed = True

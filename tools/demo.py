@@ -311,7 +311,7 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
     saved = None
     if dense_path.exists():
         try:
-            saved = torch.load(dense_path, weights_only=True)  # tensors and plain data only
+            saved = torch.load(dense_path, weights_only=True)  # tensors and plain data: no pickle
             saved_cfg, saved_layout = saved["config"], saved["layout"]
         except Exception as exc:  # a damaged or foreign file: say so, no traceback
             return _fail(f"cannot read {dense_path} ({exc}); remove {run_dir} to start over")

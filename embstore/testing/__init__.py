@@ -10,6 +10,9 @@ Example::
     faulty.put(ids, rows)            # call 1: applied
     faulty.put(ids, rows)            # call 2: raises OSError(EIO), nothing applied
     faulty.disarm()                  # the medium recovers
+
+`inject(store, table, ...)` puts one under a table's store of record inside an open store, so
+that flushes, write-backs and checkpoints meet the fault; `method="any"` counts every call.
 """
 
 from __future__ import annotations
@@ -17,17 +20,21 @@ from __future__ import annotations
 import errno
 import threading
 from collections.abc import Iterator
-from typing import Any, ClassVar, final
+from typing import TYPE_CHECKING, Any, ClassVar, final
 
 import numpy as np
 
+from .._writeback import DrainedBackend
 from ..backend import Backend
 from ..errors import ConfigError
 
-__all__ = ["METHODS", "FaultyBackend"]
+if TYPE_CHECKING:
+    from ..store import EmbeddingStore
+
+__all__ = ["METHODS", "FaultyBackend", "inject"]
 
 METHODS = ("get", "put", "delete", "contains", "ids", "items", "flush", "len", "close")
-"""The calls a `FaultyBackend` can fail (`len` is `len(backend)`)."""
+"""The calls a `FaultyBackend` can fail (`len` is `len(backend)`); "any" counts them all."""
 
 
 @final
@@ -52,7 +59,7 @@ class FaultyBackend(Backend):
 
     def __init__(self, wrapped: Backend, *, method: str, nth: int = 1,
                  error: BaseException | None = None, persistent: bool = False) -> None:
-        if method not in METHODS:
+        if method not in METHODS and method != "any":
             raise ConfigError(f"FaultyBackend method must be one of {METHODS}, got {method!r}")
         if nth < 1:
             raise ConfigError(f"FaultyBackend nth must be >= 1, got {nth}")
@@ -67,6 +74,8 @@ class FaultyBackend(Backend):
         """Calls of `method` so far."""
         self.faults = 0
         """Calls that raised."""
+        self.wrapped_flush_failed = False
+        """Whether a `flush` call raised (injected or from `wrapped`)."""
         self._armed = True
         self._lock = threading.Lock()
 
@@ -75,7 +84,7 @@ class FaultyBackend(Backend):
         self._armed = False
 
     def _hit(self, method: str) -> None:
-        if method != self.method:
+        if method != self.method and self.method != "any":
             return
         with self._lock:
             self.calls += 1
@@ -115,8 +124,12 @@ class FaultyBackend(Backend):
         return len(self.wrapped)
 
     def _flush(self) -> None:
-        self._hit("flush")
-        self.wrapped.flush()
+        try:
+            self._hit("flush")
+            self.wrapped.flush()
+        except BaseException:
+            self.wrapped_flush_failed = True
+            raise
 
     def _close(self) -> None:
         try:
@@ -135,3 +148,31 @@ class FaultyBackend(Backend):
     def __repr__(self) -> str:
         return (f"FaultyBackend({self.wrapped!r}, method={self.method!r}, nth={self.nth}, "
                 f"persistent={self.persistent})")
+
+
+def inject(store: EmbeddingStore, table: str, *, method: str, nth: int = 1,
+           error: BaseException | None = None, persistent: bool = False) -> FaultyBackend:
+    """Wrap the store of record of `table` in an open `store` in a `FaultyBackend`.
+
+    Every use of the medium from then on (reads, write-backs on the background thread,
+    flushes, checkpoints, close) goes through the wrapper; arguments as for `FaultyBackend`.
+    Returns the wrapper, whose `calls`, `faults` and `disarm()` the test can use.
+
+    Raises:
+        UnknownTableError: no such table.
+        ConfigError: an unknown method or nth < 1.
+    """
+    store.table_spec(table)  # raises UnknownTableError
+    tier = store._tables[table].chain.tiers[-1]
+    view = tier.backend
+    if isinstance(view, DrainedBackend):
+        view.drain()
+        faulty = FaultyBackend(view.wrapped, method=method, nth=nth, error=error,
+                               persistent=persistent)
+        view.wrapped = faulty
+        view.writer_backend(faulty)
+    else:
+        faulty = FaultyBackend(view, method=method, nth=nth, error=error,
+                               persistent=persistent)
+        tier.backend = faulty
+    return faulty

@@ -33,6 +33,26 @@ if os.environ.get("DROP_SYNCS"):  # what the store would be without its syncs
     from embstore.backends import lmdb as lm, rocksdb as rd
     rd.RocksDBBackend._flush = lambda self: None
     lm.LMDBBackend._flush = lambda self: None
+drop = os.environ.get("DROP_SYNC", "")  # one sync site removed (see SITES in the test)
+if drop:
+    import stat
+    real_fsync = os.fsync
+    from embstore.backends import lmdb as lm, pmem as pm, rocksdb as rd
+    def fsync_unless(kind):
+        def fsync(fd):
+            if not kind(os.fstat(fd).st_mode):
+                real_fsync(fd)
+        return fsync
+    if drop == "rocksdb.flush_wal":
+        rd.RocksDBBackend._flush = lambda self: None
+    elif drop == "lmdb.env_sync":
+        lm.LMDBBackend._flush = lambda self: None
+    elif drop == "pmem.record_sync":
+        pm.PmemBackend._persist_slots = lambda self, slots, offset, length: None
+    elif drop == "fsync_of_files":  # manifest, written-id record and journal, snapshots
+        os.fsync = fsync_unless(stat.S_ISREG)
+    elif drop == "fsync_of_directories":
+        os.fsync = fsync_unless(stat.S_ISDIR)
 spec = embstore.TableSpec("t", dim=8, optimizer=embstore.optim.RowWiseAdagrad(lr=0.1))
 tiers = [embstore.TierSpec("dram", capacity=50), embstore.TierSpec(bottom)]
 store = embstore.open(path, tables=[spec], tiers=tiers)
@@ -41,6 +61,9 @@ for _ in range(5):
     ids = rng.integers(0, 500, 200)
     store.update("t", ids, rng.standard_normal((200, 8)).astype(np.float32))
     store.apply_gradients("t", ids, np.ones((200, 8), np.float32))
+store.flush()
+store.delete("t", rng.integers(0, 500, 20))  # the written-id record's delete journal
+store.update("t", np.arange(500, 520), np.ones((20, 8), np.float32))  # new rows: record grows
 os.write(2, b"EMBSTORE-MARK-A\n")
 store.flush()
 os.write(2, b"EMBSTORE-MARK-B\n")
@@ -95,3 +118,24 @@ def test_a_store_opens_with_rocksdicts_settings_file_torn(tmp_path):
         config.write_text(torn)
         with embstore.open(tmp_path / "s") as s:
             assert s.lookup("t", np.array([1])).tolist() == [[1, 1, 1, 1]]
+
+
+# Each sync of the code, removed alone, and the file the check must then report. The sites:
+# RocksDB's WAL sync on flush (RocksDBBackend._flush: flush_wal(sync=True)); LMDB's env sync
+# (LMDBBackend._flush: env.sync(True)); the pmem backend's record sync (_persist_slots:
+# sync_file_range + fdatasync; pmem_flush + pmem_drain on real pmem); every fsync of a regular
+# file (manifest.write_atomic for the manifest and the written-id record, the record's delete
+# journal, the DRAM snapshot); every fsync of a directory (manifest.fsync_dir after a rename
+# or a new file, _open._make_dirs, the record's directory, LMDB's new data file).
+SITES = [("rocksdb", "rocksdb.flush_wal", ".log"), ("lmdb", "lmdb.env_sync", "data.mdb"),
+         ("pmem", "pmem.record_sync", ".pmem"),
+         ("lmdb", "fsync_of_files", "written/t.ids"), ("lmdb", "fsync_of_files", "t.del"),
+         ("lmdb", "fsync_of_directories", "directory was not synced")]
+
+
+@pytest.mark.parametrize("bottom,site,reported", SITES,
+                         ids=[f"{s}-{r.split('/')[-1].split()[0]}" for _, s, r in SITES])
+def test_the_check_fails_when_one_sync_is_removed(tmp_path, bottom, site, reported):
+    report = _trace(tmp_path, bottom, DROP_SYNC=site)
+    assert report.marker_b_seen
+    assert any(reported in p for p in report.problems), report.problems

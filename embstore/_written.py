@@ -1,0 +1,292 @@
+"""The written-id record: which ids a table's store of record holds, to tell lost rows from new.
+
+A lookup of an id that no tier holds returns the table's initial value. Without a record, a
+row the medium lost (a damaged key, a truncated file) would be served that way too, and a
+trainer would restart it from scratch. With it, an id that the record holds and no tier
+finds raises `CorruptStoreError` naming the table, the id and the file.
+
+File `<store>/written/<table>.ids` (offsets imported by the corruption tests):
+
+    offset  size  field
+    0       8     magic b"EMBWRIT1"
+    8       4     kind, uint32 little-endian: 0 a bitmap over [0, num_embeddings), 1 an id list
+    12      4     CRC-32 (zlib), uint32 little-endian, of bytes 16 to the end
+    16      8     n, uint64 little-endian: bits of the bitmap, or ids in the list
+    24      ...   body: ceil(n / 8) bytes of bitmap (numpy.packbits, little bit order), or n
+                  distinct int64 little-endian ids in ascending order
+
+Cost: a bounded table (num_embeddings set) keeps 1 bit per id of its range on disk and 1 byte
+per id in memory; an unbounded one 8 bytes per stored row on disk and its hash index in memory
+(about 16 bytes per row). Lookups pay only for ids no tier found (one vectorised probe).
+
+Deletes: `<store>/written/<table>.del`, a journal of deleted ids appended (and fsynced)
+before the medium deletes them, entries of
+
+    offset  size  field
+    0       4     count, uint32 little-endian
+    4       4     CRC-32 (zlib) of the ids, uint32 little-endian
+    8       8 * count  ids, int64 little-endian
+
+An entry cut short or failing its checksum ends the journal (a crash mid-append: the medium
+delete it announced had not begun). The ids of the journal are taken out of the record on open;
+each flush rewrites the record and empties the journal.
+
+Ordering (why a crash never turns the record into a false alarm): the record must never hold
+an id the store of record may lack after a crash. A write reaches the record only at a flush,
+after the store of record is synced; a delete reaches the journal, durably, before the medium.
+A crash between a sync and the record's rewrite leaves an older record, which misses some ids
+(their loss would go unnoticed until the next flush) but holds none the medium may lack. A
+missing record (a new store that crashed before its first flush, a checkpoint) is rebuilt from
+the medium's ids on open. Cost of deletes: one fsync per `delete` call.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+from . import _crash
+from .errors import CorruptStoreError
+from .index import IdIndex
+from .manifest import read_bytes_nofollow, write_atomic
+
+__all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds", "write_record"]
+
+MAGIC: Final = b"EMBWRIT1"
+HEADER: Final = struct.Struct("<8sII Q")
+"""magic, kind, crc32 of the rest, n (24 bytes)."""
+BITMAP: Final = 0
+IDS: Final = 1
+CRC_OFFSET: Final = 12
+BODY_OFFSET: Final = 24
+
+
+class WrittenIds:
+    """The written-id record of one table (see the module docstring).
+
+    Args:
+        file: the record's file.
+        num_embeddings: the table's id range, or None for an unbounded table.
+        stored_ids: called for the ids of the store of record when no file exists yet.
+        read_only: never write the file.
+        must_exist: the manifest lists the table as having a record: a missing file is damage.
+
+    Raises:
+        CorruptStoreError: the file is damaged, or missing where it must exist.
+    """
+
+    def __init__(self, file: Path, num_embeddings: int | None,
+                 stored_ids: Callable[[], np.ndarray], *, read_only: bool,
+                 must_exist: bool = False) -> None:
+        self.file = file
+        self._n = num_embeddings
+        self._read_only = read_only
+        self._bits: np.ndarray | None = None
+        self._index: IdIndex | None = None
+        self.journal = file.with_suffix(".del")
+        self._changed = False  # ids added or removed since the last flush
+        try:
+            raw: bytes | None = read_bytes_nofollow(file, 16 + (1 << 40))
+        except FileNotFoundError:
+            raw = None
+        if raw is None and must_exist:
+            raise CorruptStoreError(
+                f"written-id record {file} is missing, and the manifest says the table has "
+                "one: files of the store were removed. Restore the store from a checkpoint; "
+                "if the table's rows are known to be intact, rebuild the record with "
+                "embstore.rebuild_written_records(path)")
+        if raw is None:
+            _crash.point("recovery.written")
+            ids = stored_ids()
+            self._load(np.ascontiguousarray(ids, dtype=np.int64))
+            if not read_only:
+                self._write(self.ids())
+                self._empty_journal()
+        else:
+            self._load(self._parse(raw))
+            deleted = self._read_journal()
+            if len(deleted):
+                self._forget(deleted)
+
+    # --- the file -------------------------------------------------------------------------
+
+    def _parse(self, raw: bytes) -> np.ndarray:
+        def bad(why: str) -> CorruptStoreError:
+            return CorruptStoreError(
+                f"written-id record {self.file} is damaged ({why}); run `embstore fsck "
+                "--repair` to rebuild it from the table's rows, or restore from a checkpoint")
+
+        if len(raw) < BODY_OFFSET:
+            raise bad(f"{len(raw)} bytes, shorter than its {BODY_OFFSET}-byte header")
+        magic, kind, crc, n = HEADER.unpack_from(raw)
+        if magic != MAGIC:
+            raise bad("wrong magic")
+        if zlib.crc32(raw[16:]) != crc:
+            raise bad("checksum mismatch")
+        body = raw[BODY_OFFSET:]
+        expected_kind = BITMAP if self._n is not None else IDS
+        if kind != expected_kind:
+            raise bad(f"kind {kind}, expected {expected_kind}")
+        if kind == BITMAP:
+            if n != self._n or len(body) != (n + 7) // 8:
+                raise bad(f"a bitmap of {n} bits in {len(body)} bytes, the table has "
+                          f"{self._n} ids")
+            bits = np.unpackbits(np.frombuffer(body, np.uint8), count=n, bitorder="little")
+            return np.flatnonzero(bits).astype(np.int64)
+        if len(body) != 8 * n:
+            raise bad(f"{n} ids in {len(body)} bytes")
+        return np.frombuffer(body, "<i8").astype(np.int64)
+
+    def _read_journal(self) -> np.ndarray:
+        try:
+            raw = read_bytes_nofollow(self.journal, 1 << 40)
+        except FileNotFoundError:
+            return np.zeros(0, np.int64)
+        parts, at = [], 0
+        while at + 8 <= len(raw):
+            count, crc = struct.unpack_from("<II", raw, at)
+            body = raw[at + 8: at + 8 + 8 * count]
+            if len(body) != 8 * count or zlib.crc32(body) != crc:
+                break  # a torn append: the delete it announced never reached the medium
+            parts.append(np.frombuffer(body, "<i8").astype(np.int64))
+            at += 8 + 8 * count
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+    def _append_journal(self, ids: np.ndarray) -> None:
+        body = np.ascontiguousarray(ids, dtype="<i8").tobytes()
+        new = not self.journal.exists()
+        if new and not self.file.parent.exists():
+            self.file.parent.mkdir(mode=0o700)
+            _fsync_dir(self.file.parent.parent)
+        fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                     0o600)
+        try:
+            os.write(fd, struct.pack("<II", len(ids), zlib.crc32(body)) + body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if new:
+            _fsync_dir(self.journal.parent)
+
+    def _empty_journal(self) -> None:
+        try:
+            fd = os.open(self.journal, os.O_WRONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return
+        try:
+            if os.fstat(fd).st_size:
+                os.ftruncate(fd, 0)
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write(self, ids: np.ndarray) -> None:
+        if self._n is not None:
+            bits = np.zeros(self._n, dtype=np.uint8)
+            bits[ids] = 1
+            body = np.packbits(bits, bitorder="little").tobytes()
+            kind, n = BITMAP, self._n
+        else:
+            body = np.ascontiguousarray(ids, dtype="<i8").tobytes()
+            kind, n = IDS, len(ids)
+        rest = struct.pack("<Q", n) + body
+        if not self.file.parent.exists():
+            self.file.parent.mkdir(mode=0o700)
+            _fsync_dir(self.file.parent.parent)
+        write_atomic(self.file, HEADER.pack(MAGIC, kind, zlib.crc32(rest), n) + body)
+
+    # --- in memory ------------------------------------------------------------------------
+
+    def _load(self, ids: np.ndarray) -> None:
+        if self._n is not None:
+            self._bits = np.zeros(self._n, dtype=bool)
+            if len(ids) and (ids.min() < 0 or ids.max() >= self._n):
+                raise CorruptStoreError(
+                    f"written-id record {self.file}: ids outside [0, {self._n}); restore the "
+                    "table from a checkpoint")
+            self._bits[ids] = True
+        else:
+            self._index = IdIndex(max(1024, 2 * len(ids)))
+            if len(ids):
+                self._index.add(ids)
+
+    def ids(self) -> np.ndarray:
+        """Every id the record holds, sorted int64."""
+        if self._bits is not None:
+            return np.flatnonzero(self._bits).astype(np.int64)
+        assert self._index is not None
+        ids: np.ndarray = np.sort(self._index.items()[0])
+        return ids
+
+    def holds(self, ids: np.ndarray) -> np.ndarray:
+        """bool[N]: whether each of `ids` (valid for the table) was written and not deleted."""
+        if self._bits is not None:
+            held: np.ndarray = self._bits[ids]
+            return held
+        assert self._index is not None
+        return self._index.find(np.ascontiguousarray(ids)) >= 0
+
+    def add(self, ids: np.ndarray) -> None:
+        """Record distinct `ids` as written (durable in the file from the next flush)."""
+        if self._bits is not None:
+            if not self._changed and self._bits[ids].all():
+                return  # the common case in training: rows written before
+            self._bits[ids] = True
+            self._changed = True
+            return
+        assert self._index is not None
+        _, inserted = self._index.add(np.ascontiguousarray(ids))
+        if inserted.any():
+            self._changed = True
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Forget distinct `ids`; call it before the medium deletes them (it syncs a journal)."""
+        held = self.holds(ids)
+        if not held.any():
+            return
+        gone = np.ascontiguousarray(ids[held])
+        if not self._read_only:
+            self._append_journal(gone)
+        self._forget(gone)
+        self._changed = True
+
+    def _forget(self, ids: np.ndarray) -> None:
+        if self._bits is not None:
+            self._bits[ids[(ids >= 0) & (ids < len(self._bits))]] = False
+        else:
+            assert self._index is not None
+            self._index.remove(np.ascontiguousarray(ids))
+
+    def before_sync(self) -> None:
+        """Called by a flush before the store of record is synced (a crash point only)."""
+        _crash.point("flush.before_written")
+
+    def after_sync(self) -> None:
+        """Called once the store of record is synced: the record may hold every id now."""
+        _crash.point("flush.after_sync")
+        if self._read_only or not self._changed:
+            return
+        self._write(self.ids())
+        self._empty_journal()
+        self._changed = False
+
+
+def write_record(file: Path, num_embeddings: int | None, ids: np.ndarray) -> None:
+    """Write a fresh record holding exactly `ids` at `file` (a checkpoint's, a restore's)."""
+    file.unlink(missing_ok=True)
+    file.with_suffix(".del").unlink(missing_ok=True)
+    WrittenIds(file, num_embeddings, lambda: ids, read_only=False)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,132 @@
+"""The damage fuzzer run by tests/test_damage_fuzz.py in a child process (see there).
+
+    python tests/_fuzz_damage.py WORKDIR EXAMPLES SEED
+
+Builds one small store per backend, then lets Hypothesis damage copies of it (flip, set or
+zero bytes, mostly in the first 4 KiB where the headers are; truncate, extend or delete a
+file; the manifest and the written-id record included) and opens, reads, flushes, closes and
+fscks each copy. Anything but an embstore error, or a row served with a wrong value, fails.
+Address space is capped (RLIMIT_AS), so a damaged size field that makes a reader allocate
+without bound fails too. Prints a JSON tally on its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import embstore
+from embstore import fsck
+from embstore.errors import EmbstoreError
+
+ROWS, DIM = 200, 8
+BACKENDS = ("rocksdb", "lmdb", "pmem", "dram")
+TALLY = {"examples": 0, "mutations": 0, "errors": 0, "clean": 0, "fsck_findings": 0}
+
+
+def build(root: Path) -> tuple[dict[str, Path], np.ndarray]:
+    rows = np.random.default_rng(1).standard_normal((ROWS, DIM)).astype(np.float32)
+    stores = {}
+    for backend in BACKENDS:
+        path = root / f"template-{backend}"
+        spec = embstore.TableSpec("t", dim=DIM, num_embeddings=None if backend != "pmem"
+                                  else 4 * ROWS)
+        with embstore.open(path, tables=[spec], tiers=[embstore.TierSpec(backend)]) as store:
+            store.update("t", np.arange(ROWS), rows)
+        stores[backend] = path
+    return stores, rows
+
+
+def files_of(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.name != "LOCK")
+
+
+mutation = st.tuples(
+    st.integers(0, 10_000),                                 # which file (modulo)
+    st.sampled_from(["flip", "set", "zero8", "truncate", "extend", "delete"]),
+    st.one_of(st.integers(0, 4095), st.integers(0, 1 << 24)),  # where: headers first
+    st.integers(0, 255),                                    # a byte value / bit
+)
+
+
+def damage(path: Path, muts: list[tuple[int, str, int, int]]) -> None:
+    for which, kind, where, value in muts:
+        files = files_of(path)
+        if not files:
+            return
+        file = files[which % len(files)]
+        data = bytearray(file.read_bytes())
+        if kind == "delete":
+            file.unlink()
+            continue
+        if kind == "extend":
+            data += bytes([value]) * (where % 8192 + 1)
+        elif not data:
+            continue
+        elif kind == "truncate":
+            del data[where % len(data):]
+        else:
+            at = where % len(data)
+            if kind == "flip":
+                data[at] ^= 1 << (value % 8)
+            elif kind == "set":
+                data[at] = value
+            else:
+                data[at:at + 8] = bytes(len(data[at:at + 8]))
+        file.write_bytes(bytes(data))
+
+
+def exercise(path: Path, rows: np.ndarray) -> None:
+    try:
+        with embstore.open(path) as store:
+            got = store.lookup("t", np.arange(ROWS))
+            # a row is its flushed value or an error was raised, never anything else
+            assert np.array_equal(got, rows), "a damaged store served a wrong row"
+            for _ in store.items("t"):
+                pass
+            store.update("t", np.array([ROWS + 1]), rows[:1])
+            store.flush()
+        TALLY["clean"] += 1
+    except EmbstoreError:
+        TALLY["errors"] += 1
+    findings = fsck.check(path)
+    assert isinstance(findings, list)
+    TALLY["fsck_findings"] += bool(findings)
+
+
+def main() -> None:
+    work, examples, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+    stores, rows = build(work)
+    counter = [0]
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
+              suppress_health_check=list(HealthCheck), print_blob=True)
+    @given(backend=st.sampled_from(BACKENDS), muts=st.lists(mutation, min_size=1, max_size=3))
+    def fuzz(backend: str, muts: list[tuple[int, str, int, int]]) -> None:
+        counter[0] += 1
+        copy = work / f"case{counter[0]}"
+        shutil.copytree(stores[backend], copy, symlinks=True)
+        try:
+            damage(copy, muts)
+            TALLY["examples"] += 1
+            TALLY["mutations"] += len(muts)
+            exercise(copy, rows)
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+
+    import random
+    random.seed(seed)
+    fuzz()
+    print(json.dumps(TALLY))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Damaged stores give documented errors only: a Hypothesis fuzzer in a child process.
+
+The child (tests/_fuzz_damage.py) damages copies of one small store per backend, the manifest,
+the written-id record and the media's headers included, and opens, reads, flushes and fscks
+each one, under a cap on its address space. The parent requires it to exit normally (no
+SIGBUS or SIGSEGV, no hang past the timeout, no MemoryError from a damaged size) having seen
+only embstore errors and no wrong row. CI runs 150 examples; the slow test 3,000.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FUZZER = Path(__file__).with_name("_fuzz_damage.py")
+
+
+def _fuzz(tmp_path: Path, examples: int, seed: int, timeout: int) -> dict[str, int]:
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", str(FUZZER), str(tmp_path),
+                           str(examples), str(seed)], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-5000:])
+    tally: dict[str, int] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"damage fuzz: {tally}")
+    assert tally["examples"] == examples
+    return tally
+
+
+def test_damaged_stores_raise_only_embstore_errors(tmp_path):
+    tally = _fuzz(tmp_path, 150, seed=1, timeout=500)
+    assert tally["errors"] > 0  # the damage was seen, not only survived
+
+
+@pytest.mark.slow
+def test_damaged_stores_raise_only_embstore_errors_3000_examples(tmp_path):
+    _fuzz(tmp_path, 3000, seed=2, timeout=2400)

@@ -1,0 +1,192 @@
+"""I/O errors at every position: flush, write-back and checkpoint meet a failing medium.
+
+For each operation, each error (EIO, ENOSPC) and each kind (once; from then on), the N-th call
+into the store of record fails, for N = 1, 2, ... until one run meets no fault (the SQLite
+fault-simulation loop). Each run must succeed or raise a documented embstore error; a failed
+sync must bar every later flush of the handle (SyncFailedError); closing and reopening must
+give a store with a clean fsck that holds every row flushed before the fault, and the
+operation's rows where it succeeded. Compaction (`embstore compact`) is not driven here.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore import fsck
+from embstore.errors import EmbstoreError, StorageIOError, SyncFailedError
+from embstore.testing import inject
+
+DIM = 4
+ERRORS = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC}
+
+
+def _rows(ids: np.ndarray, tag: float) -> np.ndarray:
+    return (ids[:, None] * 0.5 + tag + np.arange(DIM)).astype(np.float32)
+
+
+def _open(path: Path, backend: str) -> embstore.EmbeddingStore:
+    return embstore.open(path, tables=[embstore.TableSpec("t", dim=DIM)],
+                         tiers=[embstore.TierSpec("dram", capacity=20, eviction="lru"),
+                                embstore.TierSpec(backend)])
+
+
+BEFORE, DURING = np.arange(0, 60), np.arange(40, 120)
+
+
+def _operation(store: embstore.EmbeddingStore, op: str, path: Path) -> None:
+    if op == "writeback":  # 80 rows through a 20-row cache: 60 write-backs
+        for lo in range(0, len(DURING), 10):
+            ids = DURING[lo:lo + 10]
+            store.update("t", ids, _rows(ids, 1.0))
+    elif op == "flush":
+        store.update("t", DURING, _rows(DURING, 1.0))
+        store.flush()
+    else:
+        store.update("t", DURING, _rows(DURING, 1.0))
+        store.checkpoint(path.parent / "ckpt", step=1)
+
+
+def _one_run(tmp: Path, backend: str, op: str, nth: int, code: int, persistent: bool) -> int:
+    """One trial; returns the faults that fired."""
+    path = tmp / "s"
+    with _open(path, backend) as store:
+        store.update("t", BEFORE, _rows(BEFORE, 0.0))
+        store.flush()
+    store = _open(path, backend)
+    faulty = inject(store, "t", method="any", nth=nth, persistent=persistent,
+                    error=OSError(code, os.strerror(code)))
+    ok = True
+    try:
+        _operation(store, op, path)
+        store.flush()
+    except EmbstoreError as exc:
+        ok = False
+        assert isinstance(exc, (StorageIOError, SyncFailedError)), repr(exc)
+        if faulty.wrapped_flush_failed:
+            # fsyncgate: once a sync failed, no flush of this handle may succeed
+            faulty.disarm()
+            with pytest.raises(SyncFailedError):
+                store.flush()
+    faulty.disarm()
+    try:
+        store.close()
+    except EmbstoreError:
+        assert not ok or faulty.faults
+    assert fsck.check(path) == []
+    with embstore.open(path) as store:
+        got = store.lookup("t", BEFORE)
+        if ok:
+            assert np.array_equal(store.lookup("t", DURING), _rows(DURING, 1.0))
+        keep = BEFORE[~np.isin(BEFORE, DURING)]
+        assert np.array_equal(got[: len(keep)], _rows(keep, 0.0))  # flushed before: intact
+        changed = got[len(keep):]
+        assert all(np.array_equal(r, _rows(np.array([i]), 0.0)[0])
+                   or np.array_equal(r, _rows(np.array([i]), 1.0)[0])
+                   for i, r in zip(BEFORE[len(keep):], changed, strict=True))
+    if ok and op == "checkpoint":
+        assert fsck.check(path.parent / "ckpt") == []
+    return faulty.faults
+
+
+def _loop(tmp_path: Path, backend: str, op: str, code: int, persistent: bool,
+          limit: int) -> int:
+    nth = 0
+    while True:
+        nth += 1
+        trial = tmp_path / f"n{nth}"
+        fired = _one_run(trial, backend, op, nth, code, persistent)
+        shutil.rmtree(trial)
+        if not fired:
+            return nth
+        assert nth < limit, f"the fault still fires at call {nth}"
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["once", "persistent"])
+@pytest.mark.parametrize("code", list(ERRORS.values()), ids=list(ERRORS))
+@pytest.mark.parametrize("op", ["flush", "writeback", "checkpoint"])
+def test_a_failure_at_every_io_position_is_reported_and_loses_nothing(tmp_path, op, code,
+                                                                      persistent):
+    positions = _loop(tmp_path, "rocksdb", op, code, persistent, limit=200)
+    print(f"io faults rocksdb {op} {errno.errorcode[code]} persistent={persistent}: "
+          f"{positions} positions")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["lmdb", "pmem"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["once", "persistent"])
+@pytest.mark.parametrize("code", list(ERRORS.values()), ids=list(ERRORS))
+@pytest.mark.parametrize("op", ["flush", "writeback", "checkpoint"])
+def test_a_failure_at_every_io_position_on_other_backends(tmp_path, backend, op, code,
+                                                          persistent):
+    _loop(tmp_path, backend, op, code, persistent, limit=200)
+
+
+def test_after_a_failed_sync_the_handle_refuses_to_flush_until_reopened(tmp_path):
+    store = _open(tmp_path / "s", "lmdb")
+    store.update("t", BEFORE, _rows(BEFORE, 0.0))
+    faulty = inject(store, "t", method="flush", nth=1)
+    with pytest.raises(StorageIOError) as info:
+        store.flush()
+    assert info.value.errno == errno.EIO
+    store.update("t", DURING, _rows(DURING, 1.0))
+    for _ in range(2):  # the medium works again, the handle still refuses
+        with pytest.raises(SyncFailedError, match="close the store and reopen it"):
+            store.flush()
+    assert faulty.calls == 1
+    with pytest.raises(SyncFailedError):  # close cannot vouch for those writes either
+        store.close()
+    assert store.closed
+    with embstore.open(tmp_path / "s") as store:
+        store.update("t", DURING, _rows(DURING, 1.0))
+        store.flush()  # a new handle flushes again
+    assert fsck.check(tmp_path / "s") == []
+
+
+FILL = r'''
+import sys, numpy as np, embstore
+from embstore.errors import EmbstoreError
+store = embstore.open(sys.argv[1], tables=[embstore.TableSpec("t", dim=256)],
+                      tiers=[embstore.TierSpec(sys.argv[2])])
+try:
+    for i in range(100000):
+        ids = np.arange(i * 256, (i + 1) * 256)
+        store.update("t", ids, np.ones((256, 256), np.float32))
+        store.flush()
+except EmbstoreError as exc:
+    print("ERROR", type(exc).__name__, exc)
+    sys.exit(3)
+print("never full")
+'''
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                              capture_output=True, text=True, timeout=30)
+    except OSError as exc:
+        pytest.skip(f"cannot run mount: {exc}")
+    if proc.returncode:
+        pytest.skip(f"cannot mount an 8 MiB tmpfs here (needs root): {proc.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=30)
+
+
+@pytest.mark.parametrize("backend", ["rocksdb", "lmdb", "pmem", "dram"])
+def test_a_really_full_file_system_gives_a_clear_error_and_no_sigbus(small_fs, backend):
+    proc = subprocess.run([sys.executable, "-c", FILL, str(small_fs / "s"), backend],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert "ERROR" in proc.stdout and ("space" in proc.stdout or "full" in proc.stdout), \
+        proc.stdout

@@ -1,0 +1,223 @@
+"""A row the medium lost is never served as a new one: the written-id record (embstore._written).
+
+The byte-flip test damages one random byte of a flushed store's files and reads every id back:
+each lookup must give the row last flushed, raise an embstore error, or (ids never written)
+the initial value. The default run flips 12 bytes per backend and kind of table; the slow one
+300. Each byte of the store's files is as likely to be hit as another.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore import _written, fsck, registry
+from embstore.backend import BackendSpec
+from embstore.errors import BackendUnavailableError, CorruptStoreError, EmbstoreError
+from embstore.layout import bottom_dir, written_file
+
+ROWS, DIM, NEVER = 3000, 16, 500
+
+
+def _persistent() -> list[str]:
+    names = []
+    for name in registry.backend_names():
+        try:
+            if registry.load_backend(name).supports_persistence:
+                names.append(name)
+        except BackendUnavailableError:
+            continue
+    return names
+
+
+PERSISTENT = _persistent()
+
+
+def _spec(bounded: bool) -> embstore.TableSpec:
+    return embstore.TableSpec("t", dim=DIM, num_embeddings=ROWS + NEVER if bounded else None,
+                              init=embstore.init.Uniform(-1, 1, seed=3))
+
+
+def _make(path: Path, backend: str, bounded: bool) -> np.ndarray:
+    rows = np.random.default_rng(0).standard_normal((ROWS, DIM)).astype(np.float32)
+    tiers = [embstore.TierSpec("dram", capacity=500), embstore.TierSpec(backend)]
+    with embstore.open(path, tables=[_spec(bounded)], tiers=tiers) as store:
+        store.update("t", np.arange(ROWS), rows)
+    return rows
+
+
+def _drop_from_medium(path: Path, backend: str, ids: np.ndarray) -> Path:
+    """Delete `ids` straight from the store of record, behind the store's back; its path."""
+    with embstore.open(path, read_only=True) as store:
+        spec, tiers = store.table_spec("t"), [embstore.TierSpec(t["backend"])
+                                              for t in store.describe()["tiers"]]
+    where = bottom_dir(path, spec, tiers)
+    medium = registry.load_backend(backend).open(
+        BackendSpec(path=where, dim=spec.row_width, dtype=spec.dtype, table="t"))
+    with medium:
+        medium.delete(ids)
+    return where
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["bitmap", "idlist"])
+@pytest.mark.parametrize("backend", PERSISTENT)
+def test_a_row_lost_by_the_medium_raises_naming_table_id_and_file(tmp_path, backend, bounded):
+    _make(tmp_path / "s", backend, bounded)
+    where = _drop_from_medium(tmp_path / "s", backend, np.array([1234]))
+    with embstore.open(tmp_path / "s") as store:
+        with pytest.raises(CorruptStoreError, match=r"table 't': id 1234 .*" + str(where)):
+            store.lookup("t", np.array([5, 1234, ROWS + 1]))
+        with pytest.raises(CorruptStoreError):
+            store.apply_gradients("t", np.array([1234]), np.ones((1, DIM), np.float32))
+        store.lookup("t", np.array([5, ROWS + 1]))  # the rest reads as before
+        assert store.lost_rows("t").tolist() == [1234]
+    findings = fsck.check(tmp_path / "s")
+    assert any("1234" in f.message for f in findings), findings
+
+
+@pytest.mark.parametrize("backend", PERSISTENT)
+def test_never_written_and_deleted_ids_read_their_initial_value(tmp_path, backend):
+    rows = _make(tmp_path / "s", backend, bounded=False)
+    init = _spec(False).init
+    with embstore.open(tmp_path / "s") as store:
+        store.delete("t", np.arange(0, 100))
+        store.update("t", np.array([50]), rows[:1])  # deleted, then written again
+        store.flush()
+    with embstore.open(tmp_path / "s") as store:
+        got = store.lookup("t", np.arange(0, 100))
+        fresh = np.arange(ROWS, ROWS + 10)
+        assert np.array_equal(store.lookup("t", fresh), init(fresh, DIM, np.dtype(np.float32)))
+        assert np.array_equal(got[50], rows[0])
+        keep = np.arange(100) != 50
+        assert np.array_equal(got[keep], init(np.arange(100)[keep], DIM, np.dtype(np.float32)))
+        assert len(store.lost_rows("t")) == 0
+    assert fsck.check(tmp_path / "s") == []
+
+
+def test_the_record_costs_one_bit_per_id_of_a_bounded_table_and_8_bytes_per_row_else(tmp_path):
+    _make(tmp_path / "b", "rocksdb", bounded=True)
+    _make(tmp_path / "u", "rocksdb", bounded=False)
+    bounded = written_file(tmp_path / "b", "t").stat().st_size
+    unbounded = written_file(tmp_path / "u", "t").stat().st_size
+    assert bounded == _written.BODY_OFFSET + (ROWS + NEVER + 7) // 8
+    assert unbounded == _written.BODY_OFFSET + 8 * ROWS
+
+
+@pytest.mark.parametrize("offset", [0, _written.CRC_OFFSET, 16, _written.BODY_OFFSET + 3, -1])
+def test_a_damaged_record_is_reported_as_such(tmp_path, offset):
+    _make(tmp_path / "s", "lmdb", bounded=False)
+    file = written_file(tmp_path / "s", "t")
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0x10
+    file.write_bytes(bytes(data))
+    with pytest.raises(CorruptStoreError, match="written-id record .* is damaged"):
+        embstore.open(tmp_path / "s")
+    file.write_bytes(bytes(data[:10]))
+    with pytest.raises(CorruptStoreError, match="shorter than its 24-byte header"):
+        embstore.open(tmp_path / "s")
+
+
+def test_a_record_with_a_good_checksum_and_a_foreign_id_is_refused(tmp_path):
+    _make(tmp_path / "s", "lmdb", bounded=True)
+    file = written_file(tmp_path / "s", "t")
+    rest = struct.pack("<Q", 7) + b"\x00"
+    file.write_bytes(struct.pack("<8sII", _written.MAGIC, _written.BITMAP, zlib.crc32(rest))
+                     + rest)
+    with pytest.raises(CorruptStoreError, match="a bitmap of 7 bits"):
+        embstore.open(tmp_path / "s")
+
+
+@pytest.mark.parametrize("backend", PERSISTENT)
+def test_a_missing_record_is_damage_and_can_be_rebuilt_from_the_rows(tmp_path, backend):
+    # the data file and the record both removed must not read as an empty, new table
+    _make(tmp_path / "s", backend, bounded=False)
+    written_file(tmp_path / "s", "t").unlink()
+    with pytest.raises(CorruptStoreError, match="written-id record .* is missing"):
+        embstore.open(tmp_path / "s")
+    assert embstore.rebuild_written_records(tmp_path / "s") == ["t"]
+    with embstore.open(tmp_path / "s") as store:
+        assert len(store.lost_rows("t")) == 0
+    assert written_file(tmp_path / "s", "t").stat().st_size == _written.BODY_OFFSET + 8 * ROWS
+    written_file(tmp_path / "s", "t").unlink()  # still required after the rebuild
+    with pytest.raises(CorruptStoreError):
+        embstore.open(tmp_path / "s")
+
+
+def test_checkpoints_and_restores_carry_exact_records(tmp_path):
+    rows = _make(tmp_path / "s", "lmdb", bounded=True)
+    with embstore.open(tmp_path / "s") as store:
+        store.checkpoint(tmp_path / "c0", step=0)
+        store.delete("t", np.arange(10))
+        store.update("t", np.array([ROWS + 5]), rows[:1])
+        store.checkpoint(tmp_path / "c1", step=1, incremental=True)
+    embstore.restore(tmp_path / "c1", tmp_path / "r")
+    for path in (tmp_path / "c0", tmp_path / "r"):
+        assert fsck.check(path) == []
+        with embstore.open(path) as store:
+            assert len(store.lost_rows("t")) == 0
+    with embstore.open(tmp_path / "r") as store:
+        assert np.array_equal(store.lookup("t", np.array([ROWS + 5])), rows[:1])
+
+
+def _flip_trials(tmp_path: Path, backend: str, bounded: bool, trials: int) -> dict[str, int]:
+    base = tmp_path / "base"
+    rows = _make(base, backend, bounded)
+    init = _spec(bounded).init(np.arange(ROWS, ROWS + NEVER), DIM, np.dtype(np.float32))
+    files = sorted(p for p in base.rglob("*") if p.is_file() and p.stat().st_size
+                   and p.name not in ("LOCK", "lock.mdb"))
+    sizes = [p.stat().st_size for p in files]  # every byte of the store as likely as another
+    rng = random.Random(f"{backend}-{bounded}")
+    tally = {"trials": 0, "detected": 0, "served_wrong": 0, "lookups": 0}
+    for trial in range(trials):
+        copy = tmp_path / f"t{trial}"
+        shutil.copytree(base, copy)
+        victim = copy / rng.choices(files, weights=sizes)[0].relative_to(base)
+        data = bytearray(victim.read_bytes())
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        victim.write_bytes(bytes(data))
+        tally["trials"] += 1
+        errors = 0
+        try:
+            with embstore.open(copy) as store:
+                for lo in range(0, ROWS + NEVER, 500):
+                    ids = np.arange(lo, lo + 500)
+                    tally["lookups"] += 1
+                    try:
+                        got = store.lookup("t", ids)
+                    except EmbstoreError:
+                        errors += 1
+                        continue
+                    want = np.concatenate([rows, init])[lo:lo + 500]
+                    tally["served_wrong"] += int((~(got == want).all(axis=1)).sum())
+        except EmbstoreError:
+            errors += 1
+        tally["detected"] += errors > 0
+        shutil.rmtree(copy)
+    return tally
+
+
+def _check_flips(tmp_path: Path, backend: str, bounded: bool, trials: int) -> None:
+    tally = _flip_trials(tmp_path, backend, bounded, trials)
+    print(f"byte flips {backend} {'bitmap' if bounded else 'idlist'}: {tally}")
+    assert tally["served_wrong"] == 0, tally
+    assert tally["trials"] == trials
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["bitmap", "idlist"])
+@pytest.mark.parametrize("backend", PERSISTENT)
+def test_byte_flips_never_serve_a_lost_or_damaged_row(tmp_path, backend, bounded):
+    _check_flips(tmp_path, backend, bounded, trials=12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bounded", [True, False], ids=["bitmap", "idlist"])
+@pytest.mark.parametrize("backend", PERSISTENT)
+def test_byte_flips_never_serve_a_lost_or_damaged_row_300_trials(tmp_path, backend, bounded):
+    _check_flips(tmp_path, backend, bounded, trials=300)

@@ -1,0 +1,72 @@
+"""Opening after damage or an interrupted creation: the crash-point setting, leftovers of a
+creation cut short, and manifests that pass their checksum but describe no store.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore import _crash
+from embstore.errors import CorruptStoreError, StoreNotFoundError
+from embstore.manifest import write_manifest
+
+
+@pytest.mark.parametrize("value", ["nope:1", "flush.before_sync:0", "flush.before_sync",
+                                   "flush.before_sync:x"])
+def test_a_bad_crash_point_setting_is_refused(monkeypatch, value):
+    monkeypatch.setenv(_crash.ENV, value)
+    with pytest.raises(ValueError, match="expected <point>:<n>"):
+        _crash._target()
+
+
+def test_a_crash_point_setting_names_a_point_and_a_hit(monkeypatch):
+    monkeypatch.setenv(_crash.ENV, "checkpoint.page:3")
+    assert _crash._target() == ("checkpoint.page", 3)
+    monkeypatch.delenv(_crash.ENV)
+    assert _crash._target() is None
+    _crash.point("checkpoint.page")  # unset in this process: nothing happens
+
+
+def test_the_leftovers_of_an_interrupted_creation_are_replaced(tmp_path):
+    path = tmp_path / "s"
+    for d in ("tier0-lmdb", "written", "cache"):
+        (path / d).mkdir(parents=True)
+    (path / "tier0-lmdb" / "data.mdb").write_bytes(b"half")
+    (path / "MANIFEST.json.tmp").write_text("{")
+    spec = embstore.TableSpec("t", dim=2)
+    with embstore.open(path, tables=[spec], tiers=[embstore.TierSpec("lmdb")]) as store:
+        store.update("t", [1], np.ones((1, 2), np.float32))
+    with embstore.open(path) as store:
+        assert store.lookup("t", [1]).tolist() == [[1.0, 1.0]]
+
+
+def test_a_directory_with_foreign_files_is_not_taken_over(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "notes.txt").write_text("mine")
+    with pytest.raises(StoreNotFoundError, match="not an embstore store"):
+        embstore.open(tmp_path / "s", tables=[embstore.TableSpec("t", dim=2)])
+    assert (tmp_path / "s" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("body", [{"tiers": [{"backend": 5}], "tables": []},
+                                  {"tiers": [{"backend": "lmdb"}], "tables": [{"dim": 2}]},
+                                  {"tiers": [], "tables": [{"name": "t", "dim": "x"}]}])
+def test_a_manifest_with_a_good_checksum_and_bad_fields_is_corrupt(tmp_path, body):
+    path = tmp_path / "s"
+    with embstore.open(path, tables=[embstore.TableSpec("t", dim=2)]):
+        pass
+    write_manifest(path, body)
+    with pytest.raises(CorruptStoreError, match="does not describe a store"):
+        embstore.open(path)
+
+
+def test_a_damaged_manifest_is_reported_as_failing_its_checksum(tmp_path):
+    path = tmp_path / "s"
+    with embstore.open(path, tables=[embstore.TableSpec("t", dim=2)]):
+        pass
+    text = (path / "MANIFEST.json").read_text()
+    (path / "MANIFEST.json").write_text(text.replace('"dim": 2', '"dim": 3'))
+    with pytest.raises(CorruptStoreError, match="fails its checksum"):
+        embstore.open(path)

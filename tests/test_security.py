@@ -1,0 +1,98 @@
+"""Files a store writes are private, nothing is unpickled, and links are never followed.
+
+Every file of a store, its checkpoints and restores is 0600 and every directory 0700 (the
+store's parent excepted); a symbolic link planted where the manifest points (a tier
+directory, a table's file, the written-id record, the manifest itself) is refused with
+CorruptStoreError and the file it points to is left untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore.errors import CorruptStoreError
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ["rocksdb", "lmdb", "pmem", "dram"]
+
+
+def _store(path: Path, backend: str) -> None:
+    tiers = [embstore.TierSpec("dram", capacity=10), embstore.TierSpec(backend)]
+    with embstore.open(path, tables=[embstore.TableSpec("t", dim=4)], tiers=tiers) as store:
+        store.update("t", np.arange(50), np.ones((50, 4), np.float32))
+        store.delete("t", np.arange(5))
+        store.flush()
+        store.checkpoint(path.parent / "ckpt", step=1)
+        store.update("t", np.arange(50, 60), np.ones((10, 4), np.float32))
+        store.checkpoint(path.parent / "inc", step=2, incremental=True)
+    embstore.restore(path.parent / "inc", path.parent / "restored")
+
+
+def test_no_pickle_anywhere_in_the_package():
+    pattern = re.compile(r"\bimport pickle\b|\bpickle\.|\bcPickle\b|allow_pickle\s*=\s*True|"
+                         r"torch\.load\((?!.*weights_only=True)|\bshelve\b|\bmarshal\.load")
+    hits = []
+    for folder in ("embstore", "backends", "policies", "tools"):
+        for file in (ROOT / folder).rglob("*.py"):
+            for n, line in enumerate(file.read_text().splitlines(), 1):
+                if pattern.search(line) and "never" not in line:
+                    hits.append(f"{file.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert hits == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_file_is_0600_and_every_directory_0700(tmp_path, backend):
+    os.umask(0o022)  # the usual umask: the modes must not come from it
+    _store(tmp_path / "s", backend)
+    loose = []
+    for top in ("s", "ckpt", "inc", "restored"):
+        for dirpath, dirnames, filenames in os.walk(tmp_path / top):
+            for name in [*dirnames, *filenames, ""]:
+                p = Path(dirpath, name)
+                mode = stat.S_IMODE(p.lstat().st_mode)
+                if mode & 0o077:
+                    loose.append(f"{p.relative_to(tmp_path)} {oct(mode)}")
+    assert sorted(set(loose)) == []
+
+
+def _plant(link: Path, target: Path) -> None:
+    if link.is_dir() or link.exists():
+        os.rename(link, target)
+    link.symlink_to(target)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_linked_tier_directory_is_refused(tmp_path, backend):
+    _store(tmp_path / "s", backend)
+    tier = next((tmp_path / "s").glob("tier1-*"))
+    _plant(tier, tmp_path / "elsewhere")
+    with pytest.raises(CorruptStoreError, match="symbolic link"):
+        embstore.open(tmp_path / "s")
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "pmem", "dram"])
+def test_a_linked_table_file_is_refused_and_its_target_untouched(tmp_path, backend):
+    _store(tmp_path / "s", backend)
+    tier = next((tmp_path / "s").glob("tier1-*"))
+    data = max((p for p in tier.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    target = tmp_path / "victim"
+    _plant(data, target)
+    before = target.read_bytes()
+    with pytest.raises(CorruptStoreError, match="symbolic link"):
+        embstore.open(tmp_path / "s")
+    assert target.read_bytes() == before
+
+
+@pytest.mark.parametrize("name", ["MANIFEST.json", "written/t.ids", "written"])
+def test_a_linked_manifest_or_record_is_refused(tmp_path, name):
+    _store(tmp_path / "s", "lmdb")
+    _plant(tmp_path / "s" / name, tmp_path / "victim")
+    with pytest.raises(CorruptStoreError, match="symbolic link|special file"):
+        embstore.open(tmp_path / "s")
