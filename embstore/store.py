@@ -8,9 +8,11 @@ as it was. Calls are serialised by a lock, so one store may be shared between th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _counters
 from ._build import build_chain
 from ._validate import as_ids, as_rows
 from .backend import Backend
@@ -70,6 +73,10 @@ class EmbeddingStore:
         self._changes: dict[str, IdIndex] | None = None
         self._copy: CopyState | None = None
         self._last_checkpoint: Path | None = None
+        # what earlier sessions counted (STATS.json), added to this one's at close
+        self._history = _counters.load(path) if path is not None else {}
+        self._last_flush: float | None = self._history.get("last_flush")
+        self._checkpoint_info: dict[str, Any] | None = self._history.get("last_checkpoint")
         try:
             for spec in specs:
                 self._tables[spec.name] = _Table(spec, self._build_chain(spec))
@@ -372,8 +379,11 @@ class EmbeddingStore:
             StoreExistsError: `dest` exists.
             ConfigError: incremental without an earlier checkpoint from this handle.
         """
-        return take_checkpoint(self, Path(dest), step=step, incremental=incremental,
-                               progress=progress)
+        out = take_checkpoint(self, Path(dest), step=step, incremental=incremental,
+                              progress=progress)
+        self._checkpoint_info = {"path": str(out), "step": step, "time": time.time(),
+                                 "incremental": incremental}
+        return out
 
     # --- the checkpoint interface (embstore.checkpoint.CheckpointSource) --------------------
 
@@ -473,6 +483,7 @@ class EmbeddingStore:
                 return
             for t in self._tables.values():
                 t.chain.flush()
+            self._last_flush = time.time()
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Counters per table: {"updates_dropped": int, "tiers": [TierStatistics, top first]}.
@@ -503,6 +514,8 @@ class EmbeddingStore:
                 tiers = []
                 for tier in t.chain.tiers:
                     entry = dataclasses.asdict(tier.statistics())
+                    entry["cumulative"] = _counters.cumulative(
+                        self._history, name, tier.level, tier.spec.backend, entry)
                     entry["eviction"] = tier.spec.eviction
                     entry["admission"] = tier.spec.admission
                     entry["medium"] = tier.backend.statistics()
@@ -511,7 +524,9 @@ class EmbeddingStore:
                                 "bytes": sum(tt["bytes"] for tt in tiers),
                                 "updates_dropped": t.updates_dropped, "tiers": tiers}
             return {"path": None if self._path is None else str(self._path),
-                    "read_only": self._read_only,
+                    "read_only": self._read_only, "last_flush": self._last_flush,
+                    "last_checkpoint": self._checkpoint_info,
+                    "last_close": self._history.get("closed_at"),
                     "tiers": [ts.to_json() for ts in self._default_tiers], "tables": tables}
 
     def tier_statistics(self, table: str) -> list[TierStatistics]:
@@ -524,16 +539,33 @@ class EmbeddingStore:
         with self._mutex:
             if self._closed:
                 return
+            record = None
             try:
                 if not self._read_only:
                     for t in self._tables.values():
                         t.chain.flush()
+                    self._last_flush = time.time()
+                    record = self._history_record()
             finally:
                 self._closed = True
                 try:
                     self._close_tables()
+                    if record is not None and self._path is not None:
+                        # after the tiers closed: their files are final for the fingerprints
+                        with contextlib.suppress(OSError):  # counters are not worth a failure
+                            _counters.save(self._path, [t.spec for t in self._tables.values()],
+                                           self._default_tiers, record, self._history,
+                                           self._last_flush, self._checkpoint_info)
                 finally:
                     self._release_lock()
+
+    def _history_record(self) -> dict[str, dict[str, Any]] | None:
+        """This session's figures per table for `_counters.save`; None for a memory store."""
+        if self._path is None:
+            return None
+        return {name: {"rows": len(t.chain), "updates_dropped": t.updates_dropped,
+                       "tiers": [dataclasses.asdict(s) for s in t.chain.statistics()]}
+                for name, t in self._tables.items()}
 
     def _close_tables(self) -> None:
         first: BaseException | None = None
