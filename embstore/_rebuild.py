@@ -41,11 +41,18 @@ RowSource = Callable[[TableSpec], tuple[int, Iterator[tuple[np.ndarray, np.ndarr
 """For a table: (its row count, pages of (ids int64[N], full rows [N, row_width]))."""
 
 
+# a one-pass scan gains nothing from caching blocks or rows: small caches keep its memory
+# bounded (RocksDB's defaults would grow to 192 MiB of cache)
+_SCAN_OPTIONS: dict[str, dict[str, Any]] = {
+    "rocksdb": {"block_cache_bytes": 8 << 20, "row_cache_bytes": 0}}
+
+
 def open_bottom(root: Path, spec: TableSpec, default_tiers: Sequence[TierSpec], *,
-                read_only: bool, rows_hint: int | None = None) -> Backend:
+                read_only: bool, rows_hint: int | None = None, scan: bool = False) -> Backend:
     """The store of record of table `spec` in the store at `root`.
 
-    `rows_hint` sizes a medium that preallocates (pmem) for that many rows.
+    `rows_hint` sizes a medium that preallocates (pmem) for that many rows; `scan` opens it
+    for one pass over every row (small caches).
     """
     ts = table_chain(spec, default_tiers)[-1]
     cls: type[Backend] = registry.load_backend(ts.backend)
@@ -56,7 +63,8 @@ def open_bottom(root: Path, spec: TableSpec, default_tiers: Sequence[TierSpec], 
             spec.row_width * spec.dtype.itemsize))
     return cls.open(BackendSpec(path=bottom_dir(root, spec, default_tiers), dim=spec.row_width,
                                 dtype=spec.dtype, table=spec.name, read_only=read_only,
-                                capacity_bytes=capacity), **ts.options)
+                                capacity_bytes=capacity),
+                    **{**ts.options, **(_SCAN_OPTIONS.get(ts.backend, {}) if scan else {})})
 
 
 def read_store(root: Path) -> tuple[dict[str, Any], list[TableSpec], tuple[TierSpec, ...]]:
@@ -74,10 +82,18 @@ def read_store(root: Path) -> tuple[dict[str, Any], list[TableSpec], tuple[TierS
             tuple(TierSpec.from_json(t) for t in doc["tiers"]))
 
 
-def store_rows(root: Path, default_tiers: Sequence[TierSpec]) -> RowSource:
-    """A row source reading each table's store of record at `root` (read-only)."""
+def store_rows(root: Path, default_tiers: Sequence[TierSpec],
+               specs: Sequence[TableSpec]) -> RowSource:
+    """A row source reading each table's store of record at `root` (read-only).
+
+    `specs` are the tables as the store at `root` has them; the source is asked by name, so
+    the new store may give a table another chain.
+    """
+    by_name = {s.name: s for s in specs}
+
     def source(spec: TableSpec) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
-        backend = open_bottom(root, spec, default_tiers, read_only=True)
+        backend = open_bottom(root, by_name[spec.name], default_tiers, read_only=True,
+                              scan=True)
         try:
             count = len(backend)
         except BaseException:
@@ -229,7 +245,7 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
         tmp.mkdir()
         try:
             counts = write_store(tmp, default_tiers or old_tiers, specs or old_specs,
-                                 source or store_rows(root, old_tiers), extras=doc,
+                                 source or store_rows(root, old_tiers, old_specs), extras=doc,
                                  history=_counters.load(root), progress=progress)
             fsync_dir(root.parent)
             old = swap_in(root, tmp)

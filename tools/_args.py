@@ -18,7 +18,8 @@ from typing import Any, NoReturn
 from embstore.errors import ConfigError
 from embstore.spec import parse_bytes
 
-__all__ = ["Amount", "Parser", "add_output_flags", "amount", "positive_int", "progress"]
+__all__ = ["Amount", "Parser", "add_output_flags", "amount", "positive_int", "progress",
+           "tier_chain"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -147,3 +148,40 @@ def progress(args: argparse.Namespace, total: int | None, unit: str = "rows",
     finally:
         if bar is not None:
             bar.close()
+
+
+def tier_chain(text: str) -> tuple[Any, ...]:
+    """Read a tier chain, top first: `dram:512MiB:lru,rocksdb` (backend[:capacity[:eviction]]).
+
+    A capacity is a row count (4096) or a size (512MiB).
+
+    Raises:
+        argparse.ArgumentTypeError: not such a chain, or an invalid tier.
+    """
+    from embstore.spec import TierSpec
+
+    tiers = []
+    try:
+        for part in text.split(","):
+            backend, *rest = part.strip().split(":")
+            if not backend or len(rest) > 2:
+                raise ConfigError(f"tier {part!r} is not backend[:capacity[:eviction]]")
+            cap: int | str | None = None
+            if rest and rest[0]:
+                cap = int(rest[0]) if rest[0].isdigit() else rest[0]
+                if isinstance(cap, str):
+                    parse_bytes(cap)
+            eviction = rest[1] if len(rest) > 1 and rest[1] else None
+            tiers.append(TierSpec(backend, capacity=cap, eviction=eviction))
+    except (ConfigError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as tiers ({exc}); write e.g. dram:512MiB:lru,rocksdb"
+        ) from None
+    from embstore import registry
+
+    known = set(registry.backend_names())
+    for t in tiers:
+        if t.backend not in known:
+            raise argparse.ArgumentTypeError(
+                f"unknown backend {t.backend!r}; choose from {sorted(known)}")
+    return tuple(tiers)

@@ -1,0 +1,190 @@
+"""Operating a store from the command line: export and import, migrate, compact.
+
+Every round trip must give bit-identical tables (weights and optimizer state), every rewrite a
+store that fsck finds clean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore import TableSpec, TierSpec, fsck, optim
+from embstore.tools.cli import main
+from embstore.tools.compact import store_bytes
+
+PERSISTENT = ["rocksdb", "lmdb", "pmem"]
+
+
+def _fill(path, bottom, *, n_steps=10, own_chain=None):
+    tables = [TableSpec("t", dim=4, optimizer=optim.Adam(lr=0.1)),
+              TableSpec("u", dim=3, dtype=np.float64, tiers=own_chain)]
+    tiers = [TierSpec("dram", capacity=16), TierSpec(bottom)]
+    rng = np.random.default_rng(3)
+    with embstore.open(path, tables=tables, tiers=tiers) as store:
+        for _ in range(n_steps):
+            ids = rng.integers(0, 2000, 64)
+            store.apply_gradients("t", ids, rng.standard_normal((64, 4)).astype(np.float32))
+        store.update("u", np.arange(-5, 40), rng.standard_normal((45, 3)))
+        store.delete("t", ids[:5])
+    return path
+
+
+def _contents(path):
+    """Every table as (sorted ids, their full rows as bytes)."""
+    out = {}
+    with embstore.open(path, read_only=True) as store:
+        for name in store.tables:
+            parts = list(store.items(name))
+            ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+            rows = (np.concatenate([np.concatenate([p[1], p[2]], axis=1) for p in parts])
+                    if parts else np.zeros((0, 1)))
+            order = np.argsort(ids)
+            out[name] = (ids[order].tolist(), rows[order].tobytes())
+    return out
+
+
+@pytest.mark.parametrize("bottom", PERSISTENT)
+def test_export_then_import_into_another_layout_is_bit_identical(tmp_path, bottom, capsys):
+    src = _fill(tmp_path / "s", bottom)
+    before = _contents(src)
+    assert main(["export", str(src), str(tmp_path / "x"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"]["u"] == 45
+    header = json.loads((tmp_path / "x" / "header.json").read_text())
+    assert header["format"] == "embstore-export" and header["byte_order"] == "little"
+    other = {"rocksdb": "pmem", "lmdb": "rocksdb", "pmem": "lmdb"}[bottom]
+    assert main(["import", str(tmp_path / "x"), str(tmp_path / "s2"), "--tiers",
+                 f"dram:1KiB:lru,{other}"]) == 0
+    assert _contents(tmp_path / "s2") == before
+    assert fsck.check(tmp_path / "s2") == []
+    with embstore.open(tmp_path / "s2", read_only=True) as store:
+        assert store.describe()["tiers"][-1]["backend"] == other
+    # and back into the exported layout
+    assert main(["import", str(tmp_path / "x"), str(tmp_path / "s3")]) == 0
+    assert _contents(tmp_path / "s3") == before
+
+
+def test_an_export_is_readable_with_numpy_alone(tmp_path):
+    src = _fill(tmp_path / "s", "lmdb")
+    assert main(["export", str(src), str(tmp_path / "x"), "-q"]) == 0
+    header = json.loads((tmp_path / "x" / "header.json").read_text())
+    (u,) = [t for t in header["tables"] if t["spec"]["name"] == "u"]
+    ids = np.fromfile(tmp_path / "x" / u["ids_file"], dtype="<i8")
+    rows = np.fromfile(tmp_path / "x" / u["rows_file"], dtype=u["dtype"]).reshape(-1, 3)
+    with embstore.open(src, read_only=True) as store:
+        assert (store.lookup("u", ids) == rows).all()
+
+
+def test_a_damaged_export_is_refused_and_leaves_no_store(tmp_path, capsys):
+    src = _fill(tmp_path / "s", "pmem")
+    assert main(["export", str(src), str(tmp_path / "x")]) == 0
+    rows_file = tmp_path / "x" / "0.rows"
+    raw = bytearray(rows_file.read_bytes())
+    raw[17] ^= 4
+    rows_file.write_bytes(bytes(raw))
+    assert main(["import", str(tmp_path / "x"), str(tmp_path / "s2")]) == 2
+    assert "CRC" in capsys.readouterr().err
+    assert not (tmp_path / "s2").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".s2")]
+
+
+@pytest.mark.parametrize("bottom", PERSISTENT)
+def test_migrate_moves_a_store_and_one_table_to_other_layouts_bit_for_bit(tmp_path, bottom):
+    path = _fill(tmp_path / "s", bottom)
+    before = _contents(path)
+    other = {"rocksdb": "pmem", "lmdb": "rocksdb", "pmem": "lmdb"}[bottom]
+    assert main(["migrate", str(path), "--tiers", f"dram:64:lru,{other}"]) == 0
+    assert _contents(path) == before and fsck.check(path) == []
+    assert main(["migrate", str(path), "--tiers", "dram:8,lmdb", "--table", "u"]) == 0
+    assert _contents(path) == before and fsck.check(path) == []
+    with embstore.open(path) as store:  # and it works as a store
+        d = store.describe()
+        assert [t["backend"] for t in d["tables"]["u"]["tiers"]] == ["dram", "lmdb"]
+        assert [t["backend"] for t in d["tables"]["t"]["tiers"]] == ["dram", other]
+        store.update("u", np.array([1000]), np.ones((1, 3)))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".s.")]
+
+
+@pytest.mark.parametrize("bottom", PERSISTENT)
+def test_compact_after_deleting_half_the_rows_gives_back_at_least_40_percent(tmp_path, bottom,
+                                                                           capsys):
+    path = tmp_path / "s"
+    n = 40_000
+    with embstore.open(path, tables=[TableSpec("t", dim=16)], tiers=[TierSpec(bottom)]) as s:
+        for i in range(0, n, 10_000):
+            s.update("t", np.arange(i, i + 10_000),
+                     np.random.default_rng(i).random((10_000, 16), np.float32))
+    with embstore.open(path) as s:
+        s.delete("t", np.arange(0, n, 2))
+    before = _contents(path)
+    assert main(["compact", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bytes_before"] == pytest.approx(report["bytes_before"])
+    assert report["bytes_after"] <= 0.6 * report["bytes_before"], report
+    assert report["bytes_after"] == store_bytes(path)
+    assert _contents(path) == before and fsck.check(path) == []
+
+
+_KILL_AT = """
+import os, signal, sys
+import embstore._rebuild as rb
+point = sys.argv[2]
+real = {"write": rb.write_store, "swap": rb.swap_in}
+def killer(name):
+    def wrapped(*a, **k):
+        if name == "swap":
+            real[name](*a, **k)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return wrapped
+if point == "write":
+    rb.write_store = killer("write")
+elif point == "swap":
+    rb.swap_in = killer("swap")
+from embstore.tools.cli import main
+main(["compact", sys.argv[1]])
+"""
+
+
+@pytest.mark.parametrize("point", ["write", "swap"])
+def test_sigkill_during_compact_leaves_the_old_or_the_new_store_complete(tmp_path, point):
+    path = _fill(tmp_path / "s", "pmem")
+    before = _contents(path)
+    proc = subprocess.run([sys.executable, "-c", _KILL_AT, str(path), point])
+    assert proc.returncode == -9
+    assert _contents(path) == before and fsck.check(path) == []
+    assert main(["compact", str(path)]) == 0  # and the next run clears what was left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".s.")]
+    assert _contents(path) == before
+
+
+@pytest.mark.slow
+def test_export_and_import_peak_memory_stays_bounded_for_a_table_ten_times_the_cache(tmp_path):
+    path = tmp_path / "s"
+    n, dim = 400_000, 64  # 100 MiB of rows; the DRAM tier holds a tenth
+    tiers = [TierSpec("dram", capacity=n // 10), TierSpec("rocksdb")]
+    with embstore.open(path, tables=[TableSpec("t", dim=dim)], tiers=tiers) as s:
+        for i in range(0, n, 50_000):
+            s.bulk_load("t", np.arange(i, i + 50_000), np.ones((50_000, dim), np.float32))
+    code = ("import resource, sys\nfrom embstore.tools.cli import main\n"
+            "import embstore._export, embstore.backends.rocksdb, embstore.backends.lmdb\n"
+            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "assert main(sys.argv[1:]) == 0\n"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)\n")
+    peaks = []
+    for argv in (["export", str(path), str(tmp_path / "x")],
+                 ["import", str(tmp_path / "x"), str(tmp_path / "s2"), "--tiers",
+                  "dram:10000,lmdb"]):
+        out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
+                             text=True, check=True).stdout
+        peaks.append(int(out.split()[-1]))
+    table_bytes = n * dim * 4
+    print(f"peak RSS growth: export {peaks[0] >> 20} MiB, import {peaks[1] >> 20} MiB for a "
+          f"{table_bytes >> 20} MiB table")
+    assert max(peaks) < table_bytes / 3, peaks
+    assert os.path.getsize(tmp_path / "x" / "0.rows") == table_bytes
