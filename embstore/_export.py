@@ -77,6 +77,7 @@ def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     root, dest = Path(src), Path(out)
     if not root.is_dir():
         raise StoreNotFoundError(f"{root} is not a store directory")
+    read_store(root)  # no store, no LOCK file left in someone else's directory
     fd = lock(root, read_only=True)
     try:
         doc, specs, tiers = read_store(root)

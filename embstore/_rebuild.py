@@ -122,6 +122,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
         history: counters to carry over (`_counters`).
         progress: called as progress(table, rows) after each page.
     """
+    _check_chains(specs, default_tiers)
     counts: dict[str, int] = {}
     for spec in specs:
         total, pages = source(spec)
@@ -156,6 +157,20 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
                    old.get("last_checkpoint"))
     _sync_tree(dest)
     return counts
+
+
+def _check_chains(specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec]) -> None:
+    """Raise what opening the new store would raise for its chains, before writing anything."""
+    from ._build import make_policy
+    from .policy import AdmissionPolicy, EvictionPolicy
+
+    for spec in specs:
+        for ts in table_chain(spec, default_tiers):
+            registry.load_backend(ts.backend)
+            ts.capacity_rows(spec.row_width * spec.dtype.itemsize)
+            make_policy(ts.eviction, ts.eviction_options, EvictionPolicy)
+            if ts.admission not in (None, "always"):
+                make_policy(ts.admission, ts.admission_options, AdmissionPolicy)
 
 
 def _sync_tree(root: Path) -> None:
@@ -236,6 +251,7 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
     recover_swap(root)
     if not root.is_dir() or root.is_symlink():
         raise StoreNotFoundError(f"{root} is not a store directory")
+    read_manifest(root)  # no store, no LOCK file left in someone else's directory
     fd = lock(root, read_only=False) if lock_fd is None else lock_fd
     try:
         doc, old_specs, old_tiers = read_store(root)

@@ -79,6 +79,8 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
     try:
         if not root.is_dir():
             raise FileNotFoundError(f"{root} is not a directory")
+        if not os.path.lexists(root / MANIFEST_NAME):
+            raise FileNotFoundError(f"{root} holds no embstore store (no {MANIFEST_NAME})")
         fd = lock(root, read_only=not repair)
     except (OSError, StoreLockedError) as exc:
         return [Finding(None, f"cannot open {root}: {exc}", fatal=True)]
