@@ -236,28 +236,15 @@ def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], Non
 
 def _native(backend: str, d: Path, specs: list[TableSpec], options: dict[str, Any],
             dump_dir: Path | None, clean: bool) -> tuple[list[Finding], dict[str, TableScan]]:
-    """Run `_fsck_native` in a child process; a crash or hang there is a finding."""
+    """Run `_fsck_native` on one tier in a child process; a crash or hang there is a finding."""
     request = {"backend": backend, "dir": str(d), "tables": [s.to_json() for s in specs],
                "options": options, "dump": None if dump_dir is None else str(dump_dir),
                "clean": clean}
-    try:
-        proc = subprocess.run([sys.executable, "-m", "embstore._fsck_native"],
-                              input=json.dumps(request), capture_output=True, text=True,
-                              timeout=CHILD_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        return [Finding(None, f"the {backend} reader hung for {CHILD_TIMEOUT_S} s on this tier "
-                        "(damaged structure?)", file=str(d))], {}
-    try:
-        answer = json.loads(proc.stdout) if proc.returncode == 0 else None
-    except ValueError:
-        answer = None
-    if answer is None:
-        how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
-               else f"failed ({' '.join(proc.stderr.split()[-30:])})")
-        return [Finding(None, f"the {backend} reader {how} reading this tier: its files are "
-                        "damaged", file=str(d))], {}
-    findings = [Finding(**f) if "ids" not in f else Finding(**{**f, "ids": tuple(f["ids"])})
-                for f in answer["findings"]]
+    answer = _run_child(request)
+    if isinstance(answer, str):
+        return [Finding(None, f"the {backend} reader {answer} reading this tier: its files "
+                        "are damaged", file=str(d))], {}
+    findings = [Finding(**{**f, "ids": tuple(f.get("ids", ()))}) for f in answer["findings"]]
     scans = {}
     for name, t in answer["tables"].items():
         s = TableScan(rows=t["rows"])
@@ -266,6 +253,25 @@ def _native(backend: str, d: Path, specs: list[TableSpec], options: dict[str, An
             s.drop(np.full(t["dropped_count"] - len(t["dropped"]), -1, dtype=np.int64))
         scans[name] = s
     return findings, scans
+
+
+def _run_child(request: dict[str, Any]) -> dict[str, Any] | str:
+    """The answer of `python -m embstore._fsck_native` to `request`, or how the child died."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "embstore._fsck_native"],
+                              input=json.dumps(request), capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return f"hung for {CHILD_TIMEOUT_S} s (damaged structure?)"
+    if proc.returncode == 0:
+        try:
+            answer: dict[str, Any] = json.loads(proc.stdout)
+            return answer
+        except ValueError:
+            pass
+    if proc.returncode < 0:
+        return f"was killed by signal {-proc.returncode}"
+    return f"failed ({' '.join(proc.stderr.split()[-30:])})"
 
 
 def _repair(root: Path, fd: int, findings: list[Finding], parsed: _Parsed,
