@@ -22,6 +22,7 @@ LMDB meta page (two of them: page 0 and page 1; 64-bit build), byte offsets in t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import struct
@@ -31,7 +32,8 @@ from typing import Any
 
 from .checksum import crc32c
 
-__all__ = ["LMDB_MAGIC", "LMDBMeta", "fingerprint", "lmdb_metas", "pmem_state", "read_at"]
+__all__ = ["LMDB_MAGIC", "LMDBMeta", "fingerprint", "lmdb_map_size_ok", "lmdb_metas",
+           "pmem_state", "read_at"]
 
 LMDB_MAGIC = 0xBEEFC0DE
 LMDB_VERSION = 1
@@ -91,8 +93,11 @@ def lmdb_metas(file: Path, file_size: int) -> list[LMDBMeta]:
                                              f"({len(raw)} of 152 bytes)",), psize, 0, 0, 0,
                                       0, 0, 0))
                 continue
-            pgno, _, flags = _PAGE_HEAD.unpack_from(raw, 0)
-            magic, version, _, map_size = _META_HEAD.unpack_from(raw, 16)
+            pgno, pad, flags = _PAGE_HEAD.unpack_from(raw, 0)
+            magic, version, address, map_size = _META_HEAD.unpack_from(raw, 16)
+            if pad or raw[12:16] != bytes(4) or address:
+                problems.append(f"meta page {page} has nonzero bytes where LMDB writes zeros "
+                                "(page pad and bounds, map address)")
             free = _DB.unpack_from(raw, 40)
             main = _DB.unpack_from(raw, 88)
             last_pg, txnid = _META_TAIL.unpack_from(raw, 136)
@@ -116,6 +121,13 @@ def lmdb_metas(file: Path, file_size: int) -> list[LMDBMeta]:
             if map_size < file_size or map_size % psize:
                 problems.append(f"meta page {page} has map size {map_size} for a file of "
                                 f"{file_size} bytes")
+            if free[1] != 0x08 or main[0] or main[1]:
+                problems.append(f"meta page {page}: database flags {free[1]:#x}/{main[1]:#x} "
+                                "(expected 0x8 for the free list, 0 for main) or pad "
+                                f"{main[0]}")
+            if txnid and txnid % 2 != page:
+                problems.append(f"meta page {page} holds transaction {txnid}, which belongs "
+                                f"to meta page {txnid % 2}")
             for name, db in (("free-list", free), ("main", main)):
                 root = db[7]
                 if root != 0xFFFFFFFFFFFFFFFF and not 2 <= root <= last_pg:
@@ -126,9 +138,29 @@ def lmdb_metas(file: Path, file_size: int) -> list[LMDBMeta]:
                                     f"pages than the file holds")
             metas.append(LMDBMeta(page, tuple(problems), psize, map_size, main[6], main[7],
                                   main[2], last_pg, txnid))
+        a, b = metas[0].txnid, metas[1].txnid
+        if a and b and abs(a - b) != 1:
+            older = metas[0] if a < b else metas[1]
+            metas[older.page] = dataclasses.replace(older, problems=older.problems + (
+                f"the meta pages hold transactions {a} and {b}, not two consecutive ones",))
         return metas
     finally:
         os.close(fd)
+
+
+def lmdb_map_size_ok(map_size: int, options: dict[str, Any]) -> bool:
+    """Whether an LMDB map size is one the lmdb backend sets with these tier options.
+
+    It opens the map at map_size_bytes and doubles it up to max_map_size_bytes.
+    """
+    first = int(options.get("map_size_bytes", 1 << 30))
+    top = int(options.get("max_map_size_bytes", 1 << 40))
+    size = first
+    while size < top:
+        if map_size == size:
+            return True
+        size *= 2
+    return map_size == top
 
 
 def pmem_state(file: Path) -> int | None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._fileinfo import lmdb_metas, read_at
+from ._fileinfo import lmdb_map_size_ok, lmdb_metas, read_at
 from ._fsck_common import MAX_DETAILED, Finding, RowDump, TableScan, check_rows, original_ids
 from .checksum import crc32c, row_checksums
 from .spec import TableSpec
@@ -145,6 +145,12 @@ def _scan_lmdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     for m in metas:
         for p in m.problems:
             findings.append(Finding(None, f"LMDB {p}", file=where, offset=m.page * m.page_size))
+        if m.txnid and not lmdb_map_size_ok(m.map_size, options):
+            findings.append(Finding(None, f"LMDB meta page {m.page} records a map size the "
+                                    "tier's options never set", file=where,
+                                    offset=m.page * m.page_size + 32,
+                                    expected="map_size_bytes doubled up to max_map_size_bytes",
+                                    found=str(m.map_size)))
     psize = metas[0].page_size
     if size % psize:
         findings.append(Finding(None, "the LMDB data file ends inside a page", file=where,

@@ -31,6 +31,7 @@ class Tally:
     detected: int = 0         # of those, flagged by fsck
     flagged_benign: int = 0   # flagged though nothing a reader sees changed (free space, padding)
     crashes: int = 0          # worker crashes (counted as detected / changed, see above)
+    crash_flips: list[tuple[str, int]] = field(default_factory=list)
     missed: list[tuple[str, int]] = field(default_factory=list)
 
     @property
@@ -64,6 +65,7 @@ def campaign(store: Path, flips: list[tuple[str, int]], *, timeout: float = 1200
         for f, data in pristine.items():
             (store / f).write_bytes(data)
         tally.crashes += 1
+        tally.crash_flips.append(todo[done])
         if state:
             _count(tally, todo[done], state["detected"], True)
         else:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import embstore
-from embstore import TableSpec, TierSpec
+from embstore import TableSpec, TierSpec, fsck
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _byteflip  # noqa: E402
@@ -41,6 +41,18 @@ def _report(name: str, tally: _byteflip.Tally) -> None:
           f"benign flips flagged, {tally.crashes} native crashes; missed {tally.missed[:10]}")
 
 
+def _real_fsck_survives(store: Path, flips: list[tuple[str, int]]) -> None:
+    """Flips that crashed a native reader: the real fsck (reader in a child) reports them."""
+    for f, off in flips:
+        raw = (store / f).read_bytes()
+        (store / f).write_bytes(raw[:off] + bytes([raw[off] ^ 0xFF]) + raw[off + 1:])
+        try:
+            findings = fsck.check(store)
+        finally:
+            (store / f).write_bytes(raw)
+        assert findings and fsck.exit_code(findings) == 4, (f, off)
+
+
 @pytest.mark.parametrize("bottom", PERSISTENT)
 def test_sampled_flips_of_a_small_store_are_all_detected(tmp_path, bottom):
     store = _make(tmp_path / "s", bottom, rows=20)
@@ -57,6 +69,7 @@ def test_every_byte_of_a_small_store(tmp_path, bottom):
     tally = _byteflip.campaign(store, _byteflip.every_byte(store), timeout=3600)
     _report(f"{bottom} every byte", tally)
     assert tally.missed == []
+    _real_fsck_survives(store, tally.crash_flips[:5])
 
 
 @pytest.mark.slow
@@ -67,3 +80,4 @@ def test_a_thousand_random_bytes_of_a_larger_store(tmp_path, bottom):
                                timeout=3600)
     _report(f"{bottom} 1000 random bytes", tally)
     assert tally.missed == []
+    _real_fsck_survives(store, tally.crash_flips[:5])
