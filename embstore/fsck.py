@@ -189,6 +189,7 @@ def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], Non
     recorded = history.get("fingerprints") or {}
     now = _counters.fingerprints(root, specs, tiers)
     dump = RowDump(dump_dir) if dump_dir is not None else None
+    known_backends = set(registry.backend_names())
     blocked = False  # a missing file: not repairable by rewriting what is there
     groups: dict[Path, list[TableSpec]] = {}
     for spec in specs:
@@ -235,6 +236,14 @@ def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], Non
                                                 "rows than the store recorded at its last "
                                                 "close", file=str(d),
                                                 expected=f"{want} rows", found=f"{seen} rows"))
+    cached = any(registry.load_backend(ts.backend).supports_persistence
+                 for spec in specs for ts in table_chain(spec, tiers)[:-1]
+                 if ts.backend in known_backends)
+    if cached and recorded and not findings and all(
+            recorded.get(k) == v for k, v in now.items()):
+        # a clean close wrote every dirty cached row back: cached copies equal the bottom's
+        found, _ = _native("cross-tier", root, specs, {}, None, True, tiers=tiers)
+        findings += found
     return findings, None if blocked else parsed, scans
 
 
@@ -253,11 +262,12 @@ def _lmdb_structure(file: Path) -> list[Finding]:
 
 
 def _native(backend: str, d: Path, specs: list[TableSpec], options: dict[str, Any],
-            dump_dir: Path | None, clean: bool) -> tuple[list[Finding], dict[str, TableScan]]:
+            dump_dir: Path | None, clean: bool, tiers: tuple[TierSpec, ...] = ()
+            ) -> tuple[list[Finding], dict[str, TableScan]]:
     """Run `_fsck_native` on one tier in a child process; a crash or hang there is a finding."""
     request = {"backend": backend, "dir": str(d), "tables": [s.to_json() for s in specs],
                "options": options, "dump": None if dump_dir is None else str(dump_dir),
-               "clean": clean}
+               "clean": clean, "tiers": [t.to_json() for t in tiers]}
     answer = _run_child(request)
     if isinstance(answer, str):
         return [Finding(None, f"the {backend} reader {answer} reading this tier: its files "

@@ -211,3 +211,23 @@ def test_a_manifest_pointing_outside_at_a_missing_file_or_at_a_symlink_is_refuse
         assert "symbolic link" in findings[0].message
     # repair never follows such a manifest: the problems stay
     assert fsck.exit_code(fsck.check(path, repair=True)) == 4
+
+
+def test_a_clean_cached_copy_that_disagrees_with_the_store_of_record_is_found(tmp_path):
+    path = tmp_path / "s"
+    tiers = [TierSpec("pmem", capacity=64), TierSpec("lmdb")]
+    with embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=tiers) as store:
+        store.update("t", np.arange(20), np.full((20, 4), 1.25, np.float32))
+        store.lookup("t", np.arange(20))
+    assert fsck.check(path) == []
+    # rewrite the cached copy of id 3 through the backend: valid checksums, other values
+    from embstore.backend import BackendSpec
+    from embstore.backends.pmem import PmemBackend
+    with PmemBackend.open(BackendSpec(path=path / "cache" / "tier0-pmem", dim=4,
+                                      table="t")) as cache:
+        assert cache.contains(np.array([3]))[0]
+        cache.put(np.array([3]), np.full((1, 4), 9.0, np.float32))
+    findings = fsck.check(path)
+    assert [f.id for f in findings] == [3] and "disagrees" in findings[0].message
+    assert fsck.exit_code(fsck.check(path, repair=True)) == 1
+    assert fsck.check(path) == []
