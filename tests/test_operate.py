@@ -134,7 +134,7 @@ def test_compact_after_deleting_half_the_rows_gives_back_at_least_40_percent(tmp
 _KILL_AT = """
 import os, signal, sys
 import embstore._rebuild as rb
-point = sys.argv[2]
+point, argv = sys.argv[2], sys.argv[3:]
 real = {"write": rb.write_store, "swap": rb.swap_in}
 def killer(name):
     def wrapped(*a, **k):
@@ -147,15 +147,17 @@ if point == "write":
 elif point == "swap":
     rb.swap_in = killer("swap")
 from embstore.tools.cli import main
-main(["compact", sys.argv[1]])
+main([argv[0], sys.argv[1], *argv[1:]])
 """
 
 
+@pytest.mark.parametrize("command", [["compact"], ["migrate", "--tiers", "dram:8,rocksdb"]])
 @pytest.mark.parametrize("point", ["write", "swap"])
-def test_sigkill_during_compact_leaves_the_old_or_the_new_store_complete(tmp_path, point):
+def test_sigkill_during_compact_or_migrate_leaves_the_old_or_the_new_store_complete(
+        tmp_path, point, command):
     path = _fill(tmp_path / "s", "pmem")
     before = _contents(path)
-    proc = subprocess.run([sys.executable, "-c", _KILL_AT, str(path), point])
+    proc = subprocess.run([sys.executable, "-c", _KILL_AT, str(path), point, *command])
     assert proc.returncode == -9
     assert _contents(path) == before and fsck.check(path) == []
     assert main(["compact", str(path)]) == 0  # and the next run clears what was left
@@ -188,3 +190,22 @@ def test_export_and_import_peak_memory_stays_bounded_for_a_table_ten_times_the_c
           f"{table_bytes >> 20} MiB table")
     assert max(peaks) < table_bytes / 3, peaks
     assert os.path.getsize(tmp_path / "x" / "0.rows") == table_bytes
+
+
+@pytest.mark.parametrize("bottom", PERSISTENT)
+def test_sigkill_at_random_moments_of_a_migrate_never_loses_the_store(tmp_path, bottom):
+    import signal
+    import time
+
+    path = _fill(tmp_path / "s", bottom, n_steps=40)
+    before = _contents(path)
+    rng = np.random.default_rng(7)
+    other = {"rocksdb": "lmdb", "lmdb": "pmem", "pmem": "rocksdb"}[bottom]
+    for delay in rng.uniform(0.3, 1.5, 4):
+        proc = subprocess.Popen([sys.executable, "-m", "embstore.tools.cli", "migrate",
+                                 str(path), "--tiers", f"dram:16,{other}"])
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert _contents(path) == before
+        assert fsck.check(path) == []
