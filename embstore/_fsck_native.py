@@ -300,8 +300,8 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
         for off, problem in check_log(log, allow_torn_tail=torn_ok):
             findings.append(Finding(None, f"RocksDB log {problem}; the rows it holds are "
                                     "lost to RocksDB's recovery", file=str(log), offset=off))
-    if findings:
-        return findings, scans
+    # even past a damaged log record: RocksDB's recovery reads the rows before it, which is
+    # what a repair can keep
     import inspect
 
     defaults = {p.name: p.default for p in

@@ -307,6 +307,11 @@ def _repair(root: Path, fd: int, findings: list[Finding], parsed: _Parsed,
             progress: Callable[[str], None] | None) -> list[Finding]:
     """Write the good rows into a new store, swap it in, keep the old one; check again."""
     specs, tiers = parsed
+    unread = [s.name for s in specs if s.name not in scans
+              and table_chain(s, tiers)[-1].backend != "dram"]
+    if unread:  # a rewrite would lose every row of these tables
+        return findings + [Finding(None, f"not repaired: the rows of table(s) {unread} could "
+                                   "not be read at all; restore them from a checkpoint")]
     dump = RowDump(dump_dir)
     backup = root.parent / f".{root.name}.fsck-backup-{time.strftime('%Y%m%dT%H%M%S')}"
     if progress:

@@ -231,3 +231,31 @@ def test_a_clean_cached_copy_that_disagrees_with_the_store_of_record_is_found(tm
     assert [f.id for f in findings] == [3] and "disagrees" in findings[0].message
     assert fsck.exit_code(fsck.check(path, repair=True)) == 1
     assert fsck.check(path) == []
+
+
+def test_repair_keeps_the_rows_before_a_damaged_rocksdb_log_record(tmp_path):
+    path = tmp_path / "s"
+    code = (f"import numpy as np, os, embstore\n"
+            f"s = embstore.open({str(path)!r}, tables=[embstore.TableSpec('t', dim=4)], "
+            f"tiers=[embstore.TierSpec('rocksdb')])\n"
+            f"for i in range(4):\n"
+            f"    s.update('t', np.arange(i * 25, i * 25 + 25), np.full((25, 4), 1.25 + i, "
+            f"np.float32))\n"
+            f"    s.flush()\nos._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    (log,) = [p for p in (path / "tier0-rocksdb").glob("*.log") if p.stat().st_size > 100]
+    _flip(log, log.read_bytes().find(np.full(4, 3.25, np.float32).tobytes()) + 1)
+    assert fsck.exit_code(fsck.check(path, repair=True)) == 1
+    assert fsck.check(path) == []
+    with embstore.open(path, read_only=True) as store:
+        assert store.num_rows("t") == 50  # the two batches before the damaged record
+        assert (store.lookup("t", np.arange(25, 50)) == 2.25).all()
+
+
+def test_repair_refuses_to_rewrite_a_table_it_could_not_read(tmp_path):
+    path = _store(tmp_path / "s", "rocksdb", n=20)
+    current = path / "tier1-rocksdb" / "CURRENT"
+    current.write_text("MANIFEST-999999\n")
+    findings = fsck.check(path, repair=True)
+    assert fsck.exit_code(findings) == 4 and not any(f.repaired for f in findings)
+    assert (path / "tier1-rocksdb" / "CURRENT").read_text() == "MANIFEST-999999\n"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from embstore import fsck
 from embstore.tools._args import add_output_flags, progress
@@ -49,7 +50,12 @@ def run(args: argparse.Namespace) -> int:
         def step(name: str) -> None:
             bar.describe(f"fsck {name}")
             bar.update(1)
-        findings = fsck.check(args.path, repair=args.repair, progress=step)
+        try:
+            findings = fsck.check(args.path, repair=args.repair, progress=step)
+        except Exception as exc:  # e2fsck's "could not run", never a traceback
+            print(f"embstore fsck: error: fsck could not run: {type(exc).__name__}: "
+                  f"{' '.join(str(exc).split())}", file=sys.stderr)
+            return 8
     code = fsck.exit_code(findings)
     if args.json:
         print(json.dumps({"path": args.path, "exit_code": code,
