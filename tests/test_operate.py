@@ -209,3 +209,45 @@ def test_sigkill_at_random_moments_of_a_migrate_never_loses_the_store(tmp_path, 
         proc.wait()
         assert _contents(path) == before
         assert fsck.check(path) == []
+
+
+def _stderr_on_a_terminal(argv):
+    """Run `embstore argv` with stderr on a pseudo-terminal; returns what it printed there."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    # a terminal of 80 columns: tqdm draws nothing on one of zero
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "embstore.tools.cli", *argv],
+                              stderr=slave, stdout=subprocess.PIPE, check=True, timeout=300)
+        os.close(slave)
+        slave = -1
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        del proc
+        return b"".join(chunks).decode(errors="replace")
+    finally:
+        if slave >= 0:
+            os.close(slave)
+        os.close(master)
+
+
+def test_progress_shows_on_a_terminal_only_and_not_with_quiet(tmp_path, capsys):
+    pytest.importorskip("tqdm")
+    path = _fill(tmp_path / "s", "lmdb")
+    assert "export" in _stderr_on_a_terminal(["export", str(path), str(tmp_path / "x")])
+    assert _stderr_on_a_terminal(["export", "--quiet", str(path), str(tmp_path / "y")]) == ""
+    assert "fsck" in _stderr_on_a_terminal(["fsck", str(path)])
+    assert main(["export", str(path), str(tmp_path / "z")]) == 0  # stderr is not a terminal
+    assert capsys.readouterr().err == ""
