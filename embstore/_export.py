@@ -13,7 +13,7 @@ The format (no pickle; readable with numpy alone, or any language)::
                       weights (dim values) then the optimizer state (w - dim values)
 
 CRC-32 (zlib's) of each file's bytes guards the copy. Rows stream page by page both ways
-(65,536 rows at a time), so memory stays bounded whatever a table's size. Export writes
+(about 4 MiB of rows at a time), so memory stays bounded whatever a table's size. Export writes
 `.OUT.tmp-<pid>` and renames it, import builds `.PATH.tmp-<pid>` and renames it: a crash
 leaves no half-written export or store behind.
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ._rebuild import BATCH_ROWS, read_store, store_rows, write_store
+from ._rebuild import page_rows, read_store, store_rows, write_store
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
 from .layout import lock
 from .manifest import fsync_dir, write_atomic
@@ -206,8 +206,9 @@ def _pages(root: Path, entry: dict[str, Any], spec: TableSpec
     crc_ids = crc_rows = 0
     with open(root / entry["ids_file"], "rb") as fi, open(root / entry["rows_file"],
                                                           "rb") as fr:
-        for start in range(0, n, BATCH_ROWS):
-            count = min(BATCH_ROWS, n - start)
+        step = page_rows(spec)
+        for start in range(0, n, step):
+            count = min(step, n - start)
             a = fi.read(count * 8)
             b = fr.read(count * width * dtype.itemsize)
             crc_ids, crc_rows = zlib.crc32(a, crc_ids), zlib.crc32(b, crc_rows)

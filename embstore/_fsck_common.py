@@ -142,7 +142,7 @@ class RowDump:
         with open(self.directory / f"{table}.rows", "ab") as fh:
             fh.write(np.ascontiguousarray(rows).tobytes())
 
-    def pages(self, spec: TableSpec, batch_rows: int = 65536
+    def pages(self, spec: TableSpec, batch_rows: int = 16384
               ) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
         """(row count, pages of (ids, rows)) of `spec`'s dumped rows, read back in chunks."""
         ids_file = self.directory / f"{spec.name}.ids"

@@ -33,10 +33,18 @@ from .layout import bottom_dir, lock, manifest_body, read_manifest, table_chain,
 from .manifest import fsync_dir
 from .spec import TableSpec, TierSpec
 
-__all__ = ["RowSource", "open_bottom", "read_store", "replace_store", "store_rows",
-           "write_store"]
+__all__ = ["RowSource", "open_bottom", "page_rows", "read_store", "replace_store",
+           "store_rows", "write_store"]
 
 BATCH_ROWS = 65536
+PAGE_BYTES = 4 << 20
+"""Bytes of rows per page when streaming a table: a page is copied a few times on its way
+(library values, checks, the new medium), so this bounds the memory of a copy."""
+
+
+def page_rows(spec: TableSpec) -> int:
+    """Rows per page of `spec` when streaming it (about PAGE_BYTES of rows)."""
+    return max(256, min(BATCH_ROWS, PAGE_BYTES // (spec.row_width * spec.dtype.itemsize)))
 RowSource = Callable[[TableSpec], tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]]
 """For a table: (its row count, pages of (ids int64[N], full rows [N, row_width]))."""
 
@@ -102,7 +110,7 @@ def store_rows(root: Path, default_tiers: Sequence[TierSpec],
 
         def pages() -> Iterator[tuple[np.ndarray, np.ndarray]]:
             with backend:
-                yield from backend.items(BATCH_ROWS)
+                yield from backend.items(page_rows(spec))
         return count, pages()
     return source
 
