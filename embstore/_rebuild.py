@@ -44,7 +44,8 @@ PAGE_BYTES = 4 << 20
 
 def page_rows(spec: TableSpec) -> int:
     """Rows per page of `spec` when streaming it (about PAGE_BYTES of rows)."""
-    return max(256, min(BATCH_ROWS, PAGE_BYTES // (spec.row_width * spec.dtype.itemsize)))
+    row_bytes = int(spec.row_width * spec.dtype.itemsize)
+    return max(256, min(BATCH_ROWS, PAGE_BYTES // row_bytes))
 RowSource = Callable[[TableSpec], tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]]
 """For a table: (its row count, pages of (ids int64[N], full rows [N, row_width]))."""
 
