@@ -75,3 +75,11 @@ def test_info_json_shows_the_counters_of_every_session_after_a_reopen(tmp_path, 
     assert main(["info", str(path)]) == 0
     out = capsys.readouterr().out
     assert "lookups 60" in out and "last checkpoint" in out and "(step 8)" in out
+
+
+def test_bench_json_prints_the_figures_as_one_document(capsys):
+    assert main(["bench", "lookup", "--quick", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["benchmark"] == "lookup" and doc["exit_code"] == 0
+    (table,) = doc["tables"]
+    assert table["rows"][0]["ratio"] == 1.0 and all(r["rows_per_s"] > 0 for r in table["rows"])
