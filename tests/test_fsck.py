@@ -75,19 +75,38 @@ def _flip(file, offset, mask=0x01):
         fh.write(bytes([b[0] ^ mask]))
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("bottom", ["dram", *PERSISTENT])
-def test_a_healthy_store_after_a_random_workload_is_clean(tmp_path, bottom):
-    tiers = [TierSpec("dram", capacity=10), TierSpec(bottom)]
-    rng = np.random.default_rng(0)
-    with embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=4, num_embeddings=500)],
-                       tiers=tiers) as store:
-        for _ in range(20):
-            ids = rng.integers(0, 500, 30)
-            store.apply_gradients("t", ids, rng.standard_normal((30, 4)).astype(np.float32))
-            store.delete("t", ids[:3])
-        assert fsck.check(store) == []
+def test_a_healthy_store_after_a_random_workload_is_clean(tmp_path, bottom, seed):
+    rng = np.random.default_rng(seed)
+    middle = [TierSpec("pmem", capacity=int(rng.integers(5, 50)))] if seed == 1 else []
+    tiers = [TierSpec("dram", capacity=int(rng.integers(1, 40))), *middle, TierSpec(bottom)]
+    tables = [TableSpec("t", dim=4, num_embeddings=500),
+              TableSpec("a", dim=3, optimizer=embstore.optim.Adam(lr=0.1))]
+    for session in range(2):  # a reopen between sessions
+        with embstore.open(tmp_path / "s", tables=tables, tiers=tiers) as store:
+            for _ in range(int(rng.integers(5, 30))):
+                table = str(rng.choice(["t", "a"]))
+                dim = 4 if table == "t" else 3
+                ids = rng.integers(0, 500, int(rng.integers(1, 60)))
+                op = rng.integers(0, 4)
+                if op == 0:
+                    store.update(table, ids, rng.standard_normal((len(ids), dim))
+                                 .astype(np.float32))
+                elif op == 1:
+                    store.delete(table, ids[: len(ids) // 2])
+                elif op == 2:
+                    store.lookup(table, ids)
+                else:
+                    store.apply_gradients(table, ids, rng.standard_normal((len(ids), dim))
+                                          .astype(np.float32))
+            if session == 1 and bottom != "dram":
+                store.checkpoint(tmp_path / "ckpt", step=3)
+            assert fsck.check(store) == []
     assert fsck.check(tmp_path / "s") == []
     assert main(["fsck", str(tmp_path / "s")]) == 0
+    if bottom != "dram":
+        assert fsck.check(tmp_path / "ckpt") == []
 
 
 @pytest.mark.parametrize("bottom", ["lmdb", "pmem"])
