@@ -8,6 +8,7 @@ setup(
         "embstore/_kernels/build.py:checksum_ffibuilder",
         "embstore/_kernels/build.py:policy_ffibuilder",
         "embstore/_kernels/build.py:bag_ffibuilder",
+        "embstore/_kernels/build.py:optim_ffibuilder",
         "embstore/_kernels/build_libpmem.py:ffibuilder",
         "embstore/_kernels/build_libpmem.py:records_ffibuilder",
     ]

@@ -33,7 +33,7 @@ import numpy as np
 from embstore._kernels._dram_index import ffi, lib
 from embstore.backend import BackendSpec, SlottedBackend
 from embstore.errors import ConfigError, CorruptStoreError
-from embstore.index import IdIndex, RowSlabs
+from embstore.index import BucketIdIndex, IdIndex, RowSlabs
 
 __all__ = ["DRAMBackend"]
 
@@ -65,9 +65,9 @@ class DRAMBackend(SlottedBackend):
         # a cache tier (one with a capacity) moves a batch of ids into and out of its index
         # every batch, and probes and removals slow down as clusters grow with the load:
         # it starts with room for four times its capacity (load <= 0.25 at capacity; removal
-        # ran 2.1x faster at load 0.33 than at 0.66), 48 bytes of index per cached row
+        # ran 2.1x faster at load 0.33 than at 0.66), about 51 bytes of index per cached row
         rows_hint = spec.capacity_bytes // spec.row_bytes if spec.capacity_bytes else 0
-        self._index = IdIndex(4 * rows_hint if rows_hint else 1024)
+        self._index: IdIndex = BucketIdIndex(4 * rows_hint if rows_hint else 1024)
         self._slabs = RowSlabs(spec.dim, spec.dtype, shift=chunk_rows_log2)
         self._dirty_since_flush = False
         self._file = (spec.path / f"{spec.table}.dram") if spec.path is not None else None
@@ -138,8 +138,8 @@ class DRAMBackend(SlottedBackend):
         out = np.empty((n, self.spec.dim), dtype=self.spec.dtype)
         found = np.empty(n, dtype=bool)
         if n:
-            keys, vals, mask = self._index.pointers()
-            lib.idx_gather(keys, vals, mask, self._slabs.pointer(), self._slabs.shift,
+            table, nb = self._index.buckets()
+            lib.bk_gather(table, nb, self._slabs.pointer(), self._slabs.shift,
                            self._slabs.row_bytes, ffi.cast("int64_t *", ids.ctypes.data), n,
                            ffi.cast("char *", out.ctypes.data),
                            ffi.cast("uint8_t *", found.ctypes.data),
@@ -160,9 +160,9 @@ class DRAMBackend(SlottedBackend):
         return rows, found, slots
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        self._put_with_slots(ids, rows)
+        self._put_slots(ids, rows)
 
-    def _put_with_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _put_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots, inserted = self._index.add(ids)
         self._slabs.ensure(self._index.high_water)
         self._slabs.scatter(slots, rows)
@@ -171,6 +171,29 @@ class DRAMBackend(SlottedBackend):
 
     def _rows_at(self, slots: np.ndarray) -> np.ndarray:
         return self._slabs.gather(slots)
+
+    def write_at(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Overwrite the rows at live `slots` (int32[N]) of `index`, in order; no hash probe.
+
+        A slot given twice keeps its last row. The in-place counterpart of `rows_at`: the ids
+        keep their slots.
+        """
+        self._check_writable()
+        rows = np.ascontiguousarray(rows)
+        if rows.dtype != self.spec.dtype or rows.shape != (len(slots), self.spec.dim):
+            raise ValueError(f"write_at needs rows of shape ({len(slots)}, {self.spec.dim}) "
+                             f"and dtype {self.spec.dtype}")
+        self._slabs.scatter(np.ascontiguousarray(slots, dtype=np.int32), rows)
+        self._dirty_since_flush = True
+
+    def slabs_for_writing(self) -> RowSlabs:
+        """Return the row storage addressed by `index`'s slots, to overwrite rows in place.
+
+        For kernels stepping optimizers at live slots: the snapshot is stale from now.
+        """
+        self._check_writable()
+        self._dirty_since_flush = True
+        return self._slabs
 
     def _delete(self, ids: np.ndarray) -> np.ndarray:
         found = self._index.remove(ids) >= 0
@@ -204,5 +227,5 @@ class DRAMBackend(SlottedBackend):
             self._dirty_since_flush = False
 
     def _close(self) -> None:
-        self._index = IdIndex(16)
+        self._index = BucketIdIndex(16)
         self._slabs = RowSlabs(self.spec.dim, self.spec.dtype)

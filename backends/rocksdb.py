@@ -131,6 +131,9 @@ class RocksDBBackend(KeyValueBackend):
 
     name: ClassVar[str] = "rocksdb"
     supports_persistence: ClassVar[bool] = True
+    # RocksDB serialises concurrent reads and writes itself (LMDB would too, but growing its
+    # map needs every transaction of the process closed, so it stays False there)
+    supports_concurrent_reads: ClassVar[bool] = True
 
     def __init__(self, spec: BackendSpec, *, block_cache_bytes: int = 128 << 20,
                  row_cache_bytes: int = 64 << 20, bloom_bits_per_key: int = 10,

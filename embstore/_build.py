@@ -40,7 +40,7 @@ def build_chain(spec: TableSpec, default_tiers: Sequence[TierSpec], root: Path |
         BackendUnavailableError, CorruptStoreError: from opening a backend.
     """
     tier_specs = table_chain(spec, default_tiers)
-    width, dtype = spec.row_width, spec.dtype
+    width, dtype = spec.storage_width, spec.storage_dtype
     row_bytes = width * dtype.itemsize
     tiers: list[Tier] = []
     try:

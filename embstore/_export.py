@@ -9,8 +9,9 @@ The format (no pickle; readable with numpy alone, or any language)::
                                    "dtype": "<f4", "ids_file": "0.ids", "rows_file": "0.rows",
                                    "ids_crc32": int, "rows_crc32": int}]}
         <i>.ids       n ids, int64 little-endian
-        <i>.rows      n rows of w values, the table's dtype little-endian, C order: the
-                      weights (dim values) then the optimizer state (w - dim values)
+        <i>.rows      n rows of w values of "dtype" little-endian, C order, as the store
+                      keeps them: the weights (dim values) then the optimizer state; a
+                      half-precision table's rows are its stored bytes (embstore._precision)
 
 CRC-32 (zlib's) of each file's bytes guards the copy. Rows stream page by page both ways
 (about 4 MiB of rows at a time), so memory stays bounded whatever a table's size. Export writes
@@ -109,7 +110,7 @@ def _export_table(tmp: Path, i: int, spec: TableSpec,
                   progress: Callable[[str, int], None] | None) -> dict[str, Any]:
     _, pages = source(spec)
     n, crc_ids, crc_rows = 0, 0, 0
-    dtype = _le(spec.dtype)
+    dtype = _le(spec.storage_dtype)
     with open(tmp / f"{i}.ids", "wb") as fi, open(tmp / f"{i}.rows", "wb") as fr:
         for ids, rows in pages:
             a = np.ascontiguousarray(ids, dtype="<i8").tobytes()
@@ -123,7 +124,7 @@ def _export_table(tmp: Path, i: int, spec: TableSpec,
         for fh in (fi, fr):
             fh.flush()
             os.fsync(fh.fileno())
-    return {"spec": spec.to_json(), "rows": n, "row_width": spec.row_width,
+    return {"spec": spec.to_json(), "rows": n, "row_width": spec.storage_width,
             "dtype": dtype.str, "ids_file": f"{i}.ids", "rows_file": f"{i}.rows",
             "ids_crc32": crc_ids, "rows_crc32": crc_rows}
 
@@ -145,7 +146,7 @@ def read_header(src: Path) -> dict[str, Any]:
             raise CorruptStoreError(f"{file} is not an embstore export of version {VERSION}")
         for t in doc["tables"]:
             spec = TableSpec.from_json(t["spec"])
-            for key, width in (("ids_file", 8), ("rows_file", spec.row_width
+            for key, width in (("ids_file", 8), ("rows_file", spec.storage_width
                                                  * np.dtype(t["dtype"]).itemsize)):
                 name = t[key]
                 path = src / name
@@ -200,9 +201,9 @@ def _pages(root: Path, entry: dict[str, Any], spec: TableSpec
            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     n, width = entry["rows"], entry["row_width"]
     dtype = np.dtype(entry["dtype"])
-    if width != spec.row_width:
+    if width != spec.storage_width:
         raise CorruptStoreError(f"export table {spec.name!r}: rows of {width} values, the "
-                                f"spec needs {spec.row_width}")
+                                f"spec needs {spec.storage_width}")
     crc_ids = crc_rows = 0
     with open(root / entry["ids_file"], "rb") as fi, open(root / entry["rows_file"],
                                                           "rb") as fr:
@@ -213,7 +214,7 @@ def _pages(root: Path, entry: dict[str, Any], spec: TableSpec
             b = fr.read(count * width * dtype.itemsize)
             crc_ids, crc_rows = zlib.crc32(a, crc_ids), zlib.crc32(b, crc_rows)
             ids = np.frombuffer(a, dtype="<i8").astype(np.int64)
-            rows = np.frombuffer(b, dtype=dtype).reshape(count, width).astype(spec.dtype)
+            rows = np.frombuffer(b, dtype=dtype).reshape(count, width).astype(spec.storage_dtype)
             yield ids, rows
     if (crc_ids, crc_rows) != (entry["ids_crc32"], entry["rows_crc32"]):
         raise CorruptStoreError(f"export table {spec.name!r} in {root} fails its CRC-32: the "

@@ -49,7 +49,7 @@ class _Rows:
     def __init__(self, spec: TableSpec, file: str, findings: list[Finding],
                  dump: RowDump | None) -> None:
         self.spec, self.file, self.findings, self.dump = spec, file, findings, dump
-        self.rec = np.dtype([("crc", "<u4"), ("row", spec.dtype, (spec.row_width,))])
+        self.rec = np.dtype([("crc", "<u4"), ("row", spec.storage_dtype, (spec.storage_width,))])
         self.scan = TableScan()
         self.counts: dict[str, int] = {}
         self.last: int | None = None
@@ -218,7 +218,7 @@ def _scan_lmdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
 
 def _check_meta(spec: TableSpec, raw: bytes | None, where: str,
                 findings: list[Finding]) -> None:
-    want = {"dim": spec.row_width, "dtype": spec.dtype.str}
+    want = {"dim": spec.storage_width, "dtype": spec.storage_dtype.str}
     try:
         got = json.loads(raw) if raw is not None else None
     except ValueError:
@@ -411,7 +411,7 @@ def _cross_tiers(request: dict[str, Any]) -> list[Finding]:
                 d = tier_dir(root, level, ts.backend, is_bottom=False)
                 try:
                     upper = registry.load_backend(ts.backend).open(BackendSpec(
-                        path=d, dim=spec.row_width, dtype=spec.dtype, table=spec.name,
+                        path=d, dim=spec.storage_width, dtype=spec.storage_dtype, table=spec.name,
                         read_only=True), **ts.options)
                 except EmbstoreError:
                     continue  # no such table in that tier: nothing cached

@@ -43,8 +43,8 @@ def _header(fmt: Any, head: bytes, spec: TableSpec, rec: int, file: str
                            offset=fmt.HEADER_CRC_OFFSET,
                            expected=f"{crc32c(head[:fmt.HEADER_CRC_OFFSET]):#010x}",
                            found=f"{crc:#010x}"))
-    want = (fmt.VERSION, spec.row_width, spec.dtype.str.encode().ljust(8, b"\0"), rec,
-            fmt.REC_PAYLOAD)
+    want = (fmt.VERSION, spec.storage_width,
+            spec.storage_dtype.str.encode().ljust(8, b"\0"), rec, fmt.REC_PAYLOAD)
     got = (version, dim, dtype_s, rec_size, payload)
     for name, off, w, g in zip(("format version", "dim", "dtype", "record size",
                                 "payload offset"), (8, 12, 16, 24, 28), want, got,
@@ -83,7 +83,7 @@ def scan_pmem(file: Path, spec: TableSpec, dump: RowDump | None) -> tuple[list[F
     fmt = _fmt()
     t, where = spec.name, str(file)
     scan = TableScan()
-    row_bytes = spec.row_width * spec.dtype.itemsize
+    row_bytes = spec.storage_width * spec.storage_dtype.itemsize
     rec = fmt.record_size(row_bytes)
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -206,7 +206,8 @@ def _rows(fd: int, fmt: Any, spec: TableSpec, rec: int, row_bytes: int, slots: n
         raw = np.frombuffer(read_at(fd, fmt.DATA_OFFSET + lo * rec, (hi - lo) * rec),
                             dtype=np.uint8).reshape(hi - lo, rec)
         payload = raw[s - lo, fmt.REC_PAYLOAD:fmt.REC_PAYLOAD + row_bytes].copy()
-        rows = payload.view(spec.dtype.newbyteorder("<")).astype(spec.dtype, copy=False)
+        dtype = spec.storage_dtype
+        rows = payload.view(dtype.newbyteorder("<")).astype(dtype, copy=False)
         bad = check_rows(spec, i, rows, where, counts, findings)
         scan.drop(i[bad])
         scan.rows += int(len(i) - np.count_nonzero(bad))

@@ -21,10 +21,13 @@ class Named(ABC):
     """Base of a family of named, registered classes.
 
     The family's root sets `_family` and an empty `_registry`; every subclass that sets `name`
-    is registered in it (a name used twice is an error).
+    is registered in it (a name used twice is an error). A class with `listed = False` is
+    registered, so that stores naming it reopen, but left out of `registered_names`: it is an
+    internal part of another component (a sharded table's column shard), not a user's choice.
     """
 
     name: ClassVar[str]
+    listed: ClassVar[bool] = True
     _family: ClassVar[str]
     _registry: ClassVar[dict[str, type[Named]]]
 
@@ -41,8 +44,8 @@ class Named(ABC):
 
     @classmethod
     def registered_names(cls) -> list[str]:
-        """Names of every registered class of the family."""
-        return sorted(cls._registry)
+        """Names of every listed registered class of the family."""
+        return sorted(n for n, c in cls._registry.items() if c.__dict__.get("listed", True))
 
     @classmethod
     def from_config(cls: type[T], name: str, config: dict[str, Any]) -> T:

@@ -114,9 +114,12 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
             if added and read_only:
                 raise ReadOnlyError("cannot add tables to a store opened read-only")
             all_specs, chain = stored + added, stored_tiers
+            steps = doc.get("gradient_steps") or {}
         else:
             all_specs, chain, added = specs, tier_specs or DEFAULT_TIERS, specs
-        store = EmbeddingStore(directory, all_specs, chain, read_only=read_only, lock_fd=lock_fd)
+            steps = {}
+        store = EmbeddingStore(directory, all_specs, chain, read_only=read_only, lock_fd=lock_fd,
+                               gradient_steps=steps)
     except BaseException:
         if not exists:  # a failed create leaves the directory as it found it
             for entry in directory.iterdir():

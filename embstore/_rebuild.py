@@ -44,7 +44,7 @@ PAGE_BYTES = 4 << 20
 
 def page_rows(spec: TableSpec) -> int:
     """Rows per page of `spec` when streaming it (about PAGE_BYTES of rows)."""
-    row_bytes = int(spec.row_width * spec.dtype.itemsize)
+    row_bytes = int(spec.storage_width * spec.storage_dtype.itemsize)
     return max(256, min(BATCH_ROWS, PAGE_BYTES // row_bytes))
 RowSource = Callable[[TableSpec], tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]]
 """For a table: (its row count, pages of (ids int64[N], full rows [N, row_width]))."""
@@ -69,9 +69,9 @@ def open_bottom(root: Path, spec: TableSpec, default_tiers: Sequence[TierSpec], 
     if rows_hint is not None and ts.backend == "pmem":
         fmt = importlib.import_module("embstore.backends._pmem_format")
         capacity = int(fmt.DATA_OFFSET + max(rows_hint, 1) * fmt.record_size(
-            spec.row_width * spec.dtype.itemsize))
-    return cls.open(BackendSpec(path=bottom_dir(root, spec, default_tiers), dim=spec.row_width,
-                                dtype=spec.dtype, table=spec.name, read_only=read_only,
+            spec.storage_width * spec.storage_dtype.itemsize))
+    return cls.open(BackendSpec(path=bottom_dir(root, spec, default_tiers), dim=spec.storage_width,
+                                dtype=spec.storage_dtype, table=spec.name, read_only=read_only,
                                 capacity_bytes=capacity),
                     **{**ts.options, **(_SCAN_OPTIONS.get(ts.backend, {}) if scan else {})})
 
@@ -141,7 +141,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
             for ids, rows in pages:
                 if not len(ids):
                     continue
-                rows = np.ascontiguousarray(rows, dtype=spec.dtype)
+                rows = np.ascontiguousarray(rows, dtype=spec.storage_dtype)
                 if isinstance(target, SupportsBulkLoad):
                     target.bulk_load(np.ascontiguousarray(ids), rows)
                 else:
@@ -176,7 +176,7 @@ def _check_chains(specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec])
     for spec in specs:
         for ts in table_chain(spec, default_tiers):
             registry.load_backend(ts.backend)
-            ts.capacity_rows(spec.row_width * spec.dtype.itemsize)
+            ts.capacity_rows(spec.storage_width * spec.storage_dtype.itemsize)
             make_policy(ts.eviction, ts.eviction_options, EvictionPolicy)
             if ts.admission not in (None, "always"):
                 make_policy(ts.admission, ts.admission_options, AdmissionPolicy)

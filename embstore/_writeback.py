@@ -62,6 +62,12 @@ class BackgroundWriter:
             if self._error is not None:
                 self._retry()
 
+    def pending_ids(self) -> np.ndarray:
+        """Ids of every write queued or being applied (int64, duplicates possible)."""
+        with self._cond:
+            jobs = [ids for ids, _ in self._jobs]
+        return np.concatenate(jobs) if jobs else np.zeros(0, dtype=np.int64)
+
     def drain(self) -> None:
         """Return once every queued write is applied; raises a write that fails again."""
         with self._cond:

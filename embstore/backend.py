@@ -81,6 +81,9 @@ class Backend(ABC):
     name: ClassVar[str]
     supports_persistence: ClassVar[bool] = False
     requires_path: ClassVar[bool] = True  # False: can run with BackendSpec.path None (in memory)
+    supports_concurrent_reads: ClassVar[bool] = False
+    """`get` may run on one thread while `put`, `delete` or `get` run on others (the
+    medium's own library serialises them); a prefetch then reads without the store's lock."""
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
@@ -305,7 +308,7 @@ class SlottedBackend(Backend):
     """A backend whose rows sit in the dense slots of an `IdIndex` it exposes.
 
     It satisfies `SupportsSlots`: the public slot methods check their arguments here, once,
-    and call the `_get_with_slots/_put_with_slots/_rows_at` hooks.
+    and call the `_get_with_slots/_put_slots/_rows_at` hooks.
     """
 
     @property
@@ -332,7 +335,7 @@ class SlottedBackend(Backend):
         """
         self._check_writable()
         ids = self._check_ids(ids)
-        return self._put_with_slots(ids, self._check_rows(ids, rows))
+        return self._put_slots(ids, self._check_rows(ids, rows))
 
     def rows_at(self, slots: np.ndarray) -> np.ndarray:
         """The rows at live `slots` (int32[N]) of `index`, a copy; no hash probe.
@@ -348,8 +351,7 @@ class SlottedBackend(Backend):
         """`get_with_slots` of checked ids."""
 
     @abstractmethod
-    def _put_with_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray,
-                                                                           np.ndarray]:
+    def _put_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`put_with_slots` of checked ids and rows."""
 
     @abstractmethod

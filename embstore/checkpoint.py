@@ -144,6 +144,8 @@ class CheckpointPlan:
     """The previous checkpoint of this handle (the parent of an incremental one)."""
     rows: dict[str, int]
     """Per table, the rows to copy (for progress reports)."""
+    gradient_steps: dict[str, int] = field(default_factory=dict)
+    """Per half-precision table, its optimizer steps at T0 (seeds its rounding)."""
 
 
 class CheckpointSource(Protocol):
@@ -205,7 +207,7 @@ def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
             if incremental:
                 _write_tombstones(tmp / f"{spec.name}.deleted",
                                   np.concatenate(deleted) if deleted else np.zeros(0, np.int64))
-        body = manifest_body(plan.tiers, plan.specs)
+        body = manifest_body(plan.tiers, plan.specs, plan.gradient_steps)
         body["checkpoint"] = {"step": step, "kind": "incremental" if incremental else "full",
                               "parent": None if not incremental or plan.parent is None
                               else os.path.relpath(plan.parent.resolve(),
@@ -276,6 +278,9 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
         doc.pop("format"), doc.pop("version")
         doc["restored_from"] = {"checkpoint": str(Path(src)), "step": chain[0][1]["checkpoint"]
                                 ["step"]}
+        doc.pop("gradient_steps", None)
+        if chain[0][1].get("gradient_steps"):  # the newest checkpoint's counts
+            doc["gradient_steps"] = chain[0][1]["gradient_steps"]
         doc.pop("checkpoint", None)
         write_manifest(tmp, doc)
         os.replace(tmp, dest)
@@ -291,8 +296,8 @@ def _bottom_backend(root: Path, spec: TableSpec, tiers: tuple[TierSpec, ...], re
     """The store of record of table `spec` in the store or checkpoint at `root`."""
     ts = table_chain(spec, tiers)[-1]
     cls: type[Backend] = registry.load_backend(ts.backend)
-    return cls.open(BackendSpec(path=bottom_dir(root, spec, tiers), dim=spec.row_width,
-                                dtype=spec.dtype, table=spec.name, read_only=read_only),
+    return cls.open(BackendSpec(path=bottom_dir(root, spec, tiers), dim=spec.storage_width,
+                                dtype=spec.storage_dtype, table=spec.name, read_only=read_only),
                     **ts.options)
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "InvalidIdsError",
     "InvalidValuesError",
     "NonFiniteValueError",
+    "PeerFailedError",
     "ReadOnlyError",
     "StoreClosedError",
     "StoreExistsError",
@@ -114,3 +115,10 @@ class CapacityError(EmbstoreError):
 
 class BackendUnavailableError(EmbstoreError, ImportError):
     """A registered backend or policy cannot be loaded on this machine."""
+
+
+class PeerFailedError(EmbstoreError):
+    """A collective call of a sharded store failed on another rank.
+
+    That rank died, raised, or did not make the same call within the group's timeout.
+    """

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -162,6 +162,9 @@ class TableChain:
         # a batch twice (lookup, then apply_gradients), and never-seen ids would otherwise
         # cost two reads of the slowest tier
         self._absent: IdIndex | None = None
+        # unlocked reads of the bottom in flight (embstore/_prefetch.py): each is told of the
+        # ids written to or deleted from the bottom until it ends
+        self.watchers: list[Any] = []
 
     def _tick(self) -> int:
         self._clock += 1
@@ -195,6 +198,20 @@ class TableChain:
         if len(missing):
             self._read_below(missing, self._tick())
         return len(missing)
+
+    @property
+    def writer(self) -> BackgroundWriter | None:
+        """The thread writing back into the store of record, if it has one."""
+        return self._writer
+
+    def note_bottom_write(self, ids: np.ndarray) -> None:
+        """Tell unlocked reads in flight that `ids` change in the store of record."""
+        for job in self.watchers:
+            job.written.append(ids)
+
+    def promote(self, ids: np.ndarray, rows: np.ndarray, level_of: np.ndarray) -> None:
+        """Promote distinct `ids` read from the levels `level_of` with `rows` (prefetch)."""
+        self._promote(ids, rows, level_of.copy(), self._tick())
 
     def _read_below(self, u: np.ndarray, now: int) -> tuple[np.ndarray, np.ndarray]:
         """Read distinct `u`, absent from the top tier, from the tiers below; promote them.
@@ -234,6 +251,64 @@ class TableChain:
             self._absent = IdIndex(2 * len(absent))
             self._absent.add(absent)
         return urows, level_of
+
+    def top_slots(self, ids: np.ndarray, *, read: bool = True) -> np.ndarray | None:
+        """Find the slots of distinct `ids` in the top tier, if it holds them all in place.
+
+        That is when the top tier keeps its rows in slots it can overwrite in place
+        (`write_at`) and holds every id: then, with `read`, the read is counted as `get`
+        counts a batch the top tier holds (one tick, hits, the policy's accesses). Otherwise
+        None, and nothing is counted.
+        """
+        tier = self.tiers[0]
+        if not (len(ids) and tier.slotted and hasattr(tier.backend, "write_at")):
+            return None
+        slots: np.ndarray = tier.slot_backend.index.find(ids)
+        if (slots < 0).any():
+            return None
+        if read:
+            self.count_top_read(ids, slots)
+        return slots
+
+    def count_top_read(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Count a read of distinct `ids` that the top tier holds at `slots` as `get` does.
+
+        For callers of `top_slots` with read=False.
+        """
+        tier = self.tiers[0]
+        now = self._tick()
+        tier.counters["lookups"] += len(ids)
+        tier.counters["hits"] += len(ids)
+        if tier.eviction is not None:
+            if tier.shares_index:
+                tier.shared.record_access_slots(slots, now)
+            else:
+                tier.eviction.record_access(ids, now)
+
+    def put_top_slots(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray | None, *,
+                      row_slots: np.ndarray | None = None) -> None:
+        """Write distinct `ids` that the top tier holds at `slots`, in place.
+
+        `slots` come from `top_slots`, with no other write to the table since: the rows are
+        overwritten in place (None: the caller wrote them there already), then counted,
+        marked dirty and capacity enforced exactly as `put` does for rows the top tier holds.
+
+        `row_slots`, where given, is the slot of each row of `rows` (which may then hold
+        several rows per id: they are written in order, so the last one stays).
+        """
+        now = self._tick()
+        self._absent = None
+        tier = self.tiers[0]
+        if rows is not None:
+            cast(Any, tier.backend).write_at(slots if row_slots is None else row_slots, rows)
+        if tier.eviction is not None:
+            if tier.shares_index:
+                tier.shared.record_access_slots(slots, now)
+            else:
+                tier.eviction.record_access(ids, now)
+        if tier.dirty is not None:
+            tier.dirty.mark(ids, slots)
+        self._enforce_capacity(tier, now)
 
     def _promote(self, ids: np.ndarray, rows: np.ndarray, level_of: np.ndarray, now: int) -> None:
         """Copy rows found below into the topmost tier above them that admits them."""
@@ -295,6 +370,8 @@ class TableChain:
             remaining = remaining[~want]
             if not len(remaining):
                 return written
+        if self.watchers:
+            self.note_bottom_write(ids[remaining])
         self._insert(bottom, *_subset(ids, rows, remaining), dirty=False, now=now)
         return written
 
@@ -369,6 +446,8 @@ class TableChain:
         below = self.tiers[tier.level + 1]
         if below.is_bottom and self._writer is not None:
             # `ids` and `rows` are fresh arrays, the writer's from now on
+            if self.watchers:
+                self.note_bottom_write(ids)
             self._writer.submit(np.ascontiguousarray(ids), rows)
         else:
             self._insert(below, ids, rows, dirty=True, now=now)
@@ -394,6 +473,7 @@ class TableChain:
                 tier.rows -= len(held)
         if self._writer is not None:
             self._writer.drain()  # queued write-backs are older than the loaded rows
+        self.note_bottom_write(ids)
         bottom = self.tiers[-1].backend
         target = getattr(bottom, "wrapped", bottom)
         if isinstance(target, SupportsBulkLoad):
@@ -405,6 +485,7 @@ class TableChain:
     def delete(self, ids: np.ndarray) -> np.ndarray:
         """Remove distinct `ids` from every tier; returns bool[N], which were stored."""
         self._absent = None
+        self.note_bottom_write(ids)
         found = np.zeros(len(ids), dtype=bool)
         for tier in self.tiers:
             # first: a shared index, and dirty bits per slot, must still know the ids

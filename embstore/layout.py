@@ -4,7 +4,8 @@ Every module that reads or writes a store's directory asks this one (opening a s
 checkpoints, restore), so the names below are written in one place:
 
     <store>/
-        MANIFEST.json                 format, version, default tiers, tables (`manifest_body`)
+        MANIFEST.json                 format, version, default tiers, tables, gradient steps
+                                      of half-precision tables (`manifest_body`)
         LOCK                          flock: exclusive for a writer, shared for readers (`lock`)
         tier<level>-<backend>/        the store of record of every table whose chain ends there
         cache/tier<level>-<backend>/  cache tiers that need files; emptied on open
@@ -52,11 +53,18 @@ def bottom_dir(root: Path, spec: TableSpec, default_tiers: Sequence[TierSpec]) -
     return tier_dir(root, len(chain) - 1, chain[-1].backend, is_bottom=True)
 
 
-def manifest_body(default_tiers: Sequence[TierSpec],
-                  specs: Sequence[TableSpec]) -> dict[str, Any]:
-    """The manifest's fields beside format and version: the default chain and every table."""
-    return {"tiers": [t.to_json() for t in default_tiers],
-            "tables": [s.to_json() for s in specs]}
+def manifest_body(default_tiers: Sequence[TierSpec], specs: Sequence[TableSpec],
+                  gradient_steps: dict[str, int] | None = None) -> dict[str, Any]:
+    """The manifest's fields beside format and version: the default chain and every table.
+
+    `gradient_steps` (per table, its count of optimizer steps, which seeds the stochastic
+    rounding of half-precision tables) is recorded where given and not empty.
+    """
+    body: dict[str, Any] = {"tiers": [t.to_json() for t in default_tiers],
+                            "tables": [s.to_json() for s in specs]}
+    if gradient_steps:
+        body["gradient_steps"] = dict(gradient_steps)
+    return body
 
 
 def lock(root: Path, read_only: bool) -> int:

@@ -4,7 +4,9 @@ A table's stored row is ``[weights (dim) | state (state_width(dim))]``. The stor
 gradients of duplicate ids in a fixed order (sort by id, then position), gathers each distinct
 row once, and calls `step` with views of the weights and the state; `step` updates both in
 place with elementwise numpy operations only, so the result is bit-identical on every tier
-layout, cache size and run.
+layout, cache size and run. On float32 tables the store runs SGD, Adagrad and RowWiseAdagrad
+through one C kernel (`embstore/_fused.py`) that performs the same float32 operations in the
+same order, so it gives the same bits as `step`.
 """
 
 from __future__ import annotations

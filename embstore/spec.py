@@ -113,6 +113,10 @@ class TableSpec:
         num_embeddings: if set, ids must lie in [0, num_embeddings).
         allow_nonfinite: accept NaN and infinity in rows and gradients.
         tiers: this table's chain, overriding the store's default.
+        precision: how weights are stored in every tier: "fp32" (the dtype itself), or
+            "fp16" / "bf16" (half the bytes; float32 dtype required: updates are computed in
+            float32 and rounded back, stochastically for optimizer steps; state stays
+            float32). See embstore._precision.
     """
 
     name: str
@@ -123,6 +127,7 @@ class TableSpec:
     num_embeddings: int | None = None
     allow_nonfinite: bool = False
     tiers: tuple[TierSpec, ...] | None = None
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -150,6 +155,13 @@ class TableSpec:
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
             raise ConfigError(
                 f"table {self.name!r}: num_embeddings must be None or >= 1, got {n!r}")
+        if self.precision not in ("fp32", "fp16", "bf16"):
+            raise ConfigError(f"table {self.name!r}: precision must be 'fp32', 'fp16' or "
+                              f"'bf16', got {self.precision!r}")
+        if self.precision != "fp32" and dtype != np.float32:
+            raise ConfigError(f"table {self.name!r}: precision {self.precision!r} stores "
+                              f"weights in 16 bits and computes in float32; leave dtype at "
+                              f"float32 (got {dtype})")
         if self.tiers is not None:
             tiers = tuple(self.tiers)
             if not tiers or not all(isinstance(t, TierSpec) for t in tiers):
@@ -162,10 +174,23 @@ class TableSpec:
         """Stored elements per row: weights plus optimizer state."""
         return self.dim + self.optimizer.state_width(self.dim)
 
+    @property
+    def storage_width(self) -> int:
+        """Elements of `storage_dtype` per stored row, in every tier."""
+        if self.precision == "fp32":
+            return self.row_width
+        return 2 * self.dim + 4 * (self.row_width - self.dim)
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """Dtype of the stored rows: the table's dtype, or bytes for 16-bit weights."""
+        return self.dtype if self.precision == "fp32" else np.dtype(np.uint8)
+
     def to_json(self) -> dict[str, Any]:
         """Plain-JSON form for the manifest."""
         return {
             "name": self.name, "dim": self.dim, "dtype": self.dtype.str,
+            "precision": self.precision,
             "init": {"name": self.init.name, "config": self.init.config()},
             "optimizer": {"name": self.optimizer.name, "config": self.optimizer.config()},
             "num_embeddings": self.num_embeddings, "allow_nonfinite": self.allow_nonfinite,
@@ -183,4 +208,5 @@ class TableSpec:
             num_embeddings=data["num_embeddings"], allow_nonfinite=data["allow_nonfinite"],
             tiers=None if data["tiers"] is None
             else tuple(TierSpec.from_json(t) for t in data["tiers"]),
+            precision=data.get("precision", "fp32"),  # stores made before it existed
         )

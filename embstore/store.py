@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _counters
+from . import _counters, _fused, _prefetch
 from ._build import build_chain
+from ._precision import RowCodec
 from ._validate import as_ids, as_rows
 from .backend import Backend
 from .checkpoint import CheckpointPlan, CopyState, take_checkpoint
@@ -35,6 +36,7 @@ from .errors import (
 )
 from .hierarchy import TableChain, TierStatistics
 from .index import IdGroups, IdIndex
+from .layout import manifest_body, write_manifest
 from .spec import TableSpec, TierSpec
 
 __all__ = ["EmbeddingStore"]
@@ -47,6 +49,10 @@ class _Table:
     spec: TableSpec
     chain: TableChain
     updates_dropped: int = 0
+    codec: RowCodec | None = None
+    """How rows of a half-precision table are stored; None: as the spec's dtype."""
+    steps: int = 0
+    """Optimizer steps applied (apply_gradients calls): seeds stochastic rounding."""
 
 
 class EmbeddingStore:
@@ -60,7 +66,8 @@ class EmbeddingStore:
     """
 
     def __init__(self, path: Path | None, specs: list[TableSpec], tiers: tuple[TierSpec, ...],
-                 *, read_only: bool, lock_fd: int | None) -> None:
+                 *, read_only: bool, lock_fd: int | None,
+                 gradient_steps: dict[str, int] | None = None) -> None:
         self._path = path
         self._default_tiers = tiers
         self._read_only = read_only
@@ -77,9 +84,14 @@ class EmbeddingStore:
         self._history = _counters.load(path) if path is not None else {}
         self._last_flush: float | None = self._history.get("last_flush")
         self._checkpoint_info: dict[str, Any] | None = self._history.get("last_checkpoint")
+        self._steps_saved = {name: int(n) for name, n in (gradient_steps or {}).items()}
+        steps = gradient_steps or {}
         try:
             for spec in specs:
-                self._tables[spec.name] = _Table(spec, self._build_chain(spec))
+                codec = None if spec.precision == "fp32" else RowCodec(
+                    spec.name, spec.precision, spec.dim, spec.row_width - spec.dim)
+                self._tables[spec.name] = _Table(spec, self._build_chain(spec), codec=codec,
+                                                 steps=int(steps.get(spec.name, 0)))
         except BaseException:
             self._close_tables()  # the lock stays with `open`, which releases it
             raise
@@ -115,6 +127,34 @@ class EmbeddingStore:
             # flush: the bottom tier holds its T0 value
             self._copy.capture(name, ids, t.chain.tiers[-1].backend.get)
 
+    def _get(self, t: _Table, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Full rows [N, row_width] of the table dtype (decoded from half precision)."""
+        rows, found = t.chain.get(ids)
+        return (rows if t.codec is None else t.codec.decode(rows)), found
+
+    def _put(self, name: str, t: _Table, ids: np.ndarray, full: np.ndarray, *,
+             step: int | None = None) -> None:
+        """Write full rows of distinct `ids`.
+
+        Half-precision weights are rounded to nearest, or for an optimizer step
+        stochastically, seeded by `step`.
+        """
+        rows = full
+        if t.codec is not None:
+            dim = t.spec.dim
+            rounded = (t.codec.round_nearest(full[:, :dim]) if step is None
+                       else t.codec.round_stochastic(full[:, :dim], ids, step))
+            if t.codec.precision == "fp16" and not t.spec.allow_nonfinite:
+                out = ~np.isfinite(rounded.view(np.float16)).all(axis=1)
+                if out.any():
+                    raise NonFiniteValueError(
+                        f"table {name!r}: row {int(ids[np.flatnonzero(out)[0]])} overflows "
+                        "float16 (|w| > 65504); nothing was written: scale it down or use "
+                        "precision='bf16'")
+            rows = t.codec.encode(full, rounded)
+        self._before_write(name, t, ids)
+        t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, rows)))
+
     def _fill_absent(self, spec: TableSpec, ids: np.ndarray, rows: np.ndarray,
                      found: np.ndarray, *, with_state: bool) -> None:
         """Give never-written rows their initial weights (and optimizer state)."""
@@ -124,6 +164,9 @@ class EmbeddingStore:
         # initializers hash every (id, column): once per distinct id, then copied
         groups = IdGroups(np.ascontiguousarray(ids[miss]))
         init = spec.init(groups.unique, spec.dim, spec.dtype)
+        codec = self._tables[spec.name].codec
+        if codec is not None:  # as a stored row would read back: the same before and after
+            init = codec.quantize(init)
         rows[miss, : spec.dim] = init[groups.inverse] if groups.has_duplicates else init
         if with_state and spec.row_width > spec.dim:
             rows[miss, spec.dim :] = spec.optimizer.initial_state(len(miss), spec.dim, spec.dtype)
@@ -153,7 +196,7 @@ class EmbeddingStore:
         """
         return self._table(table).spec
 
-    def lookup(self, table: str, ids: Any) -> np.ndarray:
+    def lookup(self, table: str, ids: Any, *, stored: bool = False) -> np.ndarray:
         """Weights of `ids` (1-D integers, duplicates allowed): a new array[len(ids), dim].
 
         The caller owns the array (nothing in the store aliases it); for tables whose
@@ -162,12 +205,27 @@ class EmbeddingStore:
         Ids never written get their initializer's value. Rows found in a lower tier may be
         promoted into a faster one.
 
+        Args:
+            table: the table.
+            ids: the ids.
+            stored: for a half-precision table, return the weights as stored: float16, or
+                for "bf16" their bit patterns as uint16 (``torch.from_numpy(a).view(
+                torch.bfloat16)`` reads them); the table dtype otherwise.
+
         Raises:
             UnknownTableError, InvalidIdsError, StoreClosedError, CorruptStoreError.
         """
         with self._mutex:
             t = self._table(table)
             ids = as_ids(ids, t.spec)
+            if t.codec is not None:
+                raw, found = t.chain.get(ids)
+                weights = t.codec.decode_weights(raw)
+                self._fill_absent(t.spec, ids, weights, found, with_state=False)
+                if not stored:
+                    return weights
+                bits = t.codec.round_nearest(weights)  # exact: the values are stored ones
+                return bits.view(np.float16) if t.codec.precision == "fp16" else bits
             rows, found = t.chain.get(ids)
             self._fill_absent(t.spec, ids, rows, found, with_state=False)
             # with optimizer state stored beside the weights this is a strided view of a fresh
@@ -187,14 +245,26 @@ class EmbeddingStore:
         """
         with self._mutex:
             t = self._table(table)
-            return t.chain.prefetch(as_ids(ids, t.spec))
+            missing, job = _prefetch.begin(t.chain, as_ids(ids, t.spec))
+        if job is None:
+            return missing
+        # the slow read of the store of record runs without the lock: the training thread's
+        # own calls go on meanwhile (embstore/_prefetch.py says why this is safe)
+        rows = found = None
+        try:
+            rows, found = job.read()
+        finally:
+            with self._mutex:
+                if not self._closed:
+                    _prefetch.end(t.chain, job, rows, found)
+        return missing
 
     def lookup_state(self, table: str, ids: Any) -> np.ndarray:
         """Optimizer state of `ids`: array[len(ids), state_width] (width 0 for SGD)."""
         with self._mutex:
             t = self._table(table)
             ids = as_ids(ids, t.spec)
-            rows, found = t.chain.get(ids)
+            rows, found = self._get(t, ids)
             self._fill_absent(t.spec, ids, rows, found, with_state=True)
             return rows[:, t.spec.dim :]
 
@@ -214,15 +284,23 @@ class EmbeddingStore:
             rows = as_rows(rows, len(ids), t.spec)
             self._check_writable()
             groups = IdGroups(ids)
+            if t.spec.row_width == t.spec.dim and t.codec is None:
+                # rows the top tier holds are overwritten where they lie, in position order
+                # (the last row of an id wins): no probe beyond one, no copy of the batch
+                slots = t.chain.top_slots(groups.unique, read=False)
+                if slots is not None:
+                    self._before_write(table, t, groups.unique)
+                    t.chain.put_top_slots(groups.unique, slots, rows, row_slots=(
+                        slots[groups.inverse] if groups.has_duplicates else None))
+                    return
             if groups.has_duplicates:
                 ids, rows = groups.unique, np.ascontiguousarray(rows[groups.last])
             if t.spec.row_width != t.spec.dim:
-                full, found = t.chain.get(ids)
+                full, found = self._get(t, ids)
                 self._fill_absent(t.spec, ids, full, found, with_state=True)
                 full[:, : t.spec.dim] = rows
                 rows = full
-            self._before_write(table, t, ids)
-            t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, rows)))
+            self._put(table, t, ids, rows)
 
     def apply_gradients(self, table: str, ids: Any, grads: Any) -> None:
         """Apply the table's fused optimizer to `ids` with `grads` (array[len(ids), dim]).
@@ -242,22 +320,42 @@ class EmbeddingStore:
             ids = as_ids(ids, spec)
             grads = as_rows(grads, len(ids), spec, what="gradients")
             self._check_writable()
-            groups = IdGroups(ids)
-            if groups.has_duplicates:
-                ids, grads = groups.unique, groups.sum_rows(grads)
-            full, found = t.chain.get(ids)
-            self._fill_absent(spec, ids, full, found, with_state=True)
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                # overflow is checked below on the result, where it can be reported by row
-                spec.optimizer.step(full[:, : spec.dim], full[:, spec.dim :], grads)
-            if not spec.allow_nonfinite and not np.isfinite(full).all():
-                bad = int(ids[np.flatnonzero(~np.isfinite(full).all(axis=1))[0]])
+            # where the top tier holds every row in slots, step them there: one probe and one
+            # pass over the rows, no gathered copy, no write back (see embstore/_fused.py).
+            # Distinct ids (what a trainer passes) are told by their slots, without grouping.
+            # Half-precision rows are bytes in every tier: they take the gathered path
+            slots = None if t.codec is not None else t.chain.top_slots(ids, read=False)
+            if slots is None or not _fused.distinct_slots(
+                    slots, t.chain.tiers[0].slot_backend.index.high_water):
+                groups = IdGroups(ids)
+                if groups.has_duplicates:
+                    ids, grads = groups.unique, groups.sum_rows(grads)
+                    slots = None if slots is None else slots[groups.last]
+            if slots is not None:
+                t.chain.count_top_read(ids, slots)
+            full = bad = None
+            if slots is not None:
+                self._before_write(table, t, ids)  # pre-images first: rows change in place
+                bad = _fused.step_in_place(spec.optimizer, spec.dim, t.chain.tiers[0].backend,
+                                           slots, grads, undo=not spec.allow_nonfinite)
+                if bad is None:  # no kernel for this rule: step a gathered copy
+                    full, bad = _fused.gather_step(spec.optimizer, spec.dim,
+                                                   t.chain.tiers[0].backend, slots, grads)
+            else:
+                full, found = self._get(t, ids)
+                self._fill_absent(spec, ids, full, found, with_state=True)
+                bad = _fused.step_rows(spec.optimizer, spec.dim, full, grads)
+            if bad >= 0 and not spec.allow_nonfinite:  # the in-place step was undone
                 raise NonFiniteValueError(
-                    f"table {spec.name!r}: the optimizer step made row {bad} non-finite "
-                    "(exploding gradients or learning rate?); nothing was written"
+                    f"table {spec.name!r}: the optimizer step made row {int(ids[bad])} "
+                    "non-finite (exploding gradients or learning rate?); nothing was written"
                 )
-            self._before_write(table, t, ids)
-            t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, full)))
+            if slots is not None:
+                t.chain.put_top_slots(ids, slots, full)
+            else:
+                assert full is not None
+                self._put(table, t, ids, full, step=t.steps)
+            t.steps += 1
 
     def bulk_load(self, table: str, ids: Any, weights: Any, state: Any = None) -> None:
         """Load many rows at once straight into the store of record (durable on return).
@@ -307,6 +405,8 @@ class EmbeddingStore:
                 rows[:, spec.dim:] = (state[groups.last] if state is not None else
                                       spec.optimizer.initial_state(len(rows), spec.dim,
                                                                    spec.dtype))
+            if t.codec is not None:
+                rows = t.codec.encode(rows, t.codec.round_nearest(rows[:, : spec.dim]))
             self._before_write(table, t, groups.unique)
             t.chain.bulk_load(groups.unique, rows)
 
@@ -345,10 +445,10 @@ class EmbeddingStore:
         with self._mutex:
             t = self._table(table)
             pages = t.chain.items(batch_rows)
-        return self._pages(pages, t.spec.dim)
+        return self._pages(pages, t.spec.dim, t.codec)
 
-    def _pages(self, pages: Iterator[tuple[np.ndarray, np.ndarray]], dim: int
-               ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def _pages(self, pages: Iterator[tuple[np.ndarray, np.ndarray]], dim: int,
+               codec: RowCodec | None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         while True:
             with self._mutex:
                 self._check_open()
@@ -356,6 +456,8 @@ class EmbeddingStore:
             if page is None:
                 return
             ids, rows = page
+            if codec is not None:
+                rows = codec.decode(rows)
             yield ids, rows[:, :dim], rows[:, dim:]
 
     def checkpoint(self, dest: str | os.PathLike[str], *, step: int | None = None,
@@ -410,7 +512,7 @@ class EmbeddingStore:
             rows = {name: len(scope[name]) if scope is not None
                     else len(t.chain.tiers[-1].backend) for name, t in self._tables.items()}
             return CheckpointPlan([t.spec for t in self._tables.values()], self._default_tiers,
-                                  parent, rows)
+                                  parent, rows, self._gradient_steps())
 
     def checkpoint_pages(self, table: str, batch_rows: int
                          ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
@@ -484,6 +586,23 @@ class EmbeddingStore:
             for t in self._tables.values():
                 t.chain.flush()
             self._last_flush = time.time()
+            self._save_steps()
+
+    def _gradient_steps(self) -> dict[str, int]:
+        """Optimizer steps of every half-precision table that has taken one."""
+        return {n: t.steps for n, t in self._tables.items() if t.codec is not None and t.steps}
+
+    def _save_steps(self) -> None:
+        """Record the half-precision tables' step counts in the manifest, after their rows.
+
+        A crash between leaves a count behind its rows, which only reseeds rounding.
+        """
+        steps = self._gradient_steps()
+        if self._path is not None and steps != self._steps_saved:
+            write_manifest(self._path, manifest_body(self._default_tiers,
+                                                     [t.spec for t in self._tables.values()],
+                                                     steps))
+            self._steps_saved = steps
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Counters per table: {"updates_dropped": int, "tiers": [TierStatistics, top first]}.
@@ -546,6 +665,7 @@ class EmbeddingStore:
                         t.chain.flush()
                     self._last_flush = time.time()
                     record = self._history_record()
+                    self._save_steps()
             finally:
                 self._closed = True
                 try:

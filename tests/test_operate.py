@@ -266,3 +266,28 @@ def test_progress_shows_on_a_terminal_only_and_not_with_quiet(tmp_path, capsys):
     assert "fsck" in _stderr_on_a_terminal(["fsck", str(path)])
     assert main(["export", str(path), str(tmp_path / "z")]) == 0  # stderr is not a terminal
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_tables_round_trip_and_check_clean(tmp_path, precision):
+    path = tmp_path / "s"
+    spec = TableSpec("h", dim=8, precision=precision, optimizer=optim.RowWiseAdagrad(lr=0.1))
+    rng = np.random.default_rng(5)
+    with embstore.open(path, tables=[spec], tiers=[TierSpec("dram", capacity=8),
+                                                  TierSpec("pmem")]) as store:
+        for _ in range(5):
+            ids = rng.integers(0, 300, 40)
+            store.apply_gradients("h", ids, rng.standard_normal((40, 8)).astype(np.float32))
+    ids = np.arange(300)
+    with embstore.open(path, read_only=True) as store:
+        before = (store.lookup("h", ids, stored=True).tobytes(),
+                  store.lookup_state("h", ids).tobytes())
+    assert fsck.check(path) == []
+    assert main(["export", str(path), str(tmp_path / "x")]) == 0
+    assert main(["import", str(tmp_path / "x"), str(tmp_path / "s2"), "--tiers", "lmdb"]) == 0
+    assert main(["migrate", str(path), "--tiers", "dram:4,rocksdb"]) == 0
+    for p in (tmp_path / "s2", path):
+        assert fsck.check(p) == []
+        with embstore.open(p, read_only=True) as store:
+            assert (store.lookup("h", ids, stored=True).tobytes(),
+                    store.lookup_state("h", ids).tobytes()) == before

@@ -8,6 +8,7 @@ import numpy as np
 
 import embstore
 
+from ._bench_lookup import report_memory
 from ._benchutil import add_size_arguments, build_table, interleaved_medians, print_table
 
 
@@ -19,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Time store.update against `dense[positions] = rows` on the same batches."""
     store, dense, zipf = build_table(args, embstore.TableSpec("t", dim=args.dim))
+    report_memory(store, args)
     rng = np.random.default_rng(args.seed + 1)
     ranks = [zipf.ranks(args.batch) for _ in range(args.repeats)]
     ids = [zipf.ids[r] for r in ranks]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
@@ -21,7 +22,35 @@ def add_size_arguments(parser: argparse.ArgumentParser, *, rows: int, dim: int =
     parser.add_argument("--repeats", type=int, default=repeats, help="timed batches per contender")
     parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (1.05)")
     parser.add_argument("--seed", type=int, default=0)
+    add_ids_argument(parser)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+
+
+def add_ids_argument(parser: argparse.ArgumentParser) -> None:
+    """`--ids`: how the table's ids are spelled (see `build_table`)."""
+    parser.add_argument("--ids", choices=("scattered", "dense", "hashed"), default="scattered",
+                        help="table ids: scattered over int64 by a random odd multiplier "
+                             "(default), dense 0..rows-1, or hashed dense ids id*7919+13; "
+                             "hotness is independent of the id in every case")
+
+
+def rss_bytes() -> int:
+    """Return the resident set size of this process, from /proc (0 where there is none).
+
+    Measured after handing freed heap memory back to the system (glibc's malloc_trim), so
+    that what the allocator keeps of freed temporaries does not count.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def interleaved_medians(contenders: dict[str, Callable[[int], None]], repeats: int,
@@ -63,14 +92,21 @@ def build_table(args: argparse.Namespace, spec: embstore.TableSpec
     if args.quick:
         args.rows, args.batch, args.repeats = 20_000, 4096, 5
     zipf = ZipfIds(args.rows, args.zipf, seed=args.seed)
+    kind = getattr(args, "ids", "scattered")
+    if kind != "scattered":
+        # dense ids in an order unrelated to hotness; hashed: the same ids spread by id*7919+13
+        dense_ids = np.random.default_rng(args.seed + 7).permutation(args.rows).astype(np.int64)
+        zipf.ids = dense_ids * 7919 + 13 if kind == "hashed" else dense_ids
     dense = np.random.default_rng(args.seed).standard_normal((args.rows, args.dim),
                                                               dtype=np.float32)
+    rss0 = rss_bytes()
     store = embstore.open(None, tables=[spec])
     step = 1 << 20
     t0 = time.perf_counter()
     for start in range(0, args.rows, step):
         store.update("t", zipf.ids[start:start + step], dense[start:start + step])
+    args.store_rss_bytes = rss_bytes() - rss0  # the store's resident growth while loading
     state = spec.row_width - spec.dim
     print(f"loaded {args.rows:,} rows x {args.dim}" + (f" (+{state} state)" if state else "")
-          + f" in {time.perf_counter() - t0:.1f} s")
+          + f" ({kind} ids) in {time.perf_counter() - t0:.1f} s")
     return store, dense, zipf

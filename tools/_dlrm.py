@@ -49,9 +49,11 @@ class DemoConfig:
     """Learning rate of the dense part's Adam."""
 
     def table_names(self) -> list[str]:
+        """Names of the tables, t0 .. t<features-1>."""
         return [f"t{i}" for i in range(self.features)]
 
     def feature_names(self) -> list[str]:
+        """Names of the sparse features, f0 .. f<features-1>."""
         return [f"f{i}" for i in range(self.features)]
 
     def feature_tables(self) -> dict[str, str]:
@@ -67,12 +69,17 @@ class DemoConfig:
         return (1, 1, 1, 2, 3, 4, 6, 8)[f % 8]
 
     def to_json(self) -> dict[str, Any]:
+        """The settings as a plain dict (kept beside a run to check a resume against)."""
         return asdict(self)
 
 
 def table_bytes(cfg: DemoConfig) -> int:
     """Bytes of all tables at full size: rows x (dim + row-wise Adagrad's one state) x 4."""
     return cfg.features * cfg.rows * (cfg.dim + 1) * 4
+
+
+ROCKSDB_OPTIONS = {"block_cache_bytes": 8 << 20, "row_cache_bytes": 0}
+"""RocksDB's own DRAM caches kept small, so the DRAM tier is most of the DRAM the rows use."""
 
 
 def make_store(cfg: DemoConfig, path: Any, *, all_dram: bool,
@@ -90,7 +97,8 @@ def make_store(cfg: DemoConfig, path: Any, *, all_dram: bool,
         tiers = [TierSpec("dram")]
     else:
         cache_rows = max(1, int(cfg.rows * dram_fraction))
-        tiers = [TierSpec("dram", capacity=cache_rows, eviction="clock"), TierSpec("rocksdb")]
+        tiers = [TierSpec("dram", capacity=cache_rows, eviction="clock"),
+                 TierSpec("rocksdb", options=dict(ROCKSDB_OPTIONS))]
     return embstore.open(path, tables=tables, tiers=tiers)
 
 

@@ -29,7 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from ._dlrm import ClickStream, DemoConfig, auc, build_model, make_store, table_bytes, table_digest
+from ._dlrm import (
+    ROCKSDB_OPTIONS,
+    ClickStream,
+    DemoConfig,
+    auc,
+    build_model,
+    make_store,
+    table_bytes,
+    table_digest,
+)
 
 __all__ = ["register", "run"]
 
@@ -61,7 +70,8 @@ def _non_negative(text: str) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `demo` subcommand."""
     p = sub.add_parser("demo", help="train a small DLRM through the store and report",
-                       description=__doc__.splitlines()[0])
+                       description="Train a small DLRM whose embedding tables live in the "
+                       "store, on a synthetic click stream, and report.")
     p.add_argument("--steps", type=_non_negative, default=1000,
                    help="training steps of this run (default 1000)")
     p.add_argument("--batch-size", type=_positive, default=2048, help="samples per step (2048)")
@@ -84,8 +94,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 class _StopAtStepBoundary:
-    """While active, a first Ctrl-C only asks the training loop to stop after the current step
-    (so the store and the dense part are saved at the same step); a second one aborts."""
+    """Turns a first Ctrl-C into a request to stop after the current step.
+
+    While active, the training loop checks it after each step, so the store and the dense part
+    are saved at the same step; a second Ctrl-C raises KeyboardInterrupt (abort mid-step).
+    """
 
     def __init__(self) -> None:
         self.requested = False
@@ -291,7 +304,9 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
         loss_fn = torch.nn.BCEWithLogitsLoss()
         dram_rows = None if args.all_dram else cfg.features * max(1, int(cfg.rows * 0.1))
         if not quiet:
-            where = "in DRAM" if args.all_dram else "on rocksdb behind a DRAM tier of " \
+            block_cache = ROCKSDB_OPTIONS["block_cache_bytes"] >> 20
+            where = "in DRAM" if args.all_dram else \
+                f"on rocksdb ({block_cache} MiB block cache) behind a DRAM tier of " \
                 f"{dram_rows:,} rows ({dram_rows * (cfg.dim + 1) * 4 / 2**20:,.1f} MiB, " \
                 f"1/{table_bytes(cfg) / (dram_rows * (cfg.dim + 1) * 4):.0f} of the tables)"
             print(f"DLRM: {cfg.dense} dense features -> bottom MLP; {cfg.features} sparse "

@@ -30,19 +30,33 @@ void copy_rows(char *dst, const int64_t *dst_idx, const char *src, const int64_t
 void scatter_add_f32(const int64_t *inverse, int64_t n, int64_t dim, const float *src, float *out);
 void scatter_add_f64(const int64_t *inverse, int64_t n, int64_t dim, const double *src,
                      double *out);
+typedef struct { int64_t key[5]; int32_t val[5]; int32_t pad; } bucket_t;
+int64_t bk_find(const bucket_t *t, uint64_t nb, const int64_t *ids, int64_t n,
+                int32_t *out_slots);
+void bk_insert(bucket_t *t, uint64_t nb, const int64_t *ids, const int32_t *slots, int64_t n);
+int64_t bk_remove(bucket_t *t, uint64_t nb, const int64_t *ids, int64_t n, int32_t *out_slots);
+void bk_rehash(const bucket_t *old, uint64_t old_nb, bucket_t *t, uint64_t nb);
+int64_t bk_items(const bucket_t *t, uint64_t nb, int64_t *out_ids, int32_t *out_slots);
+int64_t bk_gather(const bucket_t *t, uint64_t nb, char *const *slabs, int shift,
+                  int64_t row_bytes, const int64_t *ids, int64_t n, char *out, uint8_t *found,
+                  int32_t *out_slots);
 """
 
 
-def _builder(module: str, cdef: str, source: str, std: str) -> FFI:
-    """An API-mode builder of `module` from one C file beside this one."""
+def _builder(module: str, cdef: str, source: str | tuple[str, ...], std: str,
+             extra: tuple[str, ...] = ()) -> FFI:
+    """An API-mode builder of `module` from C files beside this one, in order."""
     builder = FFI()
     builder.cdef(cdef)
-    builder.set_source(module, (Path(__file__).parent / source).read_text(),
-                       extra_compile_args=["-O3", f"-std={std}"])
+    sources = (source,) if isinstance(source, str) else source
+    builder.set_source(module, "\n".join((Path(__file__).parent / name).read_text()
+                                          for name in sources),
+                       extra_compile_args=["-O3", f"-std={std}", *extra])
     return builder
 
 
-ffibuilder = _builder("embstore._kernels._dram_index", CDEF, "dram_index.c", "c99")
+ffibuilder = _builder("embstore._kernels._dram_index", CDEF, ("dram_index.c", "bucket_index.c"),
+                      "c99")
 
 CHECKSUM_CDEF = """
 void crc32c_rows(const int64_t *ids, const char *rows, int64_t n, int64_t row_bytes,
@@ -75,10 +89,28 @@ void bag_grad_f32(const float *grad, int64_t dim, const int64_t *offsets, int64_
                   int64_t skip, float *out);
 """
 
-bag_ffibuilder = _builder("embstore._kernels._bag_kernels", BAG_CDEF, "bag_kernels.c", "c99")
+bag_ffibuilder = _builder("embstore._kernels._bag_kernels", BAG_CDEF, "bag_kernels.c", "c99",
+                          ("-ffp-contract=off", "-fno-fast-math"))
+
+OPTIM_CDEF = """
+int64_t optim_step_f32(int rule, int decay, float lr, float eps, float wd, float *rows,
+                       int64_t width, const float *grads, int64_t n, int64_t dim,
+                       float *scratch);
+int64_t optim_step_slots_f32(int rule, int decay, float lr, float eps, float wd,
+                             char *const *slabs, int shift, const int32_t *slots,
+                             int64_t width, const float *grads, int64_t n, int64_t dim,
+                             float *preimage, float *scratch);
+int slots_distinct(const int32_t *slots, int64_t n, uint64_t *bits);
+"""
+
+# The optimizer rules must round every operation once, on every machine: no fused
+# multiply-add (contraction) and no fast-math reassociation.
+optim_ffibuilder = _builder("embstore._kernels._optim_kernels", OPTIM_CDEF, "optim_kernels.c",
+                            "c99", ("-ffp-contract=off", "-fno-fast-math"))
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
     checksum_ffibuilder.compile(verbose=True)
     policy_ffibuilder.compile(verbose=True)
     bag_ffibuilder.compile(verbose=True)
+    optim_ffibuilder.compile(verbose=True)

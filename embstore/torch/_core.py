@@ -114,12 +114,15 @@ def lookup_rows(store: EmbeddingStore, table: str, ids: np.ndarray) -> torch.Ten
     return torch.from_numpy(np.ascontiguousarray(rows))
 
 
-def fetch(store: EmbeddingStore, plan: ForwardPlan, device: torch.device) -> None:
+def fetch(store: Any, plan: ForwardPlan, device: torch.device) -> None:
     """Look up the distinct rows of every table of `plan` not staged yet; onto `device`."""
-    for tp in plan.tables:
-        if tp.rows is not None:
-            continue
-        rows = lookup_rows(store, tp.table, tp.groups.unique)
+    todo = [tp for tp in plan.tables if tp.rows is None]
+    many = None
+    if todo and getattr(store, "collective", False):  # sharded: one exchange for all tables
+        many = store.lookup_many({tp.table: tp.groups.unique for tp in todo})
+    for tp in todo:
+        rows = (lookup_rows(store, tp.table, tp.groups.unique) if many is None
+                else torch.from_numpy(np.ascontiguousarray(many[tp.table])))
         inverse = torch.from_numpy(tp.groups.inverse)
         if device.type != "cpu":
             rows, inverse = rows.to(device), inverse.to(device)
@@ -266,8 +269,13 @@ def remove_update_listener(hook: UpdateHook) -> None:
             _listeners.remove(hook)
 
 
-def _apply(store: EmbeddingStore, tp: TablePlan, grads: np.ndarray, *, summed: bool) -> None:
-    """Apply the table's optimizer: `grads` per position ([N, dim]) or per distinct id."""
+def _distinct_grads(tp: TablePlan, grads: np.ndarray, *, summed: bool
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Sum `grads` per distinct id: (distinct ids, their gradients).
+
+    `grads` are per position ([N, dim]) or, with `summed`, per distinct id already; the
+    padding id is left out.
+    """
     unique = tp.groups.unique
     if not summed:
         grads = tp.groups.sum_rows(grads) if tp.groups.has_duplicates else grads
@@ -275,12 +283,49 @@ def _apply(store: EmbeddingStore, tp: TablePlan, grads: np.ndarray, *, summed: b
         keep = np.ones(len(unique), dtype=bool)
         keep[tp.padding] = False
         unique, grads = unique[keep], grads[keep]
-    grads = np.ascontiguousarray(grads)
-    store.apply_gradients(tp.table, unique, grads)
+    return unique, np.ascontiguousarray(grads)
+
+
+def _notify(store: EmbeddingStore, table: str, unique: np.ndarray) -> None:
     with _listeners_lock:
         hooks = list(_listeners)
     for hook in hooks:
-        hook(store, tp.table, unique)
+        hook(store, table, unique)
+
+
+def _table_update(tp: TablePlan, mode: str, grads: tuple[torch.Tensor, ...], saved: list[Any]
+                  ) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor | None]]:
+    """One table's backward: (distinct ids, their gradients, per-sample weights' grads)."""
+    weight_grads: list[torch.Tensor | None] = []
+    if mode == "max":
+        total = None
+        for g, sv in zip(grads, saved, strict=True):
+            part = _max_grads(tp, g, sv)
+            total = part if total is None else total + part
+        assert total is not None
+        unique, distinct = _distinct_grads(tp, total.detach().cpu().numpy(), summed=True)
+        return unique, distinct, weight_grads
+    if mode != "none" and all(g.device.type == "cpu" and g.dtype == torch.float32
+                              for g in grads):
+        for fp, g in zip(tp.features, grads, strict=True):
+            if fp.bags.per_sample_weights is not None:
+                weight_grads.append(_weight_grad(tp, fp, g))
+        unique, distinct = _distinct_grads(tp, _summed_bag_grads(tp, mode, grads, saved),
+                                           summed=True)
+        return unique, distinct, weight_grads
+    parts = []
+    for fp, g, sv in zip(tp.features, grads, saved, strict=True):
+        pos, wg = _position_grads(tp, fp, mode, g, sv)
+        parts.append(pos)
+        if fp.bags.per_sample_weights is not None:
+            weight_grads.append(wg)
+    pos_all = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if tp.padding is not None:
+        assert tp.inverse is not None
+        pos_all = pos_all.masked_fill((tp.inverse == tp.padding)[:, None], 0.0)
+    unique, distinct = _distinct_grads(tp, np.ascontiguousarray(pos_all.detach().cpu().numpy()),
+                                       summed=False)
+    return unique, distinct, weight_grads
 
 
 class _TableFunction(torch.autograd.Function):
@@ -296,33 +341,42 @@ class _TableFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        tp, mode = ctx.tp, ctx.mode
-        weight_grads: list[torch.Tensor | None] = []
-        if mode == "max":
-            total = None
-            for g, saved in zip(grads, ctx.saved, strict=True):
-                part = _max_grads(tp, g, saved)
-                total = part if total is None else total + part
-            assert total is not None
-            _apply(ctx.store, tp, total.detach().cpu().numpy(), summed=True)
-        elif mode != "none" and all(g.device.type == "cpu" and g.dtype == torch.float32
-                                    for g in grads):
-            for fp, g in zip(tp.features, grads, strict=True):
-                if fp.bags.per_sample_weights is not None:
-                    weight_grads.append(_weight_grad(tp, fp, g))
-            _apply(ctx.store, tp, _summed_bag_grads(tp, mode, grads, ctx.saved), summed=True)
-        else:
-            parts = []
-            for fp, g, saved in zip(tp.features, grads, ctx.saved, strict=True):
-                pos, wg = _position_grads(tp, fp, mode, g, saved)
-                parts.append(pos)
-                if fp.bags.per_sample_weights is not None:
-                    weight_grads.append(wg)
-            pos_all = parts[0] if len(parts) == 1 else torch.cat(parts)
-            if tp.padding is not None:
-                pos_all = pos_all.masked_fill((tp.inverse == tp.padding)[:, None], 0.0)
-            _apply(ctx.store, tp, np.ascontiguousarray(pos_all.detach().cpu().numpy()),
-                   summed=False)
+        unique, distinct, weight_grads = _table_update(ctx.tp, ctx.mode, grads, ctx.saved)
+        ctx.store.apply_gradients(ctx.tp.table, unique, distinct)
+        _notify(ctx.store, ctx.tp.table, unique)
+        return (None, None, None, None, *weight_grads)
+
+
+class _CollectiveFunction(torch.autograd.Function):
+    """All tables of a forward over a collective (sharded) store, with one update call.
+
+    So every rank makes the same collective calls in the same order, one exchange a step.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, trigger: torch.Tensor, store: Any, tps: list[TablePlan],
+                mode: str, *weights: torch.Tensor) -> Any:
+        outs, saved = [], []
+        for tp in tps:
+            o, sv = _forward_outputs(tp, mode)
+            outs += o
+            saved.append(sv)
+        ctx.store, ctx.tps, ctx.mode, ctx.saved = store, tps, mode, saved
+        ctx.set_materialize_grads(True)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        updates, weight_grads, at = {}, [], 0
+        for tp, saved in zip(ctx.tps, ctx.saved, strict=True):
+            n = len(tp.features)
+            unique, distinct, wg = _table_update(tp, ctx.mode, grads[at: at + n], saved)
+            at += n
+            updates[tp.table] = (unique, distinct)
+            weight_grads += wg
+        ctx.store.apply_gradients_many(updates)
+        for table, (unique, _) in updates.items():
+            _notify(ctx.store, table, unique)
         return (None, None, None, None, *weight_grads)
 
 
@@ -333,6 +387,15 @@ def run(store: EmbeddingStore, plan: ForwardPlan, mode: str, *, train: bool
     With `train`, the outputs are connected to autograd and their backward updates the store.
     """
     outs: dict[str, torch.Tensor] = {}
+    if train and getattr(store, "collective", False):
+        weights = [fp.bags.per_sample_weights for tp in plan.tables for fp in tp.features
+                   if fp.bags.per_sample_weights is not None]
+        results = _CollectiveFunction.apply(  # type: ignore[no-untyped-call]
+            _TRIGGER, store, plan.tables, mode, *weights)
+        for fp, out in zip([fp for tp in plan.tables for fp in tp.features], results,
+                           strict=True):
+            outs[fp.name] = out
+        return [outs[name] for name in plan.order]
     for tp in plan.tables:
         if tp.ready is not None:  # staged on a side stream: wait for the copy, and keep
             # the allocator from reusing the memory while this stream still reads it

@@ -41,10 +41,14 @@ def _same(a: Any, b: Any) -> bool:
 class _StoreModule(nn.Module):
     """Common base: the store, the device, and the plan staged by a pipeline."""
 
-    def __init__(self, store: EmbeddingStore, tables: list[str], padding_idx: int | None,
+    def __init__(self, store: Any, tables: list[str], padding_idx: int | None,
                  mode: str) -> None:
         super().__init__()
-        if not isinstance(store, EmbeddingStore):
+        if not isinstance(store, EmbeddingStore) and not all(
+                callable(getattr(store, m, None))
+                for m in ("lookup", "apply_gradients", "table_spec")):
+            # any store with EmbeddingStore's lookup/apply_gradients/table_spec will do,
+            # such as embstore.distributed's sharded store (whose calls are collective)
             raise ConfigError(f"store must be an open embstore.EmbeddingStore, got "
                               f"{type(store).__name__}")
         if mode not in MODES and mode != "none":

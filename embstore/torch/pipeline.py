@@ -41,6 +41,11 @@ B = TypeVar("B")
 _END = object()
 
 
+def _collective(module: _StoreModule) -> bool:
+    """Whether the module's store is collective (embstore.distributed's sharded store)."""
+    return bool(getattr(module.store, "collective", False))
+
+
 class TrainPipeline(Generic[B]):
     """Iterate `batches` with the store rows of the next `depth` batches fetched ahead.
 
@@ -119,7 +124,8 @@ class TrainPipeline(Generic[B]):
                                                         else (args,)))
                     except EmbstoreError:
                         continue  # the forward itself checks again and raises in order
-                    self._fetch(module, plan, read_at)
+                    if not _collective(module):
+                        self._fetch(module, plan, read_at)
                     staged.append((module, plan))
                 self._queue.put((batch, staged, read_at, None))
         except BaseException as exc:  # handed to the training loop, never lost
@@ -173,6 +179,10 @@ class TrainPipeline(Generic[B]):
         self._holding = True
         self._refresh(staged, read_at)
         for module, plan in staged:
+            if _collective(module):
+                # a sharded store's lookups are collective: every rank makes them on its
+                # training thread, in step order (only the grouping of ids was done ahead)
+                module.fetch_forward(plan)
             module.stage(plan)
             self._touched.add(module)
         return cast(B, batch)
@@ -187,6 +197,8 @@ class TrainPipeline(Generic[B]):
         if not log or not self._exact:
             return
         for module, plan in staged:
+            if _collective(module):
+                continue  # fetched after every earlier update, nothing to refresh
             for tp in plan.tables:
                 if tp.rows is None:
                     continue  # not staged: the forward reads the store itself

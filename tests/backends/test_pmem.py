@@ -548,14 +548,22 @@ def test_sigkill_never_loses_a_flushed_row_nor_tears_one(tmp_path, mapping):
     rng = np.random.default_rng(7)
     for trial in range(3):
         path = tmp_path / f"trial{trial}"
+        # unbuffered: what readline reads, communicate() (which reads the descriptor) must
+        # not have had read ahead of it
         child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path),
                                   str(Path(__file__).parent)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(1.0 + rng.uniform(0, 0.8))
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+        acked = []
+        while len(acked) < 4:  # started, whatever the machine's load: then kill at random
+            line = child.stdout.readline()
+            if not line:
+                break
+            acked.append(int(line))
+        time.sleep(rng.uniform(0, 0.8))
         child.send_signal(signal.SIGKILL)
         out, err = child.communicate(timeout=60)
-        acked = [int(line) for line in out.split()]
-        assert child.returncode == -signal.SIGKILL, err
+        acked += [int(line) for line in out.split()]
+        assert child.returncode == -signal.SIGKILL, err.decode(errors="replace")
         last = acked[-1] if acked else -1
         # every id's value as of the last acknowledged flush; the step after it was running
         # (or done but not yet reported) when the kill came, and may have left its values

@@ -129,8 +129,10 @@ def _run_and_kill(name: str, path: Path, seed: int, rng: np.random.Generator,
     """Run the writer, SIGKILL it at a random point, return every step it acknowledged."""
     cfg = {"name": name, "path": str(path), "seed": seed, "constants": CONSTANTS,
            "schedule": SCHEDULE}
+    # unbuffered bytes: a buffered reader's readline may read ahead lines that communicate()
+    # (which reads the descriptor itself) would then never see, and acks would go missing
     child = subprocess.Popen([sys.executable, "-c", child_code, json.dumps(cfg)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
     acks: list[int] = []
     try:
         wanted = int(rng.integers(1, MAX_ACKS + 1))
@@ -138,13 +140,15 @@ def _run_and_kill(name: str, path: Path, seed: int, rng: np.random.Generator,
             line = child.stdout.readline()
             if not line:
                 child.wait(timeout=30)
-                pytest.fail(f"the {name} writer died on its own: {child.stderr.read()}")
+                pytest.fail(f"the {name} writer died on its own: "
+                            f"{child.stderr.read().decode(errors='replace')}")
             acks.append(int(line.split()[1]))
         # Kill somewhere in the next steps: while writing, flushing, or between the two.
         time.sleep(float(rng.uniform(0.0, 0.03)))
     finally:
         child.send_signal(signal.SIGKILL)
-        out, _ = child.communicate(timeout=30)
+        raw, _ = child.communicate(timeout=30)
+        out = raw.decode()
     assert child.returncode == -signal.SIGKILL
     # Whole lines the child printed before it died are acknowledgements too; a line the kill
     # cut short is dropped (that only widens the states the check allows, never narrows them).

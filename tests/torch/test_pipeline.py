@@ -235,3 +235,29 @@ def test_cuda_staging_is_bit_identical_to_the_cpu_loop():
         # the dense part runs on another device (other kernels): tables agree to rounding
         np.testing.assert_allclose(store.lookup(t, np.arange(ROWS)), plain[0][t][0],
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_an_unlocked_prefetch_never_promotes_a_row_changed_meanwhile(tmp_path):
+    # the read of the store of record runs without the lock: a row deleted (or written back)
+    # while it reads must not reach the DRAM tier from that read
+    from embstore import _prefetch
+
+    spec = embstore.TableSpec("t", dim=8, init=embstore.init.Constant(5.0))
+    tiers = [embstore.TierSpec("dram", capacity=100), embstore.TierSpec("rocksdb")]
+    with embstore.open(tmp_path / "s", tables=[spec], tiers=tiers) as store:
+        ids = np.arange(20)
+        store.update("t", ids, np.zeros((20, 8), np.float32))
+        store.close()
+    with embstore.open(tmp_path / "s") as store:  # caches start empty: all rows below
+        chain = store._tables["t"].chain
+        with store._mutex:
+            missing, job = _prefetch.begin(chain, ids)
+        assert job is not None and missing == 20
+        rows, found = job.read()  # the bottom's zeros
+        store.delete("t", np.array([3]))  # reads the initial value (5) from now on
+        with store._mutex:
+            _prefetch.end(chain, job, rows, found)
+        assert not chain.watchers
+        np.testing.assert_array_equal(store.lookup("t", np.array([3, 4])),
+                                      [[5.0] * 8, [0.0] * 8])
+        assert chain.tiers[0].backend.contains(np.array([4]))[0]  # the others came up

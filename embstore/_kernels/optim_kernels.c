@@ -1,0 +1,179 @@
+/* The fused optimizer rules for float32 rows: one implementation, used by every tier layout.
+ *
+ * A stored row is [weights (dim) | state]; `rows` holds n such rows of `width` floats each,
+ * C-contiguous. Each rule updates a row in place from its (already summed) gradient, with
+ * exactly the float32 operations of the numpy rules in embstore/_optim_rules.py, in the same
+ * order, each rounded once: built with -ffp-contract=off and without -ffast-math, so no
+ * multiply-add is fused and nothing is reassociated, and the results are the same bits on
+ * every machine (and the same as the numpy rules, which the tests check).
+ *
+ * Row mean of row-wise Adagrad: sum(g*g) over the row is added in numpy's pairwise order
+ * (what np.add.reduce does along a contiguous row): rows shorter than 8 left to right from
+ * -0.0; up to 128 elements in 8 interleaved partial sums r[k] += a[i+k], combined as
+ * ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), then the tail left to right; longer rows split in two
+ * halves (the first a multiple of 8 long) summed recursively and added. Then sum / dim.
+ *
+ * Every entry point returns the index of the first row whose result holds a NaN or an
+ * infinity (weights or state), or -1; the caller decides whether that is an error (it writes
+ * nothing back then).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+enum { RULE_SGD = 0, RULE_ADAGRAD = 1, RULE_ROWWISE_ADAGRAD = 2 };
+enum { DECAY_NONE = 0, DECAY_L2 = 1, DECAY_DECOUPLED = 2 };
+
+static float pairwise_sum(const float *a, int64_t n) {
+    if (n < 8) {
+        float res = -0.0f;
+        for (int64_t i = 0; i < n; i++) res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        float r[8];
+        int64_t i;
+        for (int k = 0; k < 8; k++) r[k] = a[k];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int k = 0; k < 8; k++) r[k] += a[i + k];
+        float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
+}
+
+static inline int all_finite(const float *x, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &x[i], 4);
+        bad |= (uint32_t)((bits & 0x7f800000u) == 0x7f800000u);
+    }
+    return !bad;
+}
+
+/* scratch: at least dim floats */
+static inline void step_row(int rule, int decay, float lr, float eps, float wd, float *w,
+                            const float *g, int64_t dim, float *scratch) {
+    switch (rule) {
+    case RULE_SGD:
+        if (decay) {
+            for (int64_t c = 0; c < dim; c++) {
+                float d = g[c] + wd * w[c];
+                w[c] = w[c] - lr * d;
+            }
+        } else {
+            for (int64_t c = 0; c < dim; c++) w[c] = w[c] - lr * g[c];
+        }
+        break;
+    case RULE_ADAGRAD: {
+        float *acc = w + dim;
+        for (int64_t c = 0; c < dim; c++) {
+            float d = decay ? g[c] + wd * w[c] : g[c];
+            float a = acc[c] + d * d;
+            acc[c] = a;
+            float std = sqrtf(a) + eps;
+            float u = (d * lr) / std;
+            w[c] = w[c] - u;
+        }
+        break;
+    }
+    case RULE_ROWWISE_ADAGRAD: {
+        float *acc = w + dim;
+        if (decay == DECAY_L2) {
+            for (int64_t c = 0; c < dim; c++) {
+                float d = g[c] + wd * w[c];
+                scratch[c] = d * d;
+            }
+        } else {
+            for (int64_t c = 0; c < dim; c++) scratch[c] = g[c] * g[c];
+        }
+        float mean = pairwise_sum(scratch, dim) / (float)dim;
+        float a = acc[0] + mean;
+        acc[0] = a;
+        float m = lr / (sqrtf(a) + eps);
+        if (decay == DECAY_L2) {
+            float corr = 1.0f - m * wd;
+            for (int64_t c = 0; c < dim; c++) w[c] = w[c] * corr - g[c] * m;
+        } else if (decay == DECAY_DECOUPLED) {
+            float corr = 1.0f - lr * wd;
+            for (int64_t c = 0; c < dim; c++) w[c] = w[c] * corr - g[c] * m;
+        } else {
+            for (int64_t c = 0; c < dim; c++) w[c] = w[c] - g[c] * m;
+        }
+        break;
+    }
+    }
+}
+
+/* Rows in place: rows[n, width] (weights then state), grads[n, dim]. */
+int64_t optim_step_f32(int rule, int decay, float lr, float eps, float wd, float *rows,
+                       int64_t width, const float *grads, int64_t n, int64_t dim,
+                       float *scratch) {
+    int64_t first_bad = -1;
+    for (int64_t j = 0; j < n; j++) {
+        float *w = rows + j * width;
+        step_row(rule, decay, lr, eps, wd, w, grads + j * dim, dim, scratch);
+        if (first_bad < 0 && !all_finite(w, width)) first_bad = j;
+    }
+    return first_bad;
+}
+
+/* Rows are prefetched ROW_AHEAD rows on, so that their cache misses overlap. */
+#define ROW_AHEAD 8
+
+/* Step the rows at `slots` of chunked slabs in place, in one pass (rows prefetched ROW_AHEAD
+ * on). Where `preimage` is not NULL each row is first copied there ([n, width]), and at the
+ * first row whose result is not finite every row stepped so far is restored from it and the
+ * pass stops: the slabs are then as before the call. Returns that row, or -1. */
+int64_t optim_step_slots_f32(int rule, int decay, float lr, float eps, float wd,
+                             char *const *slabs, int shift, const int32_t *slots,
+                             int64_t width, const float *grads, int64_t n, int64_t dim,
+                             float *preimage, float *scratch) {
+    const uint64_t chunk_mask = ((uint64_t)1 << shift) - 1;
+    const int64_t row_bytes = width * (int64_t)sizeof(float);
+    int64_t first_bad = -1;
+    for (int64_t j = 0; j < n; j++) {
+        if (j + ROW_AHEAD < n) {
+            uint64_t a = (uint64_t)slots[j + ROW_AHEAD];
+            const char *p = slabs[a >> shift] + (a & chunk_mask) * row_bytes;
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 1);
+            __builtin_prefetch(p + row_bytes - 1, 1);
+        }
+        uint64_t v = (uint64_t)slots[j];
+        float *w = (float *)(slabs[v >> shift] + (v & chunk_mask) * row_bytes);
+        if (preimage) memcpy(preimage + j * width, w, row_bytes);
+        step_row(rule, decay, lr, eps, wd, w, grads + j * dim, dim, scratch);
+        if (first_bad < 0 && !all_finite(w, width)) {
+            first_bad = j;
+            if (preimage) {
+                for (int64_t k = 0; k <= j; k++) {
+                    uint64_t s = (uint64_t)slots[k];
+                    memcpy(slabs[s >> shift] + (s & chunk_mask) * row_bytes,
+                           preimage + k * width, row_bytes);
+                }
+                return first_bad;
+            }
+        }
+    }
+    return first_bad;
+}
+
+/* Whether `slots` (n of them, each < 64 * words) are distinct: a bit per slot in `bits`
+ * (all zero on entry and again on return). Cheaper than grouping the ids by hash when, as
+ * usual, the caller passes each id once: the bitmap of a 10M-row table is 1.25 MB. */
+int slots_distinct(const int32_t *slots, int64_t n, uint64_t *bits) {
+    int64_t j = 0;
+    int distinct = 1;
+    for (; j < n; j++) {
+        uint32_t s = (uint32_t)slots[j];
+        uint64_t mask = (uint64_t)1 << (s & 63);
+        if (bits[s >> 6] & mask) { distinct = 0; break; }
+        bits[s >> 6] |= mask;
+    }
+    for (int64_t k = 0; k < j; k++) bits[(uint32_t)slots[k] >> 6] = 0;
+    return distinct;
+}

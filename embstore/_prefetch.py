@@ -1,0 +1,109 @@
+"""Prefetching rows from the store of record without holding the store's lock.
+
+A pipeline brings the next batches' rows up into a table's DRAM tier while the current batch
+trains. Reading them from the bottom tier (RocksDB, LMDB) is the slow part, and a read under
+the store's lock would stall the training thread's own calls for as long. So the read runs
+unlocked, in three steps:
+
+1. `begin` (lock held): the distinct ids the DRAM tier lacks, less those with a write-back
+   still queued for the bottom (their stored value is not the latest yet); the job is then
+   registered with the chain, which tells it every id written to or deleted from the bottom
+   from now on (`TableChain.note_bottom_write`);
+2. `read` (no lock): the bottom backend's own `get`, concurrently with the training thread
+   and the write-back thread; only backends with `supports_concurrent_reads` are read so;
+3. `end` (lock held): rows of ids that were written or deleted meanwhile, or that reached
+   the DRAM tier meanwhile (they are newer there), are dropped; the rest are promoted into
+   the DRAM tier as clean rows, as a lookup would have promoted them.
+
+So a prefetched row is one the bottom held after every write that reached it before `end`:
+what a lookup at `end` would have promoted. Values never depend on prefetching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .index import IdGroups, IdIndex
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .hierarchy import TableChain
+
+__all__ = ["PrefetchJob", "begin", "end"]
+
+
+@dataclass
+class PrefetchJob:
+    """One unlocked read of a chain's bottom tier, between `begin` and `end`."""
+
+    ids: np.ndarray
+    """Distinct ids to read (int64)."""
+    backend: Backend
+    """The bottom tier's own backend (not the draining view)."""
+    written: list[np.ndarray] = field(default_factory=list)
+    """Ids written to or deleted from the bottom since `begin`."""
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """The bottom's rows and found mask of `ids`; call without the store's lock."""
+        return self.backend.get(self.ids)
+
+
+def begin(chain: TableChain, ids: np.ndarray) -> tuple[int, PrefetchJob | None]:
+    """Start prefetching `ids` into `chain`'s top tier (the store's lock held).
+
+    Returns the number of distinct ids the top tier lacks, and the job to read them without
+    the lock, or None when there is nothing to read or the chain cannot be read so (then the
+    rows were brought up under the lock, as `TableChain.prefetch` does).
+    """
+    if len(chain.tiers) == 1:
+        return 0, None
+    u = IdGroups(np.ascontiguousarray(ids)).unique
+    top, bottom = chain.tiers[0], chain.tiers[-1]
+    missing = np.ascontiguousarray(u[~top.backend.contains(u)])
+    raw = getattr(bottom.backend, "wrapped", bottom.backend)
+    writer = chain.writer
+    if (not len(missing) or len(chain.tiers) != 2 or writer is None
+            or not raw.supports_concurrent_reads):
+        return chain.prefetch(ids), None
+    pending = writer.pending_ids()
+    if len(pending):
+        queued = IdIndex(2 * len(pending))
+        queued.add(IdGroups(pending).unique)
+        missing = np.ascontiguousarray(missing[queued.find(missing) < 0])
+        if not len(missing):
+            return 0, None
+    job = PrefetchJob(missing, raw)
+    chain.watchers.append(job)
+    return len(missing), job
+
+
+def end(chain: TableChain, job: PrefetchJob, rows: np.ndarray | None,
+        found: np.ndarray | None) -> None:
+    """Promote what `job` read that is still current (the store's lock held).
+
+    `rows` None: the read failed; the job is only unregistered.
+    """
+    chain.watchers.remove(job)
+    if rows is None or found is None:
+        return
+    keep = found.copy()
+    if job.written:
+        written = IdGroups(np.ascontiguousarray(np.concatenate(job.written))).unique
+        changed = IdIndex(2 * len(written))
+        changed.add(written)
+        keep &= changed.find(job.ids) < 0
+    if keep.any():
+        keep[keep] = ~chain.tiers[0].backend.contains(np.ascontiguousarray(job.ids[keep]))
+    bottom = chain.tiers[-1]
+    hits = int(np.count_nonzero(found))
+    bottom.counters["lookups"] += len(job.ids)
+    bottom.counters["hits"] += hits
+    bottom.counters["misses"] += len(job.ids) - hits
+    sel = np.flatnonzero(keep)
+    if len(sel):
+        level_of = np.full(len(sel), bottom.level, dtype=np.int64)
+        chain.promote(np.ascontiguousarray(job.ids[sel]), np.ascontiguousarray(rows[sel]),
+                      level_of)

@@ -1,0 +1,137 @@
+"""All-to-all exchanges of byte buffers over a torch.distributed group (gloo or NCCL).
+
+Every exchange is collective: each rank passes one buffer per destination rank and gets one
+buffer per source rank, in rank order. A failure of the transport (a peer that died, a peer
+that stopped calling, the group's timeout) becomes `PeerFailedError`, and ranks that made
+different calls are caught by a signature sent with the sizes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, PeerFailedError
+
+__all__ = ["Comm", "as_bytes"]
+
+_REJECTED = -1
+"""The signature a rank sends in place of a call whose input it rejected."""
+
+
+def as_bytes(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array viewed as uint8[nbytes]."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def signature(text: str) -> int:
+    """A stable 31-bit digest of a call's description."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent to other ranks (itself excluded), and the minimum for the same calls.
+
+    The minimum sends each distinct id and each distinct row (or gradient row) once per owner.
+    """
+
+    sent: int = 0
+    minimum: int = 0
+    exchanges: int = 0
+
+
+class Comm:
+    """The group, this rank's place in it, and the exchanges."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout_s = timeout_s
+        self.traffic = Traffic()
+        # an NCCL group moves CUDA tensors only: buffers are staged on this rank's GPU
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if nccl
+                       else torch.device("cpu"))
+
+    def _fail(self, what: str, exc: BaseException) -> PeerFailedError:
+        return PeerFailedError(
+            f"rank {self.rank}: the collective {what} failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); another rank died, raised, or "
+            f"did not make the same call within {self.timeout_s:g} s. Every rank must call the "
+            "sharded store's methods in the same order; restart all ranks from the last "
+            "checkpoint")
+
+    def exchange(self, sends: list[np.ndarray], what: str,
+                 recv_sizes: list[int] | None = None) -> list[np.ndarray]:
+        """Send uint8 buffer `sends[r]` to every rank r; return the buffer from each rank.
+
+        With `recv_sizes` the sizes are already known to both sides and not exchanged.
+        """
+        sizes = [len(s) for s in sends]
+        if recv_sizes is None:
+            sig = signature(what)
+            meta = torch.tensor([[sig, n] for n in sizes], dtype=torch.int64,
+                                device=self.device)
+            got = torch.empty_like(meta)
+            self._run(lambda: dist.all_to_all_single(got, meta, group=self.group), what)
+            got = got.cpu()
+            rejected = [r for r in range(self.world) if int(got[r, 0]) == _REJECTED]
+            if rejected:
+                raise PeerFailedError(
+                    f"rank(s) {rejected} rejected their input to {what!r} (their own error "
+                    "says why); nothing was changed on any rank and the store stays usable")
+            bad = [r for r in range(self.world) if int(got[r, 0]) != sig]
+            if bad:
+                raise ConfigError(f"rank {self.rank} called {what!r} while rank(s) {bad} made "
+                                  "another call: every rank must call the sharded store's "
+                                  "methods in the same order, with the same tables")
+            recv_sizes = [int(n) for n in got[:, 1]]
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        payload = np.concatenate(sends) if sends else np.empty(0, np.uint8)
+        inp = torch.from_numpy(payload).to(self.device)
+        self._run(lambda: dist.all_to_all_single(out, inp, recv_sizes, sizes, group=self.group),
+                  what)
+        out = out.cpu()
+        self.traffic.sent += sum(n for r, n in enumerate(sizes) if r != self.rank)
+        self.traffic.exchanges += 1
+        data = out.numpy()
+        bounds = np.cumsum([0, *recv_sizes])
+        return [data[bounds[r]:bounds[r + 1]] for r in range(self.world)]
+
+    def abort(self, what: str, exc: BaseException) -> None:
+        """Take part in a call's first exchange only to say this rank rejected its input.
+
+        The caller raises its own error `exc` next, the other ranks PeerFailedError.
+        """
+        meta = torch.tensor([[_REJECTED, 0]] * self.world, dtype=torch.int64,
+                            device=self.device)
+        got = torch.empty_like(meta)
+        self._run(lambda: dist.all_to_all_single(got, meta, group=self.group), what)
+
+    def all_sum(self, value: int, what: str) -> int:
+        """Sum of an int over the group."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self._run(lambda: dist.all_reduce(t, group=self.group), what)
+        return int(t.cpu()[0])
+
+    def barrier(self, what: str) -> None:
+        """Wait for every rank (through a tiny all-reduce, which honours the timeout)."""
+        self.all_sum(0, what)
+
+    def gather_objects(self, obj: object, what: str) -> list[object]:
+        """Every rank's `obj`, in rank order."""
+        out: list[object] = [None] * self.world
+        self._run(lambda: dist.all_gather_object(out, obj, group=self.group), what)
+        return out
+
+    def _run(self, fn: object, what: str) -> None:
+        try:
+            fn()  # type: ignore[operator]
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail(what, exc) from exc

@@ -1,0 +1,142 @@
+"""Sharding plans: where each table's rows (or columns) live across the ranks of a group.
+
+A `Placement` says how one table is split:
+
+- ``"table"``: the whole table on one rank (``ranks=(r,)``);
+- ``"row"``: rows spread over ``ranks``, by a hash of the id (``split="hash"``) or by id ranges
+  (``split="range"``, ``bounds[k]`` is the first id of ``ranks[k+1]``);
+- ``"column"``: every row cut into column ranges, ``columns[k]:columns[k+1]`` on ``ranks[k]``.
+
+A rank holds at most one shard of a table (its local table keeps the table's name). A `Plan`
+maps every table to its placement and serialises to JSON, so a sharded store's directory and
+checkpoints record how they were cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..init import _mix64
+from ..spec import TableSpec
+
+__all__ = ["KINDS", "Placement", "Plan", "default_plan"]
+
+KINDS = ("table", "row", "column")
+_HASH_SEED = np.uint64(0x5EED5EED12345678)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one table is sharded. See the module docstring for the meaning of each field."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    split: str = "hash"
+    bounds: tuple[int, ...] = ()
+    columns: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "bounds", tuple(int(b) for b in self.bounds))
+        object.__setattr__(self, "columns", tuple(int(c) for c in self.columns))
+        if self.kind not in KINDS:
+            raise ConfigError(f"sharding kind must be one of {KINDS}, got {self.kind!r}")
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks):
+            raise ConfigError(f"placement ranks must be distinct and non-empty, got {self.ranks}")
+        if self.kind == "table" and len(self.ranks) != 1:
+            raise ConfigError(f"a table-wise placement has one rank, got {self.ranks}")
+        if self.kind == "row":
+            if self.split not in ("hash", "range"):
+                raise ConfigError(f"row-wise split must be 'hash' or 'range', got {self.split!r}")
+            if self.split == "range" and (len(self.bounds) != len(self.ranks) - 1
+                                          or list(self.bounds) != sorted(set(self.bounds))):
+                raise ConfigError(f"range split over {len(self.ranks)} ranks needs "
+                                  f"{len(self.ranks) - 1} increasing bounds, got {self.bounds}")
+        if self.kind == "column":
+            c = self.columns
+            if len(c) != len(self.ranks) + 1 or c[0] != 0 or any(np.diff(c) <= 0):
+                raise ConfigError(f"column-wise placement over {len(self.ranks)} ranks needs "
+                                  f"{len(self.ranks) + 1} increasing offsets from 0, got {c}")
+
+    # --- routing -------------------------------------------------------------------------
+
+    def owner_index(self, ids: np.ndarray) -> np.ndarray:
+        """Index into `ranks` of the owner of each id (int64[N]); row/table-wise only."""
+        n = len(self.ranks)
+        if n == 1:
+            return np.zeros(len(ids), dtype=np.int64)
+        if self.split == "range":
+            return np.searchsorted(np.asarray(self.bounds, dtype=np.int64), ids, side="right")
+        h = _mix64(ids.astype(np.int64).view(np.uint64) ^ _HASH_SEED)
+        return (h % np.uint64(n)).astype(np.int64)
+
+    def column_range(self, rank: int) -> tuple[int, int]:
+        """Columns [start, stop) of `rank`'s shard of a column-wise table."""
+        k = self.ranks.index(rank)
+        return self.columns[k], self.columns[k + 1]
+
+    def counting_rank(self) -> int:
+        """The one rank whose shard counts rows for the whole table (first column shard)."""
+        return self.ranks[0]
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        return {"kind": self.kind, "ranks": list(self.ranks), "split": self.split,
+                "bounds": list(self.bounds), "columns": list(self.columns)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Placement:
+        """Inverse of `to_json`."""
+        return cls(data["kind"], tuple(data["ranks"]), data.get("split", "hash"),
+                   tuple(data.get("bounds", ())), tuple(data.get("columns", ())))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Placement of every table over `world_size` ranks."""
+
+    world_size: int
+    tables: Mapping[str, Placement] = field(default_factory=dict)
+
+    def check(self, specs: list[TableSpec]) -> None:
+        """Raise ConfigError unless the plan places exactly `specs` within the world."""
+        names = {s.name for s in specs}
+        if set(self.tables) != names:
+            raise ConfigError(f"the plan places {sorted(self.tables)} but the tables are "
+                              f"{sorted(names)}; give one placement per table")
+        for spec in specs:
+            p = self.tables[spec.name]
+            if max(p.ranks) >= self.world_size or min(p.ranks) < 0:
+                raise ConfigError(f"table {spec.name!r} placed on ranks {p.ranks}, outside a "
+                                  f"world of {self.world_size}")
+            if p.kind == "column" and p.columns[-1] != spec.dim:
+                raise ConfigError(f"table {spec.name!r}: column offsets {p.columns} must end "
+                                  f"at its dim {spec.dim}")
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        return {"world_size": self.world_size,
+                "tables": {t: p.to_json() for t, p in self.tables.items()}}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        """Inverse of `to_json`."""
+        return cls(int(data["world_size"]),
+                   {t: Placement.from_json(p) for t, p in data["tables"].items()})
+
+
+def even_columns(dim: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """Column offsets cutting `dim` into len(ranks) near-equal parts (each at least 1)."""
+    n = min(len(ranks), dim)
+    return tuple(int(x) for x in np.linspace(0, dim, n + 1).round().astype(int))
+
+
+def default_plan(specs: list[TableSpec], world_size: int) -> Plan:
+    """Every table row-wise by hash over all ranks (balanced for any id distribution)."""
+    ranks = tuple(range(world_size))
+    return Plan(world_size, {s.name: Placement("row", ranks) for s in specs})

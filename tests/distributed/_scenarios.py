@@ -1,0 +1,292 @@
+"""What each rank runs in the distributed tests (module-level, so spawned processes find it).
+
+Every rank builds the same inputs for every rank from seeds, so each one can also feed a
+single-process store the ranks' inputs concatenated in rank order and compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+import embstore
+import embstore.distributed as ed
+from embstore import optim
+from embstore.distributed import Placement, Plan
+
+ID_RANGE = 40
+
+
+def specs() -> list[embstore.TableSpec]:
+    """Tables covering the optimizers, with hashed initial values that differ per column."""
+    u = embstore.init.Uniform
+    return [
+        embstore.TableSpec("t_sgd", 5, init=u(seed=1), optimizer=optim.SGD(0.1, weight_decay=0.01)),
+        embstore.TableSpec("r_adagrad", 4, init=u(seed=2), optimizer=optim.Adagrad(0.1)),
+        embstore.TableSpec("r_adam", 3, init=u(seed=3), optimizer=optim.Adam(0.01)),
+        embstore.TableSpec("c_rowwise", 7, init=u(seed=4),
+                           optimizer=optim.RowWiseAdagrad(0.1, weight_decay=0.05)),
+        embstore.TableSpec("c_adam", 6, init=embstore.init.Normal(seed=5),
+                           optimizer=optim.AdamW(0.01)),
+        embstore.TableSpec("r_rowwise", 8, init=u(seed=6),
+                           optimizer=optim.RowWiseAdagrad(0.1, weight_decay=0.01,
+                                                          weight_decay_mode="decoupled")),
+    ]
+
+
+def plan_a(world: int) -> Plan:
+    """One plan using every kind of sharding."""
+    last = world - 1
+    return Plan(world, {
+        "t_sgd": Placement("table", (last,)),
+        "r_adagrad": Placement("row", tuple(range(world))),
+        "r_adam": Placement("row", tuple(range(world))[::-1], "range",
+                            tuple(int(b) for b in np.linspace(0, ID_RANGE, world + 1)[1:-1])),
+        "c_rowwise": Placement("column", tuple(range(world)),
+                               columns={1: (0, 7), 2: (0, 3, 7), 4: (0, 1, 4, 6, 7)}[world]),
+        "c_adam": Placement("column", (last, 0), columns=(0, 2, 6)),
+        "r_rowwise": Placement("row", (0, last), "hash"),
+    })
+
+
+def plan_b(world: int) -> Plan:
+    """Another plan for the same tables (for resharding)."""
+    return Plan(world, {
+        "t_sgd": Placement("row", tuple(range(world))),
+        "r_adagrad": Placement("column", tuple(range(world)), columns=_even(4, world)),
+        "r_adam": Placement("table", (0,)),
+        "c_rowwise": Placement("row", tuple(range(world))[::-1]),
+        "c_adam": Placement("table", (world - 1,)),
+        "r_rowwise": Placement("column", (0,), columns=(0, 8)),
+    })
+
+
+def _even(dim: int, world: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.linspace(0, dim, world + 1).round())
+
+
+def inputs(step: int, rank: int, spec: embstore.TableSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Rank `rank`'s ids (with duplicates, some across ranks) and gradients at `step`."""
+    rng = np.random.default_rng([step, rank, spec.dim, len(spec.name)])
+    n = int(rng.integers(0, 30))
+    ids = rng.integers(0, ID_RANGE, n).astype(np.int64)
+    return ids, rng.standard_normal((n, spec.dim)).astype(spec.dtype)
+
+
+def reference(world: int, steps: int, store: embstore.EmbeddingStore | None = None
+              ) -> embstore.EmbeddingStore:
+    """A single-process store fed the ranks' inputs concatenated in rank order."""
+    ref = store or embstore.open(None, tables=specs())
+    for step in range(steps):
+        _step_ref(ref, world, step)
+    return ref
+
+
+def _step_ref(ref: embstore.EmbeddingStore, world: int, step: int) -> None:
+    for spec in specs():
+        parts = [inputs(step, r, spec) for r in range(world)]
+        ids = np.concatenate([p[0] for p in parts])
+        grads = np.concatenate([p[1] for p in parts])
+        if step == 1:
+            ref.update(spec.name, ids, grads * spec.dtype.type(0.01))
+        else:
+            ref.apply_gradients(spec.name, ids, grads)
+
+
+def _step_sharded(store: ed.ShardedStore, rank: int, step: int) -> None:
+    mine = {s.name: inputs(step, rank, s) for s in specs()}
+    if step == 1:
+        store.update_many({t: (i, g * g.dtype.type(0.01)) for t, (i, g) in mine.items()})
+    else:
+        store.apply_gradients_many(mine)
+
+
+def compare(store: ed.ShardedStore, ref: embstore.EmbeddingStore, rank: int) -> list[str]:
+    """Tables whose weights, state or row counts differ in any bit (empty: identical)."""
+    bad = []
+    everything = np.arange(ID_RANGE, dtype=np.int64)
+    # each rank asks for a different order of its own ids, duplicates included
+    asked = np.random.default_rng(rank).permutation(np.concatenate([everything, everything[:5]]))
+    for spec in specs():
+        w = store.lookup(spec.name, asked)
+        s = store.lookup_state(spec.name, asked)
+        if not np.array_equal(w.view(np.uint8), np.ascontiguousarray(
+                ref.lookup(spec.name, asked)).view(np.uint8)):
+            bad.append(f"{spec.name} weights")
+        if not np.array_equal(s.view(np.uint8), np.ascontiguousarray(
+                ref.lookup_state(spec.name, asked)).view(np.uint8)):
+            bad.append(f"{spec.name} state")
+        if store.num_rows(spec.name) != ref.num_rows(spec.name):
+            bad.append(f"{spec.name} rows {store.num_rows(spec.name)} != "
+                       f"{ref.num_rows(spec.name)}")
+    return bad
+
+
+def train_and_compare(rank: int, world: int, plan_name: str, steps: int) -> dict:
+    """Train with a plan, checking every lookup and the final tables against the reference."""
+    plan = {"a": plan_a, "b": plan_b}[plan_name](world)
+    ref = embstore.open(None, tables=specs())
+    bad: list[str] = []
+    with ed.open(None, tables=specs(), plan=plan, timeout_s=60) as store:
+        for step in range(steps):
+            # the rows this rank sees before the step equal the reference's, in its order
+            for spec in specs():
+                parts = [inputs(step, r, spec)[0] for r in range(world)]
+                got = store.lookup(spec.name, parts[rank])
+                want = ref.lookup(spec.name, parts[rank])
+                if not np.array_equal(got, want):
+                    bad.append(f"step {step} {spec.name} lookup")
+            _step_sharded(store, rank, step)
+            _step_ref(ref, world, step)
+        bad += compare(store, ref, rank)
+        removed = store.delete("r_adagrad", np.arange(rank, ID_RANGE, 7))
+        want = ref.delete("r_adagrad", np.concatenate([np.arange(r, ID_RANGE, 7)
+                                                       for r in range(world)]))
+        if removed != want:
+            bad.append(f"delete removed {removed}, reference {want}")
+        bad += compare(store, ref, rank)
+        store.flush()
+        stats = store.stats()
+        if len(stats) != world or not all(isinstance(st, dict) and st for st in stats):
+            bad.append(f"stats {stats}")
+        traffic = store.traffic
+    return {"bad": bad, "sent": traffic.sent, "minimum": traffic.minimum}
+
+
+def train_and_compare_plans(rank: int, world: int, plans: str, steps: int) -> list[dict]:
+    """`train_and_compare` with each plan in turn, in one group."""
+    return [train_and_compare(rank, world, p, steps) for p in plans]
+
+
+def checkpoint_run(rank: int, world: int, path: str, ckpt: str, steps: int) -> list[str]:
+    """Train on disk with plan A, each rank's shards in a small DRAM cache over RocksDB,
+    checkpoint, then compare with the reference.
+    """
+    tiers = [embstore.TierSpec("dram", capacity=10), embstore.TierSpec("rocksdb")]
+    with ed.open(path, tables=specs(), tiers=tiers, plan=plan_a(world), timeout_s=60) as store:
+        for step in range(steps):
+            _step_sharded(store, rank, step)
+        store.checkpoint(ckpt, step=steps)
+        return compare(store, reference(world, steps), rank)
+
+
+def restore_run(rank: int, world: int, ckpt: str, path: str, old_world: int, steps: int
+                ) -> list[str]:
+    """Reshard the checkpoint to this world with plan B; compare, train one more step."""
+    with ed.restore(ckpt, path, plan=plan_b(world), timeout_s=60) as store:
+        ref = reference(old_world, steps)
+        bad = compare(store, ref, rank)
+        _step_sharded(store, rank, steps)
+        _step_ref(ref, world, steps)
+        bad += [f"after a step: {b}" for b in compare(store, ref, rank)]
+    # reopen from the directory alone: same plan, same rows
+    with ed.open(path, timeout_s=60) as store:
+        bad += [f"reopened: {b}" for b in compare(store, ref, rank)]
+    return bad
+
+
+def dies(rank: int, world: int, timeout_s: float) -> float:
+    """Rank 1 dies after opening; the others' next call must fail within the timeout."""
+    store = ed.open(None, tables=specs()[:1], timeout_s=timeout_s)
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        store.lookup("t_sgd", np.arange(5))
+    finally:
+        store.local.close()
+    return time.monotonic() - start
+
+
+def mismatched(rank: int, world: int) -> None:
+    """Ranks call with different tables: a ConfigError on every rank, no hang."""
+    store = ed.open(None, tables=specs()[:2], timeout_s=20)
+    table = "t_sgd" if rank == 0 else "r_adagrad"
+    store.lookup(table, np.arange(3))
+
+
+def modules_on(rank: int, world: int, device_type: str) -> list[str]:
+    """Over the world group (NCCL: buffers staged on the GPU), modules on `device_type`
+    ("cuda" or "cpu"): the same bits as one store fed the ranks' inputs in order.
+    """
+    import torch
+    import torch.distributed as dist
+
+    import embstore.torch as et
+
+    tables = specs()[:2]
+    device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
+              else torch.device("cpu"))
+    ref = embstore.open(None, tables=tables)
+    ref_ebc = et.EmbeddingBagCollection(ref, {"a": "t_sgd", "b": "r_adagrad"}).to(device)
+    bad = []
+    with ed.open(None, tables=tables, group=dist.group.WORLD, timeout_s=60) as store:
+        ebc = et.EmbeddingBagCollection(store, {"a": "t_sgd", "b": "r_adagrad"}).to(device)
+        for step in range(3):
+            feats = []
+            for r in range(world):
+                rng = np.random.default_rng([step, r])
+                lengths = rng.integers(0, 4, 5)
+                feats.append({f: (torch.from_numpy(rng.integers(0, ID_RANGE, int(lengths.sum()))
+                                                   ).to(device),
+                                  torch.from_numpy(lengths).to(device)) for f in "ab"})
+            out = ebc(feats[rank]).values()
+            (out * out).sum().backward()
+            whole = {f: (torch.cat([x[f][0] for x in feats]), torch.cat([x[f][1] for x in feats]))
+                     for f in "ab"}
+            ref_out = ref_ebc(whole).values()
+            if not torch.equal(out, ref_out[5 * rank: 5 * rank + 5]):
+                bad.append(f"step {step} outputs")
+            # every rank's loss together: the same gradient of each position
+            (ref_out * ref_out).sum().backward()
+        everything = np.arange(ID_RANGE)
+        for t in ("t_sgd", "r_adagrad"):
+            if not np.array_equal(store.lookup(t, everything), ref.lookup(t, everything)):
+                bad.append(f"{t} weights")
+    return bad
+
+
+def stalls(rank: int, world: int, timeout_s: float) -> float:
+    """Rank 1 stays alive but stops calling; rank 0's next call fails after the timeout."""
+    store = ed.open(None, tables=specs()[:1], timeout_s=timeout_s)
+    if rank == 1:
+        time.sleep(4 * timeout_s)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        store.lookup("t_sgd", np.arange(5))
+    except ed.PeerFailedError:
+        return time.monotonic() - start
+    finally:
+        store.local.close()
+    return -1.0
+
+
+def rejects(rank: int, world: int) -> list[str]:
+    """Rank 1 passes bad input: it raises its own error, the others PeerFailedError at once,
+    nothing changes, and the next calls work on every rank.
+    """
+    out = []
+    with ed.open(None, tables=specs()[:2], timeout_s=30) as store:
+        before = store.lookup("r_adagrad", np.arange(10))
+        calls = [
+            lambda: store.lookup("r_adagrad", np.arange(3.0) if rank == 1 else np.arange(3)),
+            lambda: store.apply_gradients("r_adagrad", np.arange(2), np.ones(
+                (2, 4), np.float32) * (np.nan if rank == 1 else 1)),
+            lambda: store.update("t_sgd" if rank == 0 else "nope", np.arange(2),
+                                 np.ones((2, 5), np.float32)),
+        ]
+        for call in calls:
+            start = time.monotonic()
+            try:
+                call()
+                out.append("no error")
+            except embstore.errors.EmbstoreError as exc:
+                out.append(type(exc).__name__)
+            if time.monotonic() - start > 10:
+                out.append("slow")
+        if not np.array_equal(store.lookup("r_adagrad", np.arange(10)), before):
+            out.append("changed")
+    return out

@@ -1,0 +1,33 @@
+"""The sharding tools: the planner's report and the sharded demo's benchmark."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from embstore.tools import _shard_plan
+
+
+def test_shard_plan_reports_imbalance_against_round_robin(tmp_path, capsys) -> None:
+    stats = tmp_path / "locality_stats.txt"
+    stats.write_text("fbgemm_t200_bs4096_0.pt\nAvg # of indices: 6840000\n"
+                     "Avg # of unique cols: 900000\n")
+    assert _shard_plan.main(["--stats", str(stats), "--world", "4", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shape"]["tables"] == 200
+    for row in out["results"]:
+        assert row["imbalance_planner"] <= min(1.1, row["imbalance_round_robin"])
+        assert row["memory_max_over_budget_planner"] <= 1.0
+
+
+@pytest.mark.timeout(180)
+def test_bench_shard_trains_at_one_and_two_processes(capsys) -> None:
+    pytest.importorskip("torch")
+    from embstore.tools import _bench_shard
+
+    assert _bench_shard.main(["--nproc", "1", "2", "--steps", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["nproc"] for r in rows] == [1, 2]
+    assert rows[0]["bytes_per_step"] == 0 and rows[0]["steps_per_s"] > 0
+    assert rows[1]["bytes_per_step"] >= rows[1]["min_bytes_per_step"] > 0

@@ -1,0 +1,88 @@
+"""Sharded stores over 2 and 4 gloo processes on loopback: bit-identity with one process for
+every kind of sharding, checkpoints resharded to another world size, and failures.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("torch", reason="embstore.distributed needs torch (the 'torch' extra)")
+
+import _scenarios as sc  # noqa: E402
+
+from embstore.distributed import launch  # noqa: E402
+from embstore.errors import PeerFailedError  # noqa: E402
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 4])
+def test_bit_identical_to_one_process(world: int) -> None:
+    """Two plans (every kind of sharding, every optimizer) in one group of processes."""
+    results = launch.run(sc.train_and_compare_plans, world, "ab", 4, timeout_s=150)
+    for rank, per_plan in enumerate(results):
+        for plan, res in zip("ab", per_plan, strict=True):
+            assert res["bad"] == [], f"rank {rank}, plan {plan}: {res['bad']}"
+    sent = sum(res["sent"] for per_plan in results for res in per_plan)
+    assert sent > 0 and sum(res["minimum"] for per_plan in results for res in per_plan) <= sent
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_reshards_to_another_world_size(tmp_path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    bad = launch.run(sc.checkpoint_run, 2, str(tmp_path / "two"), ckpt, 4, timeout_s=100)
+    assert bad == [[], []]
+    bad = launch.run(sc.restore_run, 4, ckpt, str(tmp_path / "four"), 2, 4, timeout_s=120)
+    assert bad == [[], [], [], []]
+
+
+@pytest.mark.timeout(120)
+def test_dead_rank_is_a_clear_error_not_a_hang() -> None:
+    start = time.monotonic()
+    with pytest.raises(PeerFailedError) as info:
+        launch.run(sc.dies, 2, 5.0, timeout_s=90)
+    message = str(info.value)
+    assert "rank 0 failed: PeerFailedError" in message
+    assert "same order" in message
+    assert time.monotonic() - start < 80
+
+
+@pytest.mark.timeout(120)
+def test_ranks_making_different_calls_fail_on_every_rank() -> None:
+    with pytest.raises(PeerFailedError) as info:
+        launch.run(sc.mismatched, 2, timeout_s=90)
+    message = str(info.value)
+    assert "rank 0 failed: ConfigError" in message and "rank 1 failed: ConfigError" in message
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_nccl_group_and_cuda_modules_are_bit_identical() -> None:
+    import torch
+
+    if not torch.cuda.is_available() or not torch.distributed.is_nccl_available():
+        pytest.skip("needs a CUDA device and NCCL")
+    world = min(2, torch.cuda.device_count())  # NCCL needs one GPU per rank
+    bad = launch.run(sc.modules_on, world, "cuda", timeout_s=150, backend="nccl")
+    assert bad == [[]] * world
+
+
+@pytest.mark.timeout(120)
+def test_modules_over_the_world_group_are_bit_identical() -> None:
+    assert launch.run(sc.modules_on, 2, "cpu", timeout_s=100) == [[], []]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_stops_calling_times_out_the_others() -> None:
+    with pytest.raises(PeerFailedError) as info:
+        launch.run(sc.stalls, 2, 3.0, timeout_s=60)
+    # rank 0 caught the timeout (and returned); rank 1 exited without a result
+    assert "rank 1 exited" in str(info.value) and "rank 0 failed" not in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_input_rejected_on_one_rank_fails_every_rank_at_once_and_changes_nothing() -> None:
+    got = launch.run(sc.rejects, 2, timeout_s=90)
+    assert got[0] == ["PeerFailedError"] * 3
+    assert got[1] == ["InvalidIdsError", "NonFiniteValueError", "UnknownTableError"]

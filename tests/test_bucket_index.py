@@ -1,0 +1,49 @@
+"""`BucketIdIndex` (the DRAM tier's index) agrees with a dict under inserts, removals and growth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from embstore.index import BucketIdIndex
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bucket_index_matches_a_dict_under_churn(seed) -> None:
+    rng = np.random.default_rng(seed)
+    index = BucketIdIndex(8 if seed % 2 else 4096)  # growth from tiny, or a roomy start
+    truth: dict[int, int] = {}
+    universe = rng.integers(-2**63, 2**63 - 1, 3000, dtype=np.int64)
+    universe[:10] = np.arange(10)  # small ids and extremes too
+    universe[10] = np.iinfo(np.int64).min
+    universe[11] = np.iinfo(np.int64).max
+    for _ in range(60):
+        ids = np.unique(rng.choice(universe, rng.integers(1, 400)))
+        if rng.random() < 0.6:
+            slots, inserted = index.add(ids)
+            for i, s, new in zip(ids.tolist(), slots.tolist(), inserted.tolist(), strict=True):
+                assert new == (i not in truth)
+                if new:
+                    assert s not in truth.values()
+                    truth[i] = s
+                assert truth[i] == s
+        else:
+            slots = index.remove(ids)
+            for i, s in zip(ids.tolist(), slots.tolist(), strict=True):
+                assert s == truth.pop(i, -1)
+        assert len(index) == len(truth)
+        probe = np.unique(rng.choice(universe, 500))
+        assert index.find(probe).tolist() == [truth.get(i, -1) for i in probe.tolist()]
+    ids, slots = index.items()
+    assert dict(zip(ids.tolist(), slots.tolist(), strict=True)) == truth
+
+
+def test_bucket_index_stays_compact() -> None:
+    index = BucketIdIndex()
+    n = 200_000
+    ids = (np.arange(n, dtype=np.int64) * 7919 + 13)
+    for start in range(0, n, 30_000):
+        index.add(ids[start:start + 30_000])
+    assert len(index) == n
+    assert index.nbytes() / n <= 16.5
+    assert (index.find(ids) >= 0).all()
