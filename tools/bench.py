@@ -27,7 +27,8 @@ def _benchmarks() -> list[str]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `bench` subcommand and one sub-subcommand per benchmark module."""
-    parser = sub.add_parser("bench", help="run a benchmark against its baseline")
+    parser = sub.add_parser("bench", help="run a benchmark against its baseline",
+                            epilog="example: embstore bench lookup --quick --json")
     bench_sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench_sub.required = True
     for name in _benchmarks():
