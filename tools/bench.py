@@ -17,7 +17,6 @@ from collections.abc import Callable
 __all__ = ["register"]
 
 
-
 def _benchmarks() -> list[str]:
     import embstore.tools as tools_pkg
 
@@ -25,10 +24,17 @@ def _benchmarks() -> list[str]:
                   if i.name.startswith("_bench_"))
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add the `bench` subcommand and one sub-subcommand per benchmark module."""
+def register(sub: argparse._SubParsersAction, *, lazy: bool = True) -> None:
+    """Add the `bench` subcommand and, unless `lazy`, one sub-subcommand per benchmark.
+
+    Benchmark modules import heavy libraries (torch), so they are imported only when the
+    command line asks for `bench` (`embstore.tools.cli` passes lazy=False then): no other
+    command pays for them.
+    """
     parser = sub.add_parser("bench", help="run a benchmark against its baseline",
                             epilog="example: embstore bench lookup --quick --json")
+    if lazy:
+        return
     bench_sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench_sub.required = True
     for name in _benchmarks():

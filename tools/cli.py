@@ -35,8 +35,12 @@ _EPILOG = """examples:
 `embstore COMMAND --help` describes each command."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every tool's subcommand."""
+def build_parser(*, benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The argument parser with every tool's subcommand.
+
+    Without `benchmarks`, `bench` is listed but its benchmark modules (which import torch)
+    are not loaded.
+    """
     import embstore.tools as tools_pkg
 
     parser = Parser(prog="embstore", description=__doc__.splitlines()[0], epilog=_EPILOG,
@@ -49,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"embstore.tools.{info.name}")
         register = getattr(module, "register", None)
         if register is not None:
-            register(sub)
+            if info.name == "bench":
+                register(sub, lazy=not benchmarks)
+            else:
+                register(sub)
     return parser
 
 
@@ -59,7 +66,8 @@ def _one_line(exc: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:]) and return its exit code."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(benchmarks=bool(argv) and argv[0] == "bench")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error, already printed on one line
