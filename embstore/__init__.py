@@ -17,7 +17,7 @@ Caveats:
 
 from . import errors, fsck, init, optim
 from ._open import open
-from ._rebuild import rebuild_written_records
+from ._written_rebuild import rebuild_written_records
 from .checkpoint import restore
 from .spec import TableSpec, TierSpec
 from .store import EmbeddingStore

@@ -1,36 +1,288 @@
-"""Rebuilding lost written-id records (embstore._written) from a store's rows."""
+"""Writing a whole store anew beside the old one and swapping it in: compact, migrate, repair.
+
+`write_store` fills a new store directory straight into each table's store of record, page by
+page from a row source (bounded memory), then writes its manifest and history.
+`replace_store` builds such a copy next to a store and exchanges the two directories with one
+atomic `renameat2(RENAME_EXCHANGE)`, so that SIGKILL at any moment leaves at the store's path
+either the old store or the new one, each complete; a leftover `.<name>.rebuild-*` directory
+of a killed run is removed by the next one.
+
+Where the file system cannot exchange directories, the swap is two renames with the old
+store parked at `.<name>.swap-old`; `recover_swap` (called by every rebuild first) puts it
+back if a crash fell between them.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import importlib
 import os
 import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from ._open import open as open_store
-from .layout import WRITTEN_DIR, manifest_body, read_manifest, write_manifest
+import numpy as np
+
+from . import _counters, registry
+from .backend import Backend, BackendSpec, SupportsBulkLoad
+from .errors import ConfigError, StoreNotFoundError
+from .layout import bottom_dir, lock, manifest_body, read_manifest, table_chain, write_manifest
+from .manifest import fsync_dir
 from .spec import TableSpec, TierSpec
 
-__all__ = ["rebuild_written_records"]
+__all__ = ["RowSource", "open_bottom", "page_rows", "read_store", "replace_store",
+           "store_rows", "write_store"]
+
+BATCH_ROWS = 65536
+PAGE_BYTES = 4 << 20
+"""Bytes of rows per page when streaming a table: a page is copied a few times on its way
+(library values, checks, the new medium), so this bounds the memory of a copy."""
 
 
-def rebuild_written_records(path: str | os.PathLike[str]) -> list[str]:
-    """Rebuild the written-id records of the store at `path` from its rows; returns the tables.
+def page_rows(spec: TableSpec) -> int:
+    """Rows per page of `spec` when streaming it (about PAGE_BYTES of rows)."""
+    row_bytes = int(spec.storage_width * spec.storage_dtype.itemsize)
+    return max(256, min(BATCH_ROWS, PAGE_BYTES // row_bytes))
+RowSource = Callable[[TableSpec], tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]]
+"""For a table: (its row count, pages of (ids int64[N], full rows [N, row_width]))."""
 
-    For a store whose records were lost while its rows are known to be intact: every stored
-    row counts as written from then on. Opens the store (nothing else may hold it).
+
+# a one-pass scan gains nothing from caching blocks or rows: small caches keep its memory
+# bounded (RocksDB's defaults would grow to 192 MiB of cache)
+_SCAN_OPTIONS: dict[str, dict[str, Any]] = {
+    "rocksdb": {"block_cache_bytes": 8 << 20, "row_cache_bytes": 0}}
+
+
+def open_bottom(root: Path, spec: TableSpec, default_tiers: Sequence[TierSpec], *,
+                read_only: bool, rows_hint: int | None = None, scan: bool = False) -> Backend:
+    """The store of record of table `spec` in the store at `root`.
+
+    `rows_hint` sizes a medium that preallocates (pmem) for that many rows; `scan` opens it
+    for one pass over every row (small caches).
+    """
+    ts = table_chain(spec, default_tiers)[-1]
+    cls: type[Backend] = registry.load_backend(ts.backend)
+    capacity = None
+    if rows_hint is not None and ts.backend == "pmem":
+        fmt = importlib.import_module("embstore.backends._pmem_format")
+        capacity = int(fmt.DATA_OFFSET + max(rows_hint, 1) * fmt.record_size(
+            spec.storage_width * spec.storage_dtype.itemsize))
+    return cls.open(BackendSpec(path=bottom_dir(root, spec, default_tiers), dim=spec.storage_width,
+                                dtype=spec.storage_dtype, table=spec.name, read_only=read_only,
+                                capacity_bytes=capacity),
+                    **{**ts.options, **(_SCAN_OPTIONS.get(ts.backend, {}) if scan else {})})
+
+
+def read_store(root: Path) -> tuple[dict[str, Any], list[TableSpec], tuple[TierSpec, ...]]:
+    """The manifest of the store at `root`, its tables and default chain.
 
     Raises:
-        StoreLockedError, StoreNotFoundError, CorruptStoreError: from opening the store.
+        StoreNotFoundError, CorruptStoreError: no store or a damaged manifest.
+        ConfigError: an incremental checkpoint (restore it first).
     """
-    root = Path(path)
     doc = read_manifest(root)
-    shutil.rmtree(root / WRITTEN_DIR, ignore_errors=True)
-    tiers = [TierSpec.from_json(t) for t in doc["tiers"]]
-    specs = [TableSpec.from_json(t) for t in doc["tables"]]
-    body = {k: v for k, v in doc.items() if k not in ("format", "version")}
-    body["written_records"] = []
-    write_manifest(root, body)  # no record is required while they are rebuilt
-    with open_store(root) as store:
-        names = store.tables
-    write_manifest(root, {**body, **manifest_body(tiers, specs)})
-    return names
+    if (doc.get("checkpoint") or {}).get("kind") == "incremental":
+        raise ConfigError(f"{root} is an incremental checkpoint; materialise it with "
+                          "embstore.restore(src, new_path) first")
+    return (doc, [TableSpec.from_json(t) for t in doc["tables"]],
+            tuple(TierSpec.from_json(t) for t in doc["tiers"]))
+
+
+def store_rows(root: Path, default_tiers: Sequence[TierSpec],
+               specs: Sequence[TableSpec]) -> RowSource:
+    """A row source reading each table's store of record at `root` (read-only).
+
+    `specs` are the tables as the store at `root` has them; the source is asked by name, so
+    the new store may give a table another chain.
+    """
+    by_name = {s.name: s for s in specs}
+
+    def source(spec: TableSpec) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
+        backend = open_bottom(root, by_name[spec.name], default_tiers, read_only=True,
+                              scan=True)
+        try:
+            count = len(backend)
+        except BaseException:
+            backend.close()
+            raise
+
+        def pages() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            with backend:
+                yield from backend.items(page_rows(spec))
+        return count, pages()
+    return source
+
+
+def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[TableSpec],
+                source: RowSource, *, extras: dict[str, Any] | None = None,
+                history: dict[str, Any] | None = None,
+                progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+    """Fill the new store directory `dest` with every table's rows; returns rows per table.
+
+    Args:
+        dest: an empty directory.
+        default_tiers: the new store's default chain.
+        specs: its tables (each may carry its own chain).
+        source: where each table's rows come from.
+        extras: manifest fields to keep beside tables and tiers.
+        history: counters to carry over (`_counters`).
+        progress: called as progress(table, rows) after each page.
+    """
+    _check_chains(specs, default_tiers)
+    counts: dict[str, int] = {}
+    for spec in specs:
+        total, pages = source(spec)
+        n = 0
+        with open_bottom(dest, spec, default_tiers, read_only=False,
+                         rows_hint=total) as target:
+            for ids, rows in pages:
+                if not len(ids):
+                    continue
+                rows = np.ascontiguousarray(rows, dtype=spec.storage_dtype)
+                if isinstance(target, SupportsBulkLoad):
+                    target.bulk_load(np.ascontiguousarray(ids), rows)
+                else:
+                    target.put(np.ascontiguousarray(ids), rows)
+                n += len(ids)
+                if progress is not None:
+                    progress(spec.name, len(ids))
+            compact = getattr(target, "compact", None)
+            if compact is not None:
+                compact()
+            target.flush()
+        counts[spec.name] = n
+    body = manifest_body(default_tiers, list(specs))
+    body.update({k: v for k, v in (extras or {}).items()
+                 if k not in ("format", "version", "tiers", "tables", "checkpoint")})
+    write_manifest(dest, body)
+    old = history or {}
+    tables = {s.name: {"rows": counts[s.name], "updates_dropped": 0,
+                       "tiers": [{"level": lv, "backend": t.backend} for lv, t in
+                                 enumerate(table_chain(s, default_tiers))]} for s in specs}
+    _counters.save(dest, specs, default_tiers, tables, old, old.get("last_flush"),
+                   old.get("last_checkpoint"))
+    _sync_tree(dest)
+    return counts
+
+
+def _check_chains(specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec]) -> None:
+    """Raise what opening the new store would raise for its chains, before writing anything."""
+    from ._build import make_policy
+    from .policy import AdmissionPolicy, EvictionPolicy
+
+    for spec in specs:
+        for ts in table_chain(spec, default_tiers):
+            registry.load_backend(ts.backend)
+            ts.capacity_rows(spec.storage_width * spec.storage_dtype.itemsize)
+            make_policy(ts.eviction, ts.eviction_options, EvictionPolicy)
+            if ts.admission not in (None, "always"):
+                make_policy(ts.admission, ts.admission_options, AdmissionPolicy)
+
+
+def _sync_tree(root: Path) -> None:
+    """Fsync every file and directory under `root` (the backends synced their own data)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap directories `a` and `b` atomically; False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
+
+
+def recover_swap(root: Path) -> None:
+    """Finish or undo a two-rename swap that a crash interrupted (see the module doc)."""
+    parked = root.parent / f".{root.name}.swap-old"
+    if parked.exists() and not root.exists():
+        os.replace(parked, root)
+        fsync_dir(root.parent)
+    elif parked.exists():
+        shutil.rmtree(parked, ignore_errors=True)
+
+
+def swap_in(root: Path, new: Path) -> Path:
+    """Put the complete store `new` at `root`; returns where the old store now lies."""
+    if _exchange(root, new):
+        fsync_dir(root.parent)
+        return new
+    parked = root.parent / f".{root.name}.swap-old"
+    os.replace(root, parked)
+    os.replace(new, root)
+    fsync_dir(root.parent)
+    return parked
+
+
+def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None,
+                  specs: Sequence[TableSpec] | None = None, source: RowSource | None = None,
+                  keep_old: Path | None = None, lock_fd: int | None = None,
+                  progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+    """Rewrite the store at `root` (another chain, other rows) and swap it in atomically.
+
+    Holds the store's lock throughout. Returns rows per table in the new store.
+
+    Args:
+        root: the store.
+        default_tiers: the new default chain (default: the store's).
+        specs: the new table specs (default: the store's).
+        source: the rows (default: each table's store of record as it is).
+        keep_old: move the old store there (a backup); by default it is deleted.
+        lock_fd: the store's lock, already held exclusively by the caller.
+        progress: called as progress(table, rows) after each page.
+
+    Raises:
+        StoreNotFoundError, StoreLockedError, CorruptStoreError, ConfigError, OSError.
+    """
+    root = Path(root)
+    recover_swap(root)
+    if not root.is_dir() or root.is_symlink():
+        raise StoreNotFoundError(f"{root} is not a store directory")
+    read_manifest(root)  # no store, no LOCK file left in someone else's directory
+    fd = lock(root, read_only=False) if lock_fd is None else lock_fd
+    try:
+        doc, old_specs, old_tiers = read_store(root)
+        for stale in root.parent.glob(f".{root.name}.rebuild-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = root.parent / f".{root.name}.rebuild-{os.getpid()}-{int(time.time())}"
+        tmp.mkdir()
+        try:
+            counts = write_store(tmp, default_tiers or old_tiers, specs or old_specs,
+                                 source or store_rows(root, old_tiers, old_specs), extras=doc,
+                                 history=_counters.load(root), progress=progress)
+            fsync_dir(root.parent)
+            old = swap_in(root, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        if lock_fd is None:
+            os.close(fd)
+    if keep_old is not None:
+        os.replace(old, keep_old)
+        fsync_dir(keep_old.parent)
+    else:
+        shutil.rmtree(old, ignore_errors=True)
+    return counts

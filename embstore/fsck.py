@@ -1,36 +1,106 @@
-"""`check`: verify a store end to end and list what is wrong with it.
+"""`check`: verify a store end to end, list what is wrong with it, and repair it on request.
 
-Every stored row is read back through its backend, so every per-row checksum is verified;
-ids must lie in the table's range, values must be finite where the table says so, and scans
-must agree with the row counts. Nothing is changed: this is a dry run by design (the way to
-repair a damaged table is to restore it from a checkpoint).
+What is checked, from the top:
+    - the manifest: it parses, has a known version, its tables and tiers are valid, and every
+      file it leads to lies inside the store, exists and is not a symbolic link;
+    - each store of record's files: pmem headers, state blocks, sizes and preallocation
+      (`_fsck_pmem`); LMDB's meta pages and structure, RocksDB's log and block checksums
+      (`_fsck_native`, in a child process, so a crash of a native reader is a finding);
+    - every row: its checksum (which covers the id, so a row under a key that is not its own
+      is caught), length, id range and finiteness against the table spec;
+    - row counts against what the store recorded at its last clean close (STATS.json), when
+      no writer touched the store since.
+
+`repair=True` never edits in place: the rows that pass their checks are written into a new
+store beside the old one, which is swapped in with one atomic rename (`_rebuild`); the old
+store is kept as `.<name>.fsck-backup-<time>` beside it. Only rows failing their checks are
+dropped, and the findings list their ids. A damaged manifest is not repaired (restore it from
+a checkpoint). Exit codes of `exit_code` follow e2fsck: 0 clean, 1 repaired, 4 problems left,
+8 fsck could not run.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from .errors import EmbstoreError
+from . import _counters, registry
+from ._fileinfo import lmdb_metas
+from ._fsck_common import Finding, RowDump, TableScan
+from ._fsck_pmem import scan_pmem
+from ._lmdb_walk import walk as walk_lmdb
+from ._rebuild import read_store, replace_store
+from .errors import EmbstoreError, StoreLockedError
+from .layout import MANIFEST_NAME, bottom_dir, lock, table_chain
+from .spec import TableSpec, TierSpec
 from .store import EmbeddingStore
 
-__all__ = ["Finding", "check"]
+__all__ = ["Finding", "check", "exit_code"]
+
+CHILD_TIMEOUT_S = 3600
+_MANIFEST_MAX = 16 << 20
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One problem found in a store."""
+def exit_code(findings: list[Finding]) -> int:
+    """e2fsck's exit code for `findings`: 0 clean, 1 all repaired, 4 problems left, 8 no check."""
+    if any(f.fatal for f in findings):
+        return 8
+    if any(not f.repaired for f in findings):
+        return 4
+    return 1 if findings else 0
 
-    table: str | None
-    """The table concerned; None for the store as a whole (manifest, lock, ...)."""
-    message: str
-    """What is wrong, and where."""
+
+def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = False,
+          progress: Callable[[str], None] | None = None) -> list[Finding]:
+    """Every problem found in `store` (an open store, or the path of one).
+
+    A path is checked file by file under the store's shared lock (exclusive to repair); an
+    open store only row by row through its API. Returns an empty list for a healthy store.
+
+    Args:
+        store: the store's path, or an open store.
+        repair: write a repaired copy and swap it in (paths only); see the module doc.
+        progress: called with the name of each part as its check begins.
+    """
+    if isinstance(store, EmbeddingStore):
+        findings: list[Finding] = []
+        for name in store.tables:
+            findings.extend(_check_open_table(store, name))
+        return findings
+    root = Path(store)
+    try:
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root} is not a directory")
+        if not os.path.lexists(root / MANIFEST_NAME):
+            raise FileNotFoundError(f"{root} holds no embstore store (no {MANIFEST_NAME})")
+        fd = lock(root, read_only=not repair)
+    except (OSError, StoreLockedError) as exc:
+        return [Finding(None, f"cannot open {root}: {exc}", fatal=True)]
+    dump_dir = Path(tempfile.mkdtemp(prefix=f".{root.name}.fsck-rows-", dir=root.parent)) \
+        if repair else None
+    try:
+        findings, parsed, scans = _check_path(root, dump_dir, progress)
+        if not repair or not findings or parsed is None or any(f.fatal for f in findings):
+            return findings
+        assert dump_dir is not None
+        return _repair(root, fd, findings, parsed, scans, dump_dir, progress)
+    finally:
+        os.close(fd)
+        if dump_dir is not None:
+            shutil.rmtree(dump_dir, ignore_errors=True)
 
 
-def _check_table(store: EmbeddingStore, name: str) -> list[Finding]:
+def _check_open_table(store: EmbeddingStore, name: str) -> list[Finding]:
     spec = store.table_spec(name)
     findings: list[Finding] = []
     seen = 0
@@ -38,26 +108,24 @@ def _check_table(store: EmbeddingStore, name: str) -> list[Finding]:
         for ids, weights, state in store.items(name):
             seen += len(ids)
             n = spec.num_embeddings
-            # a range or finiteness violation can only come from damage or a foreign writer:
-            # the store's own API rejects such input before it is written
             if n is not None and len(ids) and (ids.min() < 0 or ids.max() >= n):
                 bad = ids[(ids < 0) | (ids >= n)]
                 findings.append(Finding(name, f"{len(bad)} stored id(s) outside [0, {n}), "
-                                              f"e.g. {int(bad[0])}"))
+                                              f"e.g. {int(bad[0])}", id=int(bad[0])))
             if not spec.allow_nonfinite:
-                rows = np.concatenate([weights, state], axis=1)
-                bad_rows = ~np.isfinite(rows).all(axis=1)
+                bad_rows = ~np.isfinite(np.concatenate([weights, state], axis=1)).all(axis=1)
                 if bad_rows.any():
                     findings.append(Finding(name, f"{int(bad_rows.sum())} stored row(s) hold "
-                                                  f"NaN or infinity, e.g. id "
-                                                  f"{int(ids[bad_rows][0])}"))
+                                                  "NaN or infinity, e.g. id "
+                                                  f"{int(ids[bad_rows][0])}",
+                                            id=int(ids[bad_rows][0])))
     except EmbstoreError as exc:
         findings.append(Finding(name, f"scan stopped after {seen} rows: {exc}"))
         return findings
     counted = store.num_rows(name)
     if counted != seen:
-        findings.append(Finding(name, f"the backend counts {counted} rows but a scan "
-                                      f"returned {seen}"))
+        findings.append(Finding(name, "the backend's row count disagrees with a scan",
+                                expected=f"{counted} rows", found=f"{seen} rows"))
     # rows written and flushed that the medium no longer has (embstore._written)
     try:
         lost = store.lost_rows(name)
@@ -70,21 +138,216 @@ def _check_table(store: EmbeddingStore, name: str) -> list[Finding]:
     return findings
 
 
-def check(store: EmbeddingStore | str | os.PathLike[str]) -> list[Finding]:
-    """Every problem found in `store` (an open store, or the path of one to open read-only).
+_Parsed = tuple[list[TableSpec], tuple[TierSpec, ...]]
 
-    Returns an empty list for a healthy store.
-    """
-    if not isinstance(store, EmbeddingStore):
-        from ._open import open as open_store
 
-        try:
-            opened = open_store(Path(store), read_only=True)
-        except EmbstoreError as exc:
-            return [Finding(None, f"cannot open {store}: {exc}")]
-        with opened:
-            return check(opened)
+def _check_manifest(root: Path) -> tuple[list[Finding], _Parsed | None]:
+    file = root / MANIFEST_NAME
+    if file.is_symlink():
+        return [Finding(None, "the manifest is a symbolic link; refused", file=str(file))], None
+    try:
+        if file.stat().st_size > _MANIFEST_MAX:
+            return [Finding(None, "the manifest is implausibly large", file=str(file),
+                            expected=f"<= {_MANIFEST_MAX} bytes")], None
+        doc, specs, tiers = read_store(root)
+    except EmbstoreError as exc:
+        return [Finding(None, f"manifest: {exc}", file=str(file))], None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return [Finding(None, f"manifest: an entry is invalid ({type(exc).__name__}: {exc})",
+                        file=str(file))], None
     findings: list[Finding] = []
-    for name in store.tables:
-        findings.extend(_check_table(store, name))
-    return findings
+    real_root = root.resolve()
+    known = set(registry.backend_names())
+    for spec in specs:
+        for ts in table_chain(spec, tiers):
+            if ts.backend not in known:
+                findings.append(Finding(spec.name, f"unknown backend {ts.backend!r} in the "
+                                        "manifest", file=str(file)))
+        d = bottom_dir(root, spec, tiers)
+        if d.is_symlink() or (d.parent != root and d.parent.is_symlink()):
+            findings.append(Finding(spec.name, "the table's tier directory is a symbolic "
+                                    "link; refused", file=str(d)))
+        elif d.exists() and real_root not in d.resolve().parents:
+            findings.append(Finding(spec.name, "the table's tier directory lies outside the "
+                                    "store", file=str(d), found=str(d.resolve())))
+        elif not d.is_dir():
+            findings.append(Finding(spec.name, "the table's tier directory is missing",
+                                    file=str(d)))
+    if findings:
+        return findings, None
+    return findings, (specs, tiers)
+
+
+def _table_file(root: Path, spec: TableSpec, tiers: tuple[TierSpec, ...]) -> Path:
+    backend = table_chain(spec, tiers)[-1].backend
+    d = bottom_dir(root, spec, tiers)
+    return d / {"pmem": f"{spec.name}.pmem", "lmdb": "data.mdb", "rocksdb": "CURRENT"}.get(
+        backend, "")
+
+
+def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], None] | None
+                ) -> tuple[list[Finding], _Parsed | None, dict[str, TableScan]]:
+    if progress:
+        progress("manifest")
+    findings, parsed = _check_manifest(root)
+    scans: dict[str, TableScan] = {}
+    if parsed is None:
+        return findings, None, scans
+    specs, tiers = parsed
+    history = _counters.load(root)
+    recorded = history.get("fingerprints") or {}
+    now = _counters.fingerprints(root, specs, tiers)
+    dump = RowDump(dump_dir) if dump_dir is not None else None
+    known_backends = set(registry.backend_names())
+    blocked = False  # a missing file: not repairable by rewriting what is there
+    groups: dict[Path, list[TableSpec]] = {}
+    for spec in specs:
+        groups.setdefault(bottom_dir(root, spec, tiers), []).append(spec)
+    for d, group in groups.items():
+        ts = table_chain(group[0], tiers)[-1]
+        rel = str(d.relative_to(root))
+        clean = rel in recorded and recorded[rel] == now.get(rel)
+        if progress:
+            progress(rel)
+        if ts.backend == "dram":
+            continue
+        for spec in group:
+            file = _table_file(root, spec, tiers)
+            if file.is_symlink():
+                findings.append(Finding(spec.name, "a table file is a symbolic link; refused",
+                                        file=str(file)))
+                return findings, None, scans
+            if not file.is_file() and (ts.backend == "pmem" or spec is group[0]):
+                findings.append(Finding(spec.name, "the table's file is missing (a repair "
+                                        "would lose its rows: restore it from a checkpoint)",
+                                        file=str(file)))
+        if any(f.file and Path(f.file).parent == d for f in findings):
+            blocked = True
+            continue
+        if ts.backend == "pmem":
+            for spec in group:
+                found, scans[spec.name] = scan_pmem(_table_file(root, spec, tiers), spec, dump)
+                findings += found
+        elif ts.backend in ("lmdb", "rocksdb"):
+            if ts.backend == "lmdb":
+                findings += _lmdb_structure(d / "data.mdb")
+            found, got = _native(ts.backend, d, group, ts.options, dump_dir, clean)
+            findings += found
+            scans.update(got)
+        if clean:
+            for spec in group:
+                want = ((history.get("tables") or {}).get(spec.name) or {}).get("rows")
+                s = scans.get(spec.name)
+                if isinstance(want, int) and s is not None:
+                    seen = s.rows + len(s.dropped_ids())
+                    if seen != want:
+                        findings.append(Finding(spec.name, "the table holds another number of "
+                                                "rows than the store recorded at its last "
+                                                "close", file=str(d),
+                                                expected=f"{want} rows", found=f"{seen} rows"))
+    cached = any(registry.load_backend(ts.backend).supports_persistence
+                 for spec in specs for ts in table_chain(spec, tiers)[:-1]
+                 if ts.backend in known_backends)
+    if cached and recorded and not findings and all(
+            recorded.get(k) == v for k, v in now.items()):
+        # a clean close wrote every dirty cached row back: cached copies equal the bottom's
+        found, _ = _native("cross-tier", root, specs, {}, None, True, tiers=tiers)
+        findings += found
+    return findings, None if blocked else parsed, scans
+
+
+def _lmdb_structure(file: Path) -> list[Finding]:
+    """LMDB's B-trees walked by hand in this process (pure Python, every bound checked)."""
+    try:
+        metas = lmdb_metas(file, os.stat(file, follow_symlinks=False).st_size)
+    except OSError as exc:
+        return [Finding(None, f"cannot read the LMDB data file: {exc.strerror}",
+                        file=str(file))]
+    current = max(metas, key=lambda m: m.txnid)
+    if current.problems:
+        return []  # the child reports the meta pages
+    return [Finding(None, f"LMDB structure: {problem}", file=str(file), offset=offset)
+            for offset, problem in walk_lmdb(file, current)]
+
+
+def _native(backend: str, d: Path, specs: list[TableSpec], options: dict[str, Any],
+            dump_dir: Path | None, clean: bool, tiers: tuple[TierSpec, ...] = ()
+            ) -> tuple[list[Finding], dict[str, TableScan]]:
+    """Run `_fsck_native` on one tier in a child process; a crash or hang there is a finding."""
+    request = {"backend": backend, "dir": str(d), "tables": [s.to_json() for s in specs],
+               "options": options, "dump": None if dump_dir is None else str(dump_dir),
+               "clean": clean, "tiers": [t.to_json() for t in tiers]}
+    answer = _run_child(request)
+    if isinstance(answer, str):
+        return [Finding(None, f"the {backend} reader {answer} reading this tier: its files "
+                        "are damaged", file=str(d))], {}
+    findings = [Finding(**{**f, "ids": tuple(f.get("ids", ()))}) for f in answer["findings"]]
+    scans = {}
+    for name, t in answer["tables"].items():
+        s = TableScan(rows=t["rows"])
+        s.drop(np.asarray(t["dropped"], dtype=np.int64))
+        if t["dropped_count"] > len(t["dropped"]):  # the count is what matters beyond 1000
+            s.drop(np.full(t["dropped_count"] - len(t["dropped"]), -1, dtype=np.int64))
+        scans[name] = s
+    return findings, scans
+
+
+def _run_child(request: dict[str, Any]) -> dict[str, Any] | str:
+    """The answer of `python -m embstore._fsck_native` to `request`, or how the child died."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "embstore._fsck_native"],
+                              input=json.dumps(request), capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return f"hung for {CHILD_TIMEOUT_S} s (damaged structure?)"
+    if proc.returncode == 0:
+        try:
+            answer: dict[str, Any] = json.loads(proc.stdout)
+            return answer
+        except ValueError:
+            pass
+    if proc.returncode < 0:
+        return f"was killed by signal {-proc.returncode}"
+    return f"failed ({' '.join(proc.stderr.split()[-30:])})"
+
+
+def _repair(root: Path, fd: int, findings: list[Finding], parsed: _Parsed,
+            scans: dict[str, TableScan], dump_dir: Path,
+            progress: Callable[[str], None] | None) -> list[Finding]:
+    """Write the good rows into a new store, swap it in, keep the old one; check again."""
+    specs, tiers = parsed
+    unread = [s.name for s in specs if s.name not in scans
+              and table_chain(s, tiers)[-1].backend != "dram"]
+    if unread:  # a rewrite would lose every row of these tables
+        return findings + [Finding(None, f"not repaired: the rows of table(s) {unread} could "
+                                   "not be read at all; restore them from a checkpoint")]
+    dump = RowDump(dump_dir)
+    backup = root.parent / f".{root.name}.fsck-backup-{time.strftime('%Y%m%dT%H%M%S')}"
+    if progress:
+        progress("repair")
+
+    def source(spec: TableSpec) -> Any:
+        if table_chain(spec, tiers)[-1].backend == "dram":
+            return 0, iter(())
+        return dump.pages(spec)
+
+    try:
+        replace_store(root, source=source, keep_old=backup, lock_fd=fd)
+    except (EmbstoreError, OSError) as exc:
+        return findings + [Finding(None, f"repair failed, the store is unchanged: {exc}")]
+    out = [_repaired(f) for f in findings]
+    for spec in specs:
+        s = scans.get(spec.name)
+        dropped = s.dropped_ids() if s is not None else np.zeros(0, np.int64)
+        if len(dropped):
+            listed = tuple(int(i) for i in dropped[dropped != -1][:1000])
+            out.append(Finding(spec.name, f"dropped {len(dropped)} row(s) that failed their "
+                               f"checks; the old store is kept at {backup}", ids=listed,
+                               repaired=True))
+    after, _, _ = _check_path(root, None, progress)
+    return out + after
+
+
+def _repaired(f: Finding) -> Finding:
+    return Finding(**{**f.__dict__, "repaired": True})
+

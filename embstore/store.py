@@ -8,9 +8,11 @@ as it was. Calls are serialised by a lock, so one store may be shared between th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _crash, _fused, _prefetch, layout
+from . import _counters, _crash, _fused, _prefetch, layout
 from ._build import build_chain
 from ._precision import RowCodec
 from ._validate import as_ids, as_rows
@@ -84,6 +86,10 @@ class EmbeddingStore:
         self._changes: dict[str, IdIndex] | None = None
         self._copy: CopyState | None = None
         self._last_checkpoint: Path | None = None
+        # what earlier sessions counted (STATS.json), added to this one's at close
+        self._history = _counters.load(path) if path is not None else {}
+        self._last_flush: float | None = self._history.get("last_flush")
+        self._checkpoint_info: dict[str, Any] | None = self._history.get("last_checkpoint")
         self._steps_saved = {name: int(n) for name, n in (gradient_steps or {}).items()}
         self._listed: set[str] | None = None  # tables the manifest says have a written record
         steps = gradient_steps or {}
@@ -532,8 +538,11 @@ class EmbeddingStore:
         # one checkpoint at a time: each keeps its own copy state from begin to end (two
         # threads checkpointing at once would share it); other calls go on meanwhile
         with self._checkpointing:
-            return take_checkpoint(self, Path(dest), step=step, incremental=incremental,
-                                   progress=progress)
+            out = take_checkpoint(self, Path(dest), step=step, incremental=incremental,
+                                  progress=progress)
+        self._checkpoint_info = {"path": str(out), "step": step, "time": time.time(),
+                                 "incremental": incremental}
+        return out
 
     # --- the checkpoint interface (embstore.checkpoint.CheckpointSource) --------------------
 
@@ -640,6 +649,7 @@ class EmbeddingStore:
             if self._read_only:
                 return
             self._flush_tables()
+            self._last_flush = time.time()
             self._save_steps()
 
     def _flush_tables(self) -> None:
@@ -696,6 +706,8 @@ class EmbeddingStore:
                 tiers = []
                 for tier in t.chain.tiers:
                     entry = dataclasses.asdict(tier.statistics())
+                    entry["cumulative"] = _counters.cumulative(
+                        self._history, name, tier.level, tier.spec.backend, entry)
                     entry["eviction"] = tier.spec.eviction
                     entry["admission"] = tier.spec.admission
                     entry["medium"] = tier.backend.statistics()
@@ -704,7 +716,9 @@ class EmbeddingStore:
                                 "bytes": sum(tt["bytes"] for tt in tiers),
                                 "updates_dropped": t.updates_dropped, "tiers": tiers}
             return {"path": None if self._path is None else str(self._path),
-                    "read_only": self._read_only,
+                    "read_only": self._read_only, "last_flush": self._last_flush,
+                    "last_checkpoint": self._checkpoint_info,
+                    "last_close": self._history.get("closed_at"),
                     "tiers": [ts.to_json() for ts in self._default_tiers], "tables": tables}
 
     def lost_rows(self, table: str) -> np.ndarray:
@@ -732,16 +746,33 @@ class EmbeddingStore:
         with self._mutex:
             if self._closed:
                 return
+            record = None
             try:
                 if not self._read_only:
                     self._flush_tables()
+                    self._last_flush = time.time()
+                    record = self._history_record()
                     self._save_steps()
             finally:
                 self._closed = True
                 try:
                     self._close_tables()
+                    if record is not None and self._path is not None:
+                        # after the tiers closed: their files are final for the fingerprints
+                        with contextlib.suppress(OSError):  # counters are not worth a failure
+                            _counters.save(self._path, [t.spec for t in self._tables.values()],
+                                           self._default_tiers, record, self._history,
+                                           self._last_flush, self._checkpoint_info)
                 finally:
                     self._release_lock()
+
+    def _history_record(self) -> dict[str, dict[str, Any]] | None:
+        """This session's figures per table for `_counters.save`; None for a memory store."""
+        if self._path is None:
+            return None
+        return {name: {"rows": len(t.chain), "updates_dropped": t.updates_dropped,
+                       "tiers": [dataclasses.asdict(s) for s in t.chain.statistics()]}
+                for name, t in self._tables.items()}
 
     def _close_tables(self) -> None:
         first: BaseException | None = None

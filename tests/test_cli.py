@@ -54,3 +54,32 @@ def test_bench_quick_prints_a_ratio_against_numpy(bench, capsys):
     assert "[baseline]" in out
     ratio_lines = [line for line in out.splitlines() if "embstore" in line]
     assert ratio_lines and ratio_lines[0].rstrip().endswith("x")
+
+
+def test_info_json_shows_the_counters_of_every_session_after_a_reopen(tmp_path, capsys):
+    path = tmp_path / "s"
+    tiers = [embstore.TierSpec("dram", capacity=5), embstore.TierSpec("lmdb")]
+    for _ in range(2):
+        with embstore.open(path, tables=[embstore.TableSpec("t", dim=4)], tiers=tiers) as store:
+            store.update("t", np.arange(20), np.ones((20, 4), np.float32))
+            store.lookup("t", np.arange(30))
+            store.checkpoint(tmp_path / f"ckpt{_}", step=7 + _)
+    assert main(["info", "--json", str(path)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    top, bottom = info["tables"]["t"]["tiers"]
+    assert top["lookups"] == 0  # this (read-only) session's own counters
+    assert top["cumulative"]["lookups"] == 60 and top["cumulative"]["evictions"] > 0
+    assert top["cumulative"]["hits"] + top["cumulative"]["misses"] == 60
+    assert bottom["cumulative"]["lookups"] > 0 and top["cumulative"]["writebacks"] > 0
+    assert info["last_flush"] is not None and info["last_checkpoint"]["step"] == 8
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "lookups 60" in out and "last checkpoint" in out and "(step 8)" in out
+
+
+def test_bench_json_prints_the_figures_as_one_document(capsys):
+    assert main(["bench", "lookup", "--quick", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["benchmark"] == "lookup" and doc["exit_code"] == 0
+    (table,) = doc["tables"]
+    assert table["rows"][0]["ratio"] == 1.0 and all(r["rows_per_s"] > 0 for r in table["rows"])

@@ -1,8 +1,13 @@
 """fsck finds damage the store would otherwise only meet on a read, and nothing in a healthy
-store; it ends the stress tests as their oracle.
+store; `--repair` writes a repaired copy, keeps the old store, and the next fsck is clean.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,39 +16,292 @@ import embstore
 from embstore import TableSpec, TierSpec, fsck
 from embstore.tools.cli import main
 
+PERSISTENT = ["rocksdb", "lmdb", "pmem"]
 
-@pytest.mark.parametrize("bottom", ["dram", "rocksdb", "lmdb", "pmem"])
-def test_a_healthy_store_has_no_findings(tmp_path, bottom):
-    tiers = [TierSpec("dram", capacity=10), TierSpec(bottom)]
-    rng = np.random.default_rng(0)
-    with embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=4, num_embeddings=500)],
-                       tiers=tiers) as store:
-        for _ in range(20):
-            ids = rng.integers(0, 500, 30)
-            store.apply_gradients("t", ids, rng.standard_normal((30, 4)).astype(np.float32))
-            store.delete("t", ids[:3])
-        assert fsck.check(store) == []
+
+def _store(path, bottom, n=100, cache=10):
+    tiers = [TierSpec("dram", capacity=cache), TierSpec(bottom)]
+    tables = [TableSpec("t", dim=4, num_embeddings=1000), TableSpec("u", dim=2)]
+    with embstore.open(path, tables=tables, tiers=tiers) as store:
+        store.update("t", np.arange(n), np.full((n, 4), 1.25, np.float32))
+        store.update("u", np.arange(n), np.ones((n, 2), np.float32))
+    return path
+
+
+def _live_value_offset(path, bottom, row_id=50):
+    """Offset in the table file of the stored bytes of `row_id`'s row in table t."""
+    if bottom == "pmem":
+        from embstore.backends.pmem import DATA_OFFSET, REC_ID, record_size
+        file = path / "tier1-pmem" / "t.pmem"
+        raw = file.read_bytes()
+        rec = record_size(16)
+        ids = np.frombuffer(raw, dtype="<i8", offset=DATA_OFFSET)  # every 8 bytes
+        for slot in range((len(raw) - DATA_OFFSET) // rec):
+            at = DATA_OFFSET + slot * rec
+            if ids[(at - DATA_OFFSET + REC_ID) // 8] == row_id and raw[at + 16:at + 24] != bytes(8):
+                return file, at + 24
+        raise AssertionError("row not found")
+    import lmdb
+    file = path / "tier1-lmdb" / "data.mdb"
+    env = lmdb.open(str(file.parent), readonly=True, lock=False, max_dbs=64)
+    key = np.array([(1 << 63) | row_id], dtype=">u8").tobytes()
+    with env.begin(db=env.open_db(b"t:t", create=False)) as txn:
+        value = txn.get(key)
+    env.close()
+    raw = file.read_bytes()
+    hits = [i for i in range(len(raw)) if raw.startswith(key + value, i)]
+    # copy-on-write leaves old copies in free pages: flip each, keep the one a read sees
+    for at in hits:
+        flipped = bytearray(raw)
+        flipped[at + 8 + 6] ^= 1
+        file.write_bytes(bytes(flipped))
+        try:
+            env = lmdb.open(str(file.parent), readonly=True, lock=False, max_dbs=64)
+            with env.begin(db=env.open_db(b"t:t", create=False)) as txn:
+                seen = txn.get(key)
+            env.close()
+        finally:
+            file.write_bytes(raw)
+        if seen != value:
+            return file, at + 8  # the value's first byte
+    raise AssertionError("live copy not found")
+
+
+def _flip(file, offset, mask=0x01):
+    with open(file, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ mask]))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("bottom", ["dram", *PERSISTENT])
+def test_a_healthy_store_after_a_random_workload_is_clean(tmp_path, bottom, seed):
+    rng = np.random.default_rng(seed)
+    middle = [TierSpec("pmem", capacity=int(rng.integers(5, 50)))] if seed == 1 else []
+    tiers = [TierSpec("dram", capacity=int(rng.integers(1, 40))), *middle, TierSpec(bottom)]
+    tables = [TableSpec("t", dim=4, num_embeddings=500),
+              TableSpec("a", dim=3, optimizer=embstore.optim.Adam(lr=0.1))]
+    for session in range(2):  # a reopen between sessions
+        with embstore.open(tmp_path / "s", tables=tables, tiers=tiers) as store:
+            for _ in range(int(rng.integers(5, 30))):
+                table = str(rng.choice(["t", "a"]))
+                dim = 4 if table == "t" else 3
+                ids = rng.integers(0, 500, int(rng.integers(1, 60)))
+                op = rng.integers(0, 4)
+                if op == 0:
+                    store.update(table, ids, rng.standard_normal((len(ids), dim))
+                                 .astype(np.float32))
+                elif op == 1:
+                    store.delete(table, ids[: len(ids) // 2])
+                elif op == 2:
+                    store.lookup(table, ids)
+                else:
+                    store.apply_gradients(table, ids, rng.standard_normal((len(ids), dim))
+                                          .astype(np.float32))
+            if session == 1 and bottom != "dram":
+                store.checkpoint(tmp_path / "ckpt", step=3)
+            assert fsck.check(store) == []
     assert fsck.check(tmp_path / "s") == []
     assert main(["fsck", str(tmp_path / "s")]) == 0
+    if bottom != "dram":
+        assert fsck.check(tmp_path / "ckpt") == []
 
 
-def test_a_damaged_lmdb_value_is_reported_with_its_table(tmp_path, capsys):
-    path = tmp_path / "s"
-    with embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=[TierSpec("lmdb")]) as store:
-        store.update("t", np.arange(50), np.full((50, 4), 1.25, np.float32))
-    data = path / "tier0-lmdb" / "data.mdb"
-    raw = bytearray(data.read_bytes())
-    needle = np.full(4, 1.25, np.float32).tobytes()
-    at = raw.find(needle)
-    assert at > 0
-    raw[at + 2] ^= 0x01
-    data.write_bytes(bytes(raw))
+@pytest.mark.parametrize("bottom", ["lmdb", "pmem"])
+def test_a_damaged_row_is_found_repaired_and_the_next_fsck_is_clean(tmp_path, bottom, capsys):
+    path = _store(tmp_path / "s", bottom)
+    file, at = _live_value_offset(path, bottom)
+    _flip(file, at + 6)
     findings = fsck.check(path)
     assert findings and findings[0].table == "t" and "checksum" in findings[0].message
-    assert main(["fsck", str(path)]) == 1
+    assert findings[0].id == 50 and findings[0].file == str(file)
+    assert main(["fsck", str(path)]) == 4
     assert "checksum" in capsys.readouterr().out
+    assert main(["fsck", "--repair", "--json", str(path)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == 1
+    dropped = [f for f in report["findings"] if f.get("ids")]
+    assert dropped and dropped[0]["ids"] == [50]
+    assert main(["fsck", str(path)]) == 0
+    with embstore.open(path, read_only=True) as store:
+        assert store.num_rows("t") == 99 and store.num_rows("u") == 100
+        assert (store.lookup("t", np.array([49, 51])) == 1.25).all()
+        assert (store.lookup("t", np.array([50])) == 0).all()  # back to its initial value
+    backups = [p for p in tmp_path.iterdir() if ".fsck-backup-" in p.name]
+    assert len(backups) == 1 and (backups[0] / "MANIFEST.json").exists()
 
 
-def test_a_missing_store_is_one_finding(tmp_path):
+def test_a_damaged_lmdb_key_is_found_and_named_with_the_id_it_belongs_to(tmp_path):
+    path = _store(tmp_path / "s", "lmdb")
+    file, at = _live_value_offset(path, "lmdb")
+    _flip(file, at - 1, 0x40)  # the key's low byte: the row now sits under id 50 ^ 0x40
+    findings = fsck.check(path)
+    assert any(f.id == 50 ^ 0x40 and "row of id 50" in f.message for f in findings), findings
+    assert fsck.exit_code(fsck.check(path, repair=True)) == 1
+    assert fsck.check(path) == []
+    with embstore.open(path, read_only=True) as store:  # put back under its own id
+        assert store.num_rows("t") == 100 and (store.lookup("t", np.array([50])) == 1.25).all()
+
+
+def test_a_damaged_rocksdb_block_is_found_and_repair_leaves_a_clean_store(tmp_path):
+    path = _store(tmp_path / "s", "rocksdb")
+    sst = sorted((path / "tier1-rocksdb").glob("*.sst"))
+    raw = sst[0].read_bytes()
+    at = raw.find(np.full(4, 1.25, np.float32).tobytes())
+    assert at > 0
+    _flip(sst[0], at + 2)
+    findings = fsck.check(path)
+    assert any("checksum" in f.message for f in findings)
+    assert fsck.exit_code(fsck.check(path, repair=True)) == 1
+    assert fsck.check(path) == []
+
+
+def test_a_damaged_rocksdb_log_record_is_found(tmp_path):
+    path = tmp_path / "s"
+    # a writer that flushes and dies without closing: its rows are in the write-ahead log only
+    code = (f"import numpy as np, os, embstore\n"
+            f"s = embstore.open({str(path)!r}, tables=[embstore.TableSpec('t', dim=4)], "
+            f"tiers=[embstore.TierSpec('rocksdb')])\n"
+            f"s.update('t', np.arange(100), np.full((100, 4), 1.25, np.float32))\n"
+            f"s.flush()\nos._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert fsck.check(path) == []
+    (log,) = [p for p in (path / "tier0-rocksdb").glob("*.log") if p.stat().st_size > 100]
+    _flip(log, log.read_bytes().find(np.full(4, 1.25, np.float32).tobytes()) + 1)
+    findings = fsck.check(path)
+    assert any("log record" in f.message for f in findings), findings
+    assert fsck.exit_code(findings) == 4
+
+
+@pytest.mark.parametrize("bottom", ["pmem", "lmdb", "rocksdb-sst", "rocksdb-manifest"])
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_a_file_cut_at_a_record_boundary_plus_minus_one_is_found(tmp_path, bottom, delta):
+    path = _store(tmp_path / "s", bottom.split("-")[0], n=20)
+    if bottom == "pmem":
+        from embstore.backends.pmem import DATA_OFFSET, record_size
+        file = path / "tier1-pmem" / "t.pmem"
+        cut = DATA_OFFSET + 10 * record_size(16) + delta
+    elif bottom == "rocksdb-sst":
+        file = max((path / "tier1-rocksdb").glob("*.sst"), key=lambda p: p.stat().st_size)
+        cut = file.stat().st_size // 2 + delta
+    elif bottom == "rocksdb-manifest":
+        from embstore._fsck_native import check_log
+        file = next((path / "tier1-rocksdb").glob("MANIFEST-*"))
+        assert check_log(file, allow_torn_tail=False) == []
+        cut = _last_log_record(file) + delta  # drop the last version edit
+    else:
+        file = path / "tier1-lmdb" / "data.mdb"
+        cut = file.stat().st_size - 4096 + delta
+    os.truncate(file, cut)
+    findings = fsck.check(path)
+    if bottom == "rocksdb-manifest" and delta == 0 and not findings:
+        # a MANIFEST cut at a record boundary is a valid, older MANIFEST: fine if every row
+        # is still there (the edit dropped named no file)
+        with embstore.open(path, read_only=True) as store:
+            assert store.num_rows("t") == 20
+            assert (store.lookup("t", np.arange(20)) == 1.25).all()
+        return
+    assert findings and not any(f.fatal for f in findings)
+    assert fsck.exit_code(findings) == 4
+
+
+def _last_log_record(file):
+    """Offset of the last record of a RocksDB log file (records: crc, length u16, type)."""
+    raw = file.read_bytes()
+    pos, last = 0, 0
+    while pos + 7 <= len(raw):
+        length = int.from_bytes(raw[pos + 4:pos + 6], "little")
+        if raw[pos + 6] == 0:
+            break
+        last, pos = pos, pos + 7 + length
+    return last
+
+
+def test_a_missing_store_cannot_be_checked(tmp_path, capsys):
     (finding,) = fsck.check(tmp_path / "none")
-    assert finding.table is None and "cannot open" in finding.message
+    assert finding.table is None and "cannot open" in finding.message and finding.fatal
+    assert main(["fsck", str(tmp_path / "none")]) == 8
+
+
+def test_a_store_locked_by_a_writer_cannot_be_checked(tmp_path):
+    path = _store(tmp_path / "s", "lmdb")
+    with embstore.open(path):
+        assert main(["fsck", str(path)]) == 8
+
+
+@pytest.mark.parametrize("how", ["outside", "missing", "symlink", "garbage", "version"])
+def test_a_manifest_pointing_outside_at_a_missing_file_or_at_a_symlink_is_refused(tmp_path,
+                                                                                 how):
+    path = _store(tmp_path / "s", "pmem", n=5)
+    manifest = path / "MANIFEST.json"
+    doc = json.loads(manifest.read_text())
+    if how == "outside":
+        doc["tables"][0]["name"] = "../../etc/passwd"
+        manifest.write_text(json.dumps(doc))
+    elif how == "missing":
+        (path / "tier1-pmem" / "t.pmem").unlink()
+    elif how == "symlink":
+        real = tmp_path / "elsewhere.pmem"
+        os.replace(path / "tier1-pmem" / "t.pmem", real)
+        os.symlink(real, path / "tier1-pmem" / "t.pmem")
+    elif how == "garbage":
+        manifest.write_bytes(b"\x00{not json")
+    else:
+        doc["version"] = 99
+        manifest.write_text(json.dumps(doc))
+    findings = fsck.check(path)
+    assert findings and fsck.exit_code(findings) == 4
+    if how == "symlink":
+        assert "symbolic link" in findings[0].message
+    # repair never follows such a manifest: the problems stay
+    assert fsck.exit_code(fsck.check(path, repair=True)) == 4
+
+
+def test_a_clean_cached_copy_that_disagrees_with_the_store_of_record_is_found(tmp_path):
+    path = tmp_path / "s"
+    tiers = [TierSpec("pmem", capacity=64), TierSpec("lmdb")]
+    with embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=tiers) as store:
+        store.update("t", np.arange(20), np.full((20, 4), 1.25, np.float32))
+        store.lookup("t", np.arange(20))
+    assert fsck.check(path) == []
+    # rewrite the cached copy of id 3 through the backend: valid checksums, other values
+    from embstore.backend import BackendSpec
+    from embstore.backends.pmem import PmemBackend
+    with PmemBackend.open(BackendSpec(path=path / "cache" / "tier0-pmem", dim=4,
+                                      table="t")) as cache:
+        assert cache.contains(np.array([3]))[0]
+        cache.put(np.array([3]), np.full((1, 4), 9.0, np.float32))
+    findings = fsck.check(path)
+    assert [f.id for f in findings] == [3] and "disagrees" in findings[0].message
+    assert fsck.exit_code(fsck.check(path, repair=True)) == 1
+    assert fsck.check(path) == []
+
+
+def test_repair_keeps_the_rows_before_a_damaged_rocksdb_log_record(tmp_path):
+    path = tmp_path / "s"
+    code = (f"import numpy as np, os, embstore\n"
+            f"s = embstore.open({str(path)!r}, tables=[embstore.TableSpec('t', dim=4)], "
+            f"tiers=[embstore.TierSpec('rocksdb')])\n"
+            f"for i in range(4):\n"
+            f"    s.update('t', np.arange(i * 25, i * 25 + 25), np.full((25, 4), 1.25 + i, "
+            f"np.float32))\n"
+            f"    s.flush()\nos._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    (log,) = [p for p in (path / "tier0-rocksdb").glob("*.log") if p.stat().st_size > 100]
+    _flip(log, log.read_bytes().find(np.full(4, 3.25, np.float32).tobytes()) + 1)
+    assert fsck.exit_code(fsck.check(path, repair=True)) == 1
+    assert fsck.check(path) == []
+    with embstore.open(path, read_only=True) as store:
+        assert store.num_rows("t") == 50  # the two batches before the damaged record
+        assert (store.lookup("t", np.arange(25, 50)) == 2.25).all()
+
+
+def test_repair_refuses_to_rewrite_a_table_it_could_not_read(tmp_path):
+    path = _store(tmp_path / "s", "rocksdb", n=20)
+    current = path / "tier1-rocksdb" / "CURRENT"
+    current.write_text("MANIFEST-999999\n")
+    findings = fsck.check(path, repair=True)
+    assert fsck.exit_code(findings) == 4 and not any(f.repaired for f in findings)
+    assert (path / "tier1-rocksdb" / "CURRENT").read_text() == "MANIFEST-999999\n"

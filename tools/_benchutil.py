@@ -69,8 +69,14 @@ def interleaved_medians(contenders: dict[str, Callable[[int], None]], repeats: i
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
+TABLES: list[dict[str, object]] = []
+"""Every table printed by `print_table` in this process, for `embstore bench ... --json`."""
+
+
 def print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
     """Print (name, items/s, ratio to baseline) rows under a title."""
+    TABLES.append({"title": title, "rows": [{"contender": n, "rows_per_s": r, "ratio": x}
+                                            for n, r, x in rows]})
     print(title)
     print(f"  {'contender':<44}{'rows/s':>14}{'ratio':>9}")
     for name, rate, ratio in rows:

@@ -7,8 +7,12 @@ Each benchmark lives in a module ``embstore.tools._bench_<name>`` defining
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
+import json
 import pkgutil
+from collections.abc import Callable
 
 __all__ = ["register"]
 
@@ -20,13 +24,44 @@ def _benchmarks() -> list[str]:
                   if i.name.startswith("_bench_"))
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add the `bench` subcommand and one sub-subcommand per benchmark module."""
-    parser = sub.add_parser("bench", help="run a benchmark against its baseline")
+def register(sub: argparse._SubParsersAction, *, lazy: bool = True) -> None:
+    """Add the `bench` subcommand and, unless `lazy`, one sub-subcommand per benchmark.
+
+    Benchmark modules import heavy libraries (torch), so they are imported only when the
+    command line asks for `bench` (`embstore.tools.cli` passes lazy=False then): no other
+    command pays for them.
+    """
+    parser = sub.add_parser("bench", help="run a benchmark against its baseline",
+                            epilog="example: embstore bench lookup --quick --json")
+    if lazy:
+        return
     bench_sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench_sub.required = True
     for name in _benchmarks():
         module = importlib.import_module(f"embstore.tools._bench_{name}")
-        p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
+                                 epilog=f"example: embstore bench {name} --quick")
         module.add_arguments(p)
-        p.set_defaults(func=module.run)
+        if not any("--json" in a.option_strings for a in p._actions):
+            p.add_argument("--json", action="store_true",
+                           help="print the figures as JSON (tables and the run's log)")
+        p.set_defaults(func=_runner(name, module.run))
+
+
+def _runner(name: str, run: Callable[[argparse.Namespace], int]
+            ) -> Callable[[argparse.Namespace], int]:
+    """`run`, whose printed figures become one JSON document with --json."""
+    def wrapped(args: argparse.Namespace) -> int:
+        if not getattr(args, "json", False):
+            return run(args)
+        from embstore.tools import _benchutil
+
+        _benchutil.TABLES.clear()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = run(args)
+        print(json.dumps({"benchmark": name, "exit_code": code,
+                          "tables": _benchutil.TABLES,
+                          "log": out.getvalue().splitlines()}, indent=2))
+        return code
+    return wrapped

@@ -1,21 +1,28 @@
-"""`embstore info PATH`: the tables, tiers, rows and bytes of a store."""
+"""`embstore info PATH`: the tables, tiers, rows, bytes and cumulative counters of a store.
+
+The counters (lookups, hits, misses, evictions, write-backs, ...) are those of every session
+up to the last close, which the store keeps in STATS.json.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Any
 
 import embstore
+from embstore.tools._args import add_output_flags
 
 __all__ = ["register", "run"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `info` subcommand."""
-    p = sub.add_parser("info", help="describe a store: tables, tiers, rows, bytes")
+    p = sub.add_parser("info", help="describe a store: tables, tiers, rows, bytes, counters",
+                       description=__doc__, epilog="example: embstore info runs/ctr --json")
     p.add_argument("path", help="the store's directory")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_output_flags(p, json_help="print JSON instead of text", quiet=False)
     p.set_defaults(func=run)
 
 
@@ -27,8 +34,17 @@ def _size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _when(t: float | None) -> str:
+    return "never" if t is None else time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))
+
+
 def _print_text(info: dict[str, Any]) -> None:
     print(f"store {info['path']}")
+    ckpt = info.get("last_checkpoint")
+    print(f"last flush {_when(info.get('last_flush'))}; last close "
+          f"{_when(info.get('last_close'))}; last checkpoint "
+          + ("none" if not ckpt else f"{ckpt['path']} (step {ckpt['step']}) at "
+             f"{_when(ckpt['time'])}"))
     for name, t in info["tables"].items():
         spec = t["spec"]
         print(f"table {name}: dim {spec['dim']} {spec['dtype']}, optimizer "
@@ -43,6 +59,10 @@ def _print_text(info: dict[str, Any]) -> None:
             print(f"  tier {tier['level']} {tier['backend']} ({cap}{policy}): "
                   f"{tier['rows']:,} rows, {_size(tier['bytes'])}"
                   + (f"; {', '.join(f'{k}={v}' for k, v in extra.items())}" if extra else ""))
+            c = tier["cumulative"]
+            print(f"    lookups {c['lookups']:,}, hits {c['hits']:,}, misses {c['misses']:,}, "
+                  f"evictions {c['evictions']:,}, write-backs {c['writebacks']:,} "
+                  "(all sessions to the last close)")
 
 
 def run(args: argparse.Namespace) -> int:

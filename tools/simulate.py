@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from embstore.tools._args import Amount, amount, positive_int
+
 __all__ = ["register"]
 
 
@@ -13,6 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the `simulate` subcommand."""
     p = sub.add_parser(
         "simulate", help="replay an id trace through eviction x admission policies",
+        epilog="example: embstore simulate trace.npy --policy lru,lfu --capacity 1%,5%",
         description="Replay TRACE batch by batch through a cache of each capacity run by every "
                     "eviction x admission pair; print miss ratios (per distinct id per batch) "
                     "beside Belady's MIN and an infinite cache.")
@@ -25,10 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "settings as name:key=value:key=value (default: lru)")
     p.add_argument("--admission", default="always",
                    help="admission specs, comma-separated (default: always)")
-    p.add_argument("--capacity", default="0.01,0.05,0.1",
-                   help="cache sizes: fractions (< 1) of the distinct ids or counts "
+    p.add_argument("--capacity", default="0.01,0.05,0.1", type=_capacities,
+                   help="cache sizes, comma-separated: fractions of the distinct ids (5%% or "
+                        "0.05), id counts (4096) or bytes (512MiB, over --row-bytes) "
                         "(default: 0.01,0.05,0.1)")
-    p.add_argument("--batch-size", type=int, default=4096,
+    p.add_argument("--row-bytes", type=positive_int, default=256,
+                   help="bytes per row, to turn a --capacity in bytes into ids (default: 256, "
+                        "a dim-64 float32 row)")
+    p.add_argument("--batch-size", type=positive_int, default=4096,
                    help="batch length for a 1-D .npy trace (default: 4096)")
     p.add_argument("--seed", type=int, default=0, help="seed handed to every policy")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -39,14 +46,21 @@ def _run(args: argparse.Namespace) -> int:
     from embstore.tools.simulator import load_trace, simulate_trace
 
     trace = load_trace(args.trace, batch_size=args.batch_size)
+    distinct = max(1, int(trace.distinct))
+    capacities = [c.fraction if c.fraction is not None and c.fraction < 1
+                  else float(c.as_rows(distinct, args.row_bytes)) for c in args.capacity]
     report = simulate_trace(trace, [s for s in args.policy.split(",") if s],
                             [s for s in args.admission.split(",") if s],
-                            [float(c) for c in args.capacity.split(",")], seed=args.seed)
+                            capacities, seed=args.seed)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(_table(report))
     return 0
+
+
+def _capacities(text: str) -> list[Amount]:
+    return [amount(part) for part in text.split(",")]
 
 
 def _table(report: dict[str, Any]) -> str:

@@ -12,7 +12,8 @@ __all__ = ["register"]
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `trace` subcommand with `synth` and `stats`."""
-    parser = sub.add_parser("trace", help="synthetic traces and their reuse statistics")
+    parser = sub.add_parser("trace", help="synthetic traces and their reuse statistics",
+                            epilog="example: embstore trace synth /tmp/t.npy --batches 50")
     trace_sub = parser.add_subparsers(dest="trace_command", metavar="ACTION")
     trace_sub.required = True
 

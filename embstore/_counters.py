@@ -1,0 +1,107 @@
+"""The store's history: cumulative counters, rows, last flush and checkpoint, kept across opens.
+
+A writer's `close()` adds the counters of its session to those read at open and writes them,
+with each table's row count and a fingerprint of every store of record (`_fileinfo`), to
+`STATS.json` in the store's directory (atomically). `embstore info` shows them, and `fsck`
+compares the row counts with what it finds when the fingerprints say that no writer touched
+the store since (a crash loses only the counters of the session it ends).
+
+    {"format": "embstore-stats", "version": 1, "closed_at": unix seconds,
+     "last_flush": unix seconds | null, "last_checkpoint": {"path", "step", "time"} | null,
+     "tables": {name: {"rows": int, "updates_dropped": int,
+                       "tiers": [{"level", "backend", "lookups", "hits", ...}]}},
+     "fingerprints": {tier directory relative to the store: value}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ._fileinfo import fingerprint
+from .layout import bottom_dir, table_chain
+from .manifest import write_atomic
+from .spec import TableSpec, TierSpec
+
+__all__ = ["COUNTERS", "STATS_NAME", "cumulative", "fingerprints", "load", "save"]
+
+STATS_NAME = "STATS.json"
+FORMAT = "embstore-stats"
+COUNTERS = ("lookups", "hits", "misses", "promotions", "admissions_rejected", "evictions",
+            "writebacks")
+_MAX_BYTES = 64 << 20
+
+
+def load(root: Path) -> dict[str, Any]:
+    """The history of the store at `root`; empty when there is none or it is unreadable."""
+    file = root / STATS_NAME
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        if os.fstat(fd).st_size > _MAX_BYTES:
+            return {}
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            doc = json.loads(fh.read())
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return {}
+    return doc
+
+
+def cumulative(history: dict[str, Any], table: str, level: int, backend: str,
+               current: dict[str, Any]) -> dict[str, int]:
+    """The counters of tier `level` of `table` over every session: `history`'s plus `current`."""
+    out = {k: int(current.get(k, 0)) for k in COUNTERS}
+    tiers = ((history.get("tables") or {}).get(table) or {}).get("tiers") or []
+    for old in tiers:
+        if isinstance(old, dict) and old.get("level") == level \
+                and old.get("backend") == backend:
+            for k in COUNTERS:
+                value = old.get(k, 0)
+                out[k] += value if isinstance(value, int) else 0
+    return out
+
+
+def fingerprints(root: Path, specs: Sequence[TableSpec],
+                 default_tiers: Sequence[TierSpec]) -> dict[str, Any]:
+    """The fingerprint of every store of record, by directory relative to `root`."""
+    dirs: dict[Path, tuple[str, list[str]]] = {}
+    for spec in specs:
+        d = bottom_dir(root, spec, default_tiers)
+        backend = table_chain(spec, default_tiers)[-1].backend
+        dirs.setdefault(d, (backend, []))[1].append(spec.name)
+    return {str(d.relative_to(root)): fingerprint(d, backend, names)
+            for d, (backend, names) in sorted(dirs.items())}
+
+
+def save(root: Path, specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec],
+         tables: dict[str, dict[str, Any]], history: dict[str, Any],
+         last_flush: float | None, last_checkpoint: dict[str, Any] | None) -> None:
+    """Write the history at a clean close: `tables` holds this session's figures per table.
+
+    `tables[name]` is {"rows", "updates_dropped", "tiers": [TierStatistics as dicts]}.
+    """
+    out: dict[str, Any] = {}
+    for name, t in tables.items():
+        old = (history.get("tables") or {}).get(name) or {}
+        dropped = old.get("updates_dropped", 0)
+        out[name] = {
+            "rows": int(t["rows"]),
+            "updates_dropped": int(t["updates_dropped"])
+            + (dropped if isinstance(dropped, int) else 0),
+            "tiers": [{"level": s["level"], "backend": s["backend"],
+                       **cumulative(history, name, s["level"], s["backend"], s)}
+                      for s in t["tiers"]]}
+    doc = {"format": FORMAT, "version": 1, "closed_at": time.time(), "last_flush": last_flush,
+           "last_checkpoint": last_checkpoint, "tables": out,
+           "fingerprints": fingerprints(root, specs, default_tiers)}
+    write_atomic(root / STATS_NAME, json.dumps(doc, indent=1, sort_keys=True).encode())

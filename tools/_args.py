@@ -1,0 +1,187 @@
+"""What every `embstore` subcommand shares: the parser, number readers, progress bars.
+
+`Parser.error` answers a bad invocation with one line and exit 2 (never a traceback);
+`amount` reads the sizes and fractions people write (`5%`, `0.05`, `4096` rows, `512MiB`);
+`progress` gives a tqdm bar on a terminal and nothing otherwise (or with `--quiet`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from embstore.errors import ConfigError
+from embstore.spec import parse_bytes
+
+__all__ = ["Amount", "Parser", "add_output_flags", "amount", "positive_int", "progress",
+           "tier_chain"]
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print `message` as one line naming the command, then exit 2."""
+        text = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {text} (see `{self.prog} --help`)\n")
+
+
+@dataclass(frozen=True)
+class Amount:
+    """A size as written on the command line: a fraction, a row count or bytes.
+
+    Exactly one field is set.
+    """
+
+    fraction: float | None = None
+    rows: int | None = None
+    nbytes: int | None = None
+
+    def as_rows(self, total: int, row_bytes: int) -> int:
+        """Rows meant: a fraction of `total`, a count, or bytes over `row_bytes` (at least 1)."""
+        if self.fraction is not None:
+            return max(1, round(self.fraction * total))
+        if self.rows is not None:
+            return self.rows
+        assert self.nbytes is not None
+        return max(1, self.nbytes // row_bytes)
+
+
+_NUMBER = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?\s*")
+
+
+def amount(text: str) -> Amount:
+    """Read `5%`, `0.05` (fractions), `4096` (rows) or `512MiB` (bytes).
+
+    Raises:
+        argparse.ArgumentTypeError: none of these forms, or not positive.
+    """
+    t = text.strip()
+    try:
+        if t.endswith("%"):
+            value = float(t[:-1])
+            if not 0 < value <= 100:
+                raise ValueError
+            return Amount(fraction=value / 100)
+        if _NUMBER.fullmatch(t):
+            value = float(t)
+            if value <= 0:
+                raise ValueError
+            if value < 1:
+                return Amount(fraction=value)
+            if value != int(value):
+                raise ValueError
+            return Amount(rows=int(value))
+        n = parse_bytes(t)
+        if n <= 0:
+            raise ValueError
+        return Amount(nbytes=n)
+    except (ValueError, ConfigError, OverflowError):
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a size: write a fraction (5% or 0.05), a row count (4096) "
+            "or bytes (512MiB)") from None
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def add_output_flags(p: argparse.ArgumentParser, *, json_help: str = "print JSON",
+                     quiet: bool = True) -> None:
+    """Add `--json` and (with `quiet`) `--quiet` to `p`."""
+    p.add_argument("--json", action="store_true", help=json_help)
+    if quiet:
+        p.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress bar (there is none when stderr is not a terminal)")
+
+
+class _Bar:
+    """A progress bar over a known total, or nothing."""
+
+    def __init__(self, bar: Any) -> None:
+        self._bar = bar
+
+    def update(self, n: int) -> None:
+        """Advance by `n` units."""
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def describe(self, text: str) -> None:
+        """Set the bar's label."""
+        if self._bar is not None:
+            self._bar.set_description(text)
+
+
+@contextmanager
+def progress(args: argparse.Namespace, total: int | None, unit: str = "rows",
+             label: str = "") -> Iterator[_Bar]:
+    """A tqdm bar on stderr when it is a terminal and neither --quiet nor --json was given."""
+    show = (sys.stderr.isatty() and not getattr(args, "quiet", False)
+            and not getattr(args, "json", False))
+    bar = None
+    if show:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # tqdm comes with the torch extra; without it, no bar
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=total, unit=unit, desc=label, file=sys.stderr, leave=False,
+                       unit_scale=True)
+    try:
+        yield _Bar(bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def tier_chain(text: str) -> tuple[Any, ...]:
+    """Read a tier chain, top first: `dram:512MiB:lru,rocksdb` (backend[:capacity[:eviction]]).
+
+    A capacity is a row count (4096) or a size (512MiB).
+
+    Raises:
+        argparse.ArgumentTypeError: not such a chain, or an invalid tier.
+    """
+    from embstore.spec import TierSpec
+
+    tiers = []
+    try:
+        for part in text.split(","):
+            backend, *rest = part.strip().split(":")
+            if not backend or len(rest) > 2:
+                raise ConfigError(f"tier {part!r} is not backend[:capacity[:eviction]]")
+            cap: int | str | None = None
+            if rest and rest[0]:
+                cap = int(rest[0]) if rest[0].isdigit() else rest[0]
+                if isinstance(cap, str):
+                    parse_bytes(cap)
+            eviction = rest[1] if len(rest) > 1 and rest[1] else None
+            tiers.append(TierSpec(backend, capacity=cap, eviction=eviction))
+    except (ConfigError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as tiers ({exc}); write e.g. dram:512MiB:lru,rocksdb"
+        ) from None
+    from embstore import registry
+
+    known = set(registry.backend_names())
+    for t in tiers:
+        if t.backend not in known:
+            raise argparse.ArgumentTypeError(
+                f"unknown backend {t.backend!r}; choose from {sorted(known)}")
+    return tuple(tiers)
