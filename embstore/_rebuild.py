@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import _counters, registry
+from ._written_rebuild import rebuild_written_records
 from .backend import Backend, BackendSpec, SupportsBulkLoad
 from .errors import ConfigError, StoreNotFoundError
 from .layout import bottom_dir, lock, manifest_body, read_manifest, table_chain, write_manifest
@@ -158,6 +159,8 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
     body.update({k: v for k, v in (extras or {}).items()
                  if k not in ("format", "version", "tiers", "tables", "checkpoint")})
     write_manifest(dest, body)
+    # the written-id records of the new store: every row just written counts as written
+    rebuild_written_records(dest)
     old = history or {}
     tables = {s.name: {"rows": counts[s.name], "updates_dropped": 0,
                        "tiers": [{"level": lv, "backend": t.backend} for lv, t in
