@@ -41,7 +41,7 @@ from ._fsck_pmem import scan_pmem
 from ._lmdb_walk import walk as walk_lmdb
 from ._rebuild import read_store, replace_store
 from .errors import EmbstoreError, StoreLockedError
-from .layout import MANIFEST_NAME, bottom_dir, lock, table_chain
+from .layout import MANIFEST_NAME, bottom_dir, lock, table_chain, written_file
 from .spec import TableSpec, TierSpec
 from .store import EmbeddingStore
 
@@ -90,6 +90,8 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
         if repair else None
     try:
         findings, parsed, scans = _check_path(root, dump_dir, progress)
+        if not findings and parsed is not None:
+            findings += _lost_rows(root, parsed)
         if not repair or not findings or parsed is None or any(f.fatal for f in findings):
             return findings
         assert dump_dir is not None
@@ -98,6 +100,40 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
         os.close(fd)
         if dump_dir is not None:
             shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def _lost_rows(root: Path, parsed: _Parsed) -> list[Finding]:
+    """Rows a table's written-id record holds that its store of record lacks: lost rows.
+
+    Runs on files that passed every other check (so their native readers are safe to run
+    here); reads the record and the store of record only, changing neither.
+    """
+    from ._rebuild import open_bottom
+    from ._written import WrittenIds
+
+    specs, tiers = parsed
+    out = []
+    for spec in specs:
+        file = written_file(root, spec.name)
+        if not file.is_file():
+            continue
+        try:
+            record = WrittenIds(file, spec.num_embeddings, lambda: np.zeros(0, np.int64),
+                                read_only=True)
+            ids = np.ascontiguousarray(record.ids())
+            if not len(ids):
+                continue
+            with open_bottom(root, spec, tiers, read_only=True) as bottom:
+                lost = ids[~bottom.contains(ids)]
+        except EmbstoreError as exc:
+            out.append(Finding(spec.name, f"cannot compare the written-id record: {exc}",
+                               file=str(file)))
+            continue
+        if len(lost):
+            out.append(Finding(spec.name, f"{len(lost)} written row(s) lost by the medium, "
+                               f"e.g. id {int(lost[0])}: restore them from a checkpoint",
+                               file=str(file), id=int(lost[0])))
+    return out
 
 
 def _check_open_table(store: EmbeddingStore, name: str) -> list[Finding]:
