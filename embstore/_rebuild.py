@@ -27,10 +27,18 @@ from typing import Any
 import numpy as np
 
 from . import _counters, registry
-from ._written_rebuild import rebuild_written_records
+from ._written import write_record
 from .backend import Backend, BackendSpec, SupportsBulkLoad
 from .errors import ConfigError, StoreNotFoundError
-from .layout import bottom_dir, lock, manifest_body, read_manifest, table_chain, write_manifest
+from .layout import (
+    bottom_dir,
+    lock,
+    manifest_body,
+    read_manifest,
+    table_chain,
+    write_manifest,
+    written_file,
+)
 from .manifest import fsync_dir
 from .spec import TableSpec, TierSpec
 
@@ -137,6 +145,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
     for spec in specs:
         total, pages = source(spec)
         n = 0
+        written: list[np.ndarray] = []  # the ids of the table's written-id record
         with open_bottom(dest, spec, default_tiers, read_only=False,
                          rows_hint=total) as target:
             for ids, rows in pages:
@@ -147,6 +156,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
                     target.bulk_load(np.ascontiguousarray(ids), rows)
                 else:
                     target.put(np.ascontiguousarray(ids), rows)
+                written.append(np.array(ids, dtype=np.int64))
                 n += len(ids)
                 if progress is not None:
                     progress(spec.name, len(ids))
@@ -154,13 +164,19 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
             if compact is not None:
                 compact()
             target.flush()
+            keeps_record = (target.supports_persistence
+                            and table_chain(spec, default_tiers)[-1].eviction is None
+                            and table_chain(spec, default_tiers)[-1].admission is None)
         counts[spec.name] = n
+        if keeps_record:  # every row just written counts as written (embstore._written)
+            file = written_file(dest, spec.name)
+            file.parent.mkdir(mode=0o700, exist_ok=True)
+            write_record(file, spec.num_embeddings,
+                         np.concatenate(written) if written else np.zeros(0, np.int64))
     body = manifest_body(default_tiers, list(specs))
     body.update({k: v for k, v in (extras or {}).items()
                  if k not in ("format", "version", "tiers", "tables", "checkpoint")})
     write_manifest(dest, body)
-    # the written-id records of the new store: every row just written counts as written
-    rebuild_written_records(dest)
     old = history or {}
     tables = {s.name: {"rows": counts[s.name], "updates_dropped": 0,
                        "tiers": [{"level": lv, "backend": t.backend} for lv, t in

@@ -187,19 +187,7 @@ class WrittenIds:
             os.close(fd)
 
     def _write(self, ids: np.ndarray) -> None:
-        if self._n is not None:
-            bits = np.zeros(self._n, dtype=np.uint8)
-            bits[ids] = 1
-            body = np.packbits(bits, bitorder="little").tobytes()
-            kind, n = BITMAP, self._n
-        else:
-            body = np.ascontiguousarray(ids, dtype="<i8").tobytes()
-            kind, n = IDS, len(ids)
-        rest = struct.pack("<Q", n) + body
-        if not self.file.parent.exists():
-            self.file.parent.mkdir(mode=0o700)
-            _fsync_dir(self.file.parent.parent)
-        write_atomic(self.file, HEADER.pack(MAGIC, kind, zlib.crc32(rest), n) + body)
+        _write_file(self.file, self._n, ids)
 
     # --- in memory ------------------------------------------------------------------------
 
@@ -277,11 +265,39 @@ class WrittenIds:
         self._changed = False
 
 
+def _write_file(file: Path, num_embeddings: int | None, ids: np.ndarray) -> None:
+    """Write the record file of sorted distinct `ids` atomically (layout: module docstring)."""
+    if num_embeddings is not None:
+        bits = np.zeros(num_embeddings, dtype=np.uint8)
+        bits[ids] = 1
+        body = np.packbits(bits, bitorder="little").tobytes()
+        kind, n = BITMAP, num_embeddings
+    else:
+        body = np.ascontiguousarray(ids, dtype="<i8").tobytes()
+        kind, n = IDS, len(ids)
+    rest = struct.pack("<Q", n) + body
+    if not file.parent.exists():
+        file.parent.mkdir(mode=0o700)
+        _fsync_dir(file.parent.parent)
+    write_atomic(file, HEADER.pack(MAGIC, kind, zlib.crc32(rest), n) + body)
+
+
 def write_record(file: Path, num_embeddings: int | None, ids: np.ndarray) -> None:
-    """Write a fresh record holding exactly `ids` at `file` (a checkpoint's, a restore's)."""
+    """Write a fresh record holding exactly `ids` at `file` (a checkpoint's, a restore's).
+
+    Written straight from the ids (sorted, distinct), without the in-memory index an open
+    record keeps: a rewrite of a large unbounded table costs about 8 bytes per row.
+
+    Raises:
+        CorruptStoreError: an id outside [0, num_embeddings).
+    """
+    ids = np.unique(np.asarray(ids, dtype=np.int64))
+    if num_embeddings is not None and len(ids) and (ids[0] < 0 or ids[-1] >= num_embeddings):
+        raise CorruptStoreError(f"written-id record {file}: ids outside [0, {num_embeddings}); "
+                                "restore the table from a checkpoint")
     file.unlink(missing_ok=True)
     file.with_suffix(".del").unlink(missing_ok=True)
-    WrittenIds(file, num_embeddings, lambda: ids, read_only=False)
+    _write_file(file, num_embeddings, ids)
 
 
 def _fsync_dir(path: Path) -> None:
