@@ -18,8 +18,8 @@ from typing import Any, NoReturn
 from embstore.errors import ConfigError
 from embstore.spec import parse_bytes
 
-__all__ = ["Amount", "Parser", "add_output_flags", "amount", "positive_int", "progress",
-           "tier_chain"]
+__all__ = ["Amount", "Parser", "add_output_flags", "amount", "non_negative_int", "positive_int",
+           "progress", "tier_chain"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -87,19 +87,32 @@ def amount(text: str) -> Amount:
             "or bytes (512MiB)") from None
 
 
+def _whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least {least}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An int >= 1.
 
     Raises:
         argparse.ArgumentTypeError: anything else.
     """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
+    return _whole(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An int >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    return _whole(text, 0)
 
 
 def add_output_flags(p: argparse.ArgumentParser, *, json_help: str = "print JSON",

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ._args import non_negative_int, positive_int
 from ._dlrm import (
     ROCKSDB_OPTIONS,
     ClickStream,
@@ -47,35 +48,15 @@ STORE_DIR = "store"
 TORCH_THREADS = 1
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `demo` subcommand."""
     p = sub.add_parser("demo", help="train a small DLRM through the store and report",
                        description="Train a small DLRM whose embedding tables live in the "
                        "store, on a synthetic click stream, and report.")
-    p.add_argument("--steps", type=_non_negative, default=1000,
+    p.add_argument("--steps", type=non_negative_int, default=1000,
                    help="training steps of this run (default 1000)")
-    p.add_argument("--batch-size", type=_positive, default=2048, help="samples per step (2048)")
-    p.add_argument("--rows", type=_positive, default=1_000_000,
+    p.add_argument("--batch-size", type=positive_int, default=2048, help="samples per step (2048)")
+    p.add_argument("--rows", type=positive_int, default=1_000_000,
                    help="ids per sparse feature, i.e. rows of each of the 8 tables (1,000,000)")
     p.add_argument("--path", metavar="DIR",
                    help="keep the run in DIR (store and dense part); run again to resume")
@@ -84,12 +65,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all-dram", action="store_true",
                    help="keep every row in DRAM instead of RocksDB behind a DRAM tier")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of the loss and AUC curves")
-    p.add_argument("--eval-samples", type=_positive, default=8192,
+    p.add_argument("--eval-samples", type=positive_int, default=8192,
                    help="held-out samples (8192)")
-    p.add_argument("--evals", type=_positive, default=10,
+    p.add_argument("--evals", type=positive_int, default=10,
                    help="held-out evaluations during the run (10)")
-    p.add_argument("--seed", type=_non_negative, default=0)
-    p.add_argument("--nproc", type=_positive, default=1,
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--nproc", type=positive_int, default=1,
                    help="train over N processes (torch.distributed, gloo on loopback): tables "
                    "sharded row-wise over the ranks, the dense part data-parallel (1)")
     p.add_argument("--json", action="store_true", help="print the final figures as JSON")
