@@ -54,7 +54,7 @@ import numpy as np
 from . import _crash
 from .errors import CorruptStoreError
 from .index import IdIndex
-from .manifest import read_bytes_nofollow, write_atomic
+from .manifest import fsync_dir, read_bytes_nofollow, write_atomic
 
 __all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds", "write_record"]
 
@@ -163,7 +163,7 @@ class WrittenIds:
         new = not self.journal.exists()
         if new and not self.file.parent.exists():
             self.file.parent.mkdir(mode=0o700)
-            _fsync_dir(self.file.parent.parent)
+            fsync_dir(self.file.parent.parent)
         fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
                      0o600)
         try:
@@ -172,7 +172,7 @@ class WrittenIds:
         finally:
             os.close(fd)
         if new:
-            _fsync_dir(self.journal.parent)
+            fsync_dir(self.journal.parent)
 
     def _empty_journal(self) -> None:
         try:
@@ -278,7 +278,7 @@ def _write_file(file: Path, num_embeddings: int | None, ids: np.ndarray) -> None
     rest = struct.pack("<Q", n) + body
     if not file.parent.exists():
         file.parent.mkdir(mode=0o700)
-        _fsync_dir(file.parent.parent)
+        fsync_dir(file.parent.parent)
     write_atomic(file, HEADER.pack(MAGIC, kind, zlib.crc32(rest), n) + body)
 
 
@@ -299,10 +299,3 @@ def write_record(file: Path, num_embeddings: int | None, ids: np.ndarray) -> Non
     file.with_suffix(".del").unlink(missing_ok=True)
     _write_file(file, num_embeddings, ids)
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
