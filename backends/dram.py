@@ -31,6 +31,7 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from embstore._kernels._dram_index import ffi, lib
+from embstore._parallel import run_ranges
 from embstore.backend import BackendSpec, SlottedBackend
 from embstore.errors import ConfigError, CorruptStoreError
 from embstore.index import BucketIdIndex, IdIndex, RowSlabs
@@ -140,11 +141,19 @@ class DRAMBackend(SlottedBackend):
         found = np.empty(n, dtype=bool)
         if n:
             table, nb = self._index.buckets()
-            lib.bk_gather(table, nb, self._slabs.pointer(), self._slabs.shift,
-                           self._slabs.row_bytes, ffi.cast("int64_t *", ids.ctypes.data), n,
-                           ffi.cast("char *", out.ctypes.data),
-                           ffi.cast("uint8_t *", found.ctypes.data),
-                           ffi.NULL if slots is None else ffi.cast("int32_t *", slots.ctypes.data))
+            slabs, shift = self._slabs.pointer(), self._slabs.shift
+            row_bytes = self._slabs.row_bytes
+            ids_p = ffi.cast("int64_t *", ids.ctypes.data)
+            out_p = ffi.cast("char *", out.ctypes.data)
+            found_p = ffi.cast("uint8_t *", found.ctypes.data)
+            slots_p = ffi.NULL if slots is None else ffi.cast("int32_t *", slots.ctypes.data)
+
+            def gather(start: int, stop: int) -> None:
+                lib.bk_gather(table, nb, slabs, shift, row_bytes, ids_p + start, stop - start,
+                              out_p + start * row_bytes, found_p + start,
+                              ffi.NULL if slots is None else slots_p + start)
+
+            run_ranges(n, gather)
         return out, found
 
     def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -13,15 +13,18 @@ Caveats:
     - A table whose store of record persists keeps a written-id record beside it, so a row the
       medium lost raises CorruptStoreError instead of reading as new; if those records are
       lost while the rows are intact, `rebuild_written_records(path)` rebuilds them.
+    - Large batches on DRAM tiers run their memory-bound kernels on several threads
+      (`set_num_threads`, or `EMBSTORE_NUM_THREADS`); results are the same for every count.
 """
 
 from . import errors, fsck, init, optim
 from ._open import open
+from ._parallel import get_num_threads, set_num_threads
 from ._written_rebuild import rebuild_written_records
 from .checkpoint import restore
 from .spec import TableSpec, TierSpec
 from .store import EmbeddingStore
 
-__all__ = ["EmbeddingStore", "TableSpec", "TierSpec", "errors", "fsck", "init", "open", "optim",
-           "rebuild_written_records", "restore"]
+__all__ = ["EmbeddingStore", "TableSpec", "TierSpec", "errors", "fsck", "get_num_threads", "init",
+           "open", "optim", "rebuild_written_records", "restore", "set_num_threads"]
 __version__ = "0.1.0"

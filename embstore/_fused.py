@@ -23,6 +23,7 @@ from typing import Any, cast
 import numpy as np
 
 from ._kernels._optim_kernels import ffi, lib
+from ._parallel import run_ranges
 from .optim import SGD, Adagrad, Optimizer, RowWiseAdagrad
 
 __all__ = ["distinct_slots", "gather_step", "kernel_rule", "step_in_place", "step_rows"]
@@ -128,11 +129,28 @@ def step_in_place(optimizer: Optimizer, dim: int, backend: Any, slots: np.ndarra
     slots = np.ascontiguousarray(slots, dtype=np.int32)
     slabs = backend.slabs_for_writing()
     preimage = _preimage_buffer(len(slots), slabs.dim) if undo else None
-    scratch = np.empty(dim, dtype=np.float32)
-    return int(lib.optim_step_slots_f32(
-        *rule, slabs.pointer(), slabs.shift, _ptr("int32_t *", slots), slabs.dim,
-        _ptr("float *", grads), len(slots), dim,
-        ffi.NULL if preimage is None else _ptr("float *", preimage), _ptr("float *", scratch)))
+    slabs_p, slots_p, grads_p = (slabs.pointer(), _ptr("int32_t *", slots),
+                                 _ptr("float *", grads))
+    pre_p = ffi.NULL if preimage is None else _ptr("float *", preimage)
+
+    def step(start: int, stop: int) -> int:
+        scratch = np.empty(dim, dtype=np.float32)
+        return int(lib.optim_step_slots_f32(
+            *rule, slabs_p, slabs.shift, slots_p + start, slabs.dim, grads_p + start * dim,
+            stop - start, dim, pre_p if preimage is None else pre_p + start * slabs.dim,
+            _ptr("float *", scratch)))
+
+    parts = run_ranges(len(slots), step)
+    bad = [(start, first) for start, first in parts if first >= 0]
+    if not bad:
+        return -1
+    if preimage is not None:
+        # a range that failed put its own rows back; the others completed: put theirs back
+        stops = [start for start, _ in parts[1:]] + [len(slots)]
+        for (start, first), stop in zip(parts, stops, strict=True):
+            if first < 0:
+                slabs.scatter(slots[start:stop], preimage[start:stop])
+    return min(start + first for start, first in bad)
 
 
 def gather_step(optimizer: Optimizer, dim: int, backend: Any, slots: np.ndarray,

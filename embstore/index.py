@@ -11,9 +11,12 @@ higher load: one miss per probe and 13.8-14.7 bytes per id (`_kernels/bucket_ind
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ._kernels._dram_index import ffi, lib
+from ._parallel import run_ranges
 from .errors import CapacityError
 
 __all__ = ["BucketIdIndex", "HashTable", "IdGroups", "IdIndex", "RowSlabs", "copy_rows"]
@@ -239,7 +242,10 @@ class BucketIdIndex(IdIndex):
         out = np.empty(len(ids), dtype=np.int32)
         if len(ids):
             table, nb = self.buckets()
-            lib.bk_find(table, nb, _ptr("int64_t *", ids), len(ids), _ptr("int32_t *", out))
+            ids_p: Any = _ptr("int64_t *", ids)
+            out_p: Any = _ptr("int32_t *", out)
+            run_ranges(len(ids), lambda start, stop: lib.bk_find(
+                table, nb, ids_p + start, stop - start, out_p + start))
         return out
 
     def _reserve(self, n_new: int) -> None:
