@@ -26,8 +26,8 @@ import numpy as np
 from .._tier_cost import step_seconds
 from ..spec import TierSpec
 
-__all__ = ["TIER_ORDER", "Choice", "Knapsack", "ShardShape", "capacity_grid", "chain_specs",
-           "fmt_bytes", "options"]
+__all__ = ["TIER_ORDER", "Choice", "Knapsack", "Options", "ShardShape", "capacity_grid",
+           "chain_specs", "fmt_bytes", "options"]
 
 TIER_ORDER = ("dram", "pmem", "rocksdb", "lmdb")
 """Tiers fastest first: the order of a chain and of the budget vectors."""
@@ -59,14 +59,42 @@ class Choice:
     policies: tuple[str | None, ...]
     """Eviction policy spec of each cache tier (None: the tier's default)."""
     misses: tuple[float, ...]
-    """Share of the lookups each cache misses (cumulative, top first)."""
+    """Share of the lookups that miss each cache and those above it, top first."""
     seconds: float
     use: np.ndarray
     """float64[len(tiers)]: bytes in each budgeted tier."""
 
 
+@dataclass
+class Options:
+    """Every option of one shard, as arrays (a `Choice` is built only for the chosen one)."""
+
+    seconds: np.ndarray
+    """float64[n]: predicted seconds per step of each option."""
+    use: np.ndarray
+    """float64[n, len(tiers)]: bytes of each option in each budgeted tier."""
+    chains: list[tuple[str, ...]]
+    levels: np.ndarray
+    """int64[n, 2]: grid index of each cache level's size (-1: no such level)."""
+    misses: np.ndarray
+    """float64[n, 2]: miss ratio below each cache level."""
+    caps: np.ndarray
+    """int64[G]: the shard's rows for each grid size."""
+    policies: list[str | None]
+    """Eviction policy for each grid size."""
+
+    def choice(self, j: int) -> Choice:
+        """Option `j` as a `Choice`."""
+        backends = self.chains[j]
+        idx = [int(i) for i in self.levels[j, :len(backends) - 1]]
+        return Choice(backends, tuple(int(self.caps[i]) for i in idx),
+                      tuple(self.policies[i] for i in idx),
+                      tuple(float(m) for m in self.misses[j, :len(idx)]),
+                      float(self.seconds[j]), self.use[j])
+
+
 def options(shape: ShardShape, grid: np.ndarray, miss: Any, policy: Any,
-            tiers: tuple[str, ...], model: dict[str, Any]) -> list[Choice]:
+            tiers: tuple[str, ...], model: dict[str, Any]) -> Options:
     """Every option of one shard, in an order that depends only on `grid` and `tiers`.
 
     Args:
@@ -82,36 +110,46 @@ def options(shape: ShardShape, grid: np.ndarray, miss: Any, policy: Any,
     where = {t: i for i, t in enumerate(tiers)}
     caps_s = np.maximum(1, np.round(grid * shape.cap_scale)).astype(np.int64)
     miss_g = np.asarray(miss(grid), dtype=np.float64)
-    pol = [policy(c) for c in grid]
-    out: list[Choice] = []
+    groups: list[tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]] = []
 
-    def add(backends: tuple[str, ...], idx: tuple[int, ...], secs: float) -> None:
-        use = np.zeros(len(tiers))
-        for level, b in enumerate(backends):
-            held = caps_s[idx[level]] if level < len(idx) else shape.rows
-            use[where[b]] += held * over[b]
-        caps = tuple(int(caps_s[i]) for i in idx)
-        out.append(Choice(backends, caps, tuple(pol[i] for i in idx),
-                          tuple(float(miss_g[i]) for i in idx), float(secs), use))
+    def add(backends: tuple[str, ...], levels: np.ndarray, misses: list[np.ndarray]) -> None:
+        n = len(levels)
+        secs = np.broadcast_to(step_seconds(model, backends, shape.distinct, shape.row_bytes,
+                                            misses), (n,))
+        m = np.full((n, 2), np.nan)
+        for k, x in enumerate(misses):
+            m[:, k] = x
+        groups.append((backends, levels, secs, m))
 
+    none = np.full((1, 2), -1, dtype=np.int64)
     for t in tiers:
-        add((t,), (), step_seconds(model, (t,), shape.distinct, shape.row_bytes, ()))
+        add((t,), none, [])
     g = np.arange(len(grid))
+    one = np.stack([g, np.full(len(g), -1)], axis=1)
     for top in (t for t in tiers if t in _CACHES):
         for bottom in tiers[tiers.index(top) + 1:]:
-            secs = step_seconds(model, (top, bottom), shape.distinct, shape.row_bytes, [miss_g])
-            for i in g:
-                add((top, bottom), (int(i),), secs[i])
+            add((top, bottom), one, [miss_g])
     if "dram" in tiers and "pmem" in tiers:
         # misses below the pmem cache at the two caches' sum, as `embstore plan` counts them
         i1, i2 = np.triu_indices(len(grid), k=1)
         m2 = np.asarray(miss(grid[i1] + grid[i2]), dtype=np.float64)
         for ssd in tiers[tiers.index("pmem") + 1:]:
-            secs = step_seconds(model, ("dram", "pmem", ssd), shape.distinct, shape.row_bytes,
-                                [miss_g[i1], m2])
-            for a, b, s in zip(i1, i2, secs, strict=True):
-                add(("dram", "pmem", ssd), (int(a), int(b)), s)
-    return out
+            add(("dram", "pmem", ssd), np.stack([i1, i2], axis=1), [miss_g[i1], m2])
+    chains: list[tuple[str, ...]] = []
+    uses = []
+    for backends, levels, _secs, _m in groups:
+        chains += [backends] * len(levels)
+        use = np.zeros((len(levels), len(tiers)))
+        for level, b in enumerate(backends):
+            held = (caps_s[levels[:, level]] if level < len(backends) - 1
+                    else np.full(len(levels), shape.rows))
+            use[:, where[b]] += held * over[b]
+        uses.append(use)
+    return Options(np.concatenate([x[2] for x in groups]).astype(np.float64),
+                   np.concatenate(uses), chains,
+                   np.concatenate([x[1] for x in groups]).astype(np.int64),
+                   np.concatenate([x[3] for x in groups]), caps_s,
+                   [policy(c) for c in grid])
 
 
 def chain_specs(choice: Choice) -> tuple[TierSpec, ...]:
@@ -170,10 +208,37 @@ class Knapsack:
                      if use else np.zeros(len(self.cap)))
         self.heap: list[tuple[int, float, int, int, int]] = []
         self._full_pass = True
+        if not self.fits():
+            self._repair()
 
     def fits(self) -> bool:
         """Whether the current options are within the budgets."""
         return bool((self.used <= self.cap * (1 + 1e-9) + 1e-6).all())
+
+    def _repair(self) -> None:
+        """Move items to other tiers while that shrinks the overflow.
+
+        Each item's least budget share, taken alone, can overflow one tier while another
+        has room.
+        """
+        owner = np.concatenate([np.full(len(s), i) for i, s in enumerate(self.secs)])
+        flat_use = np.concatenate(self.use)
+        flat_secs = np.concatenate(self.secs)
+        first = np.concatenate([[0], np.cumsum([len(s) for s in self.secs])])
+        bounded = np.isfinite(self.cap)
+        while not self.fits():
+            cur = first[:-1] + np.asarray(self.cur)
+            new_used = self.used + flat_use - flat_use[cur][owner]
+            over = (np.maximum(new_used - self.cap, 0.0)[:, bounded]
+                    * self.scale[bounded]).sum(axis=1)
+            now = float((np.maximum(self.used - self.cap, 0.0)[bounded]
+                         * self.scale[bounded]).sum())
+            best = int(np.lexsort((flat_secs, over))[0])
+            if over[best] >= now - 1e-12:
+                return  # no single move helps: the tables do not fit
+            i = int(owner[best])
+            self.used = new_used[best]
+            self.cur[i] = best - int(first[i])
 
     def seconds(self) -> float:
         """Seconds of the current options, all items."""

@@ -53,8 +53,8 @@ from ..spec import TierSpec
 from ._table_profile import MissCurve, TableProfile, parse_tier_budgets, tables_from_profile
 from ._tiering import (
     TIER_ORDER,
-    Choice,
     Knapsack,
+    Options,
     ShardShape,
     capacity_grid,
     chain_specs,
@@ -137,14 +137,13 @@ def round_robin(tables: list[TableProfile], world: int, batch_size: int, *,
     for r in range(world):
         mine = [t for i, t in enumerate(tables) if i % world == r]
         opts = [_options(t, batch_size, 1, tiers, model, "table") for t in mine]
-        ks = Knapsack([np.array([o.seconds for o in x]) for x in opts],
-                      [np.array([o.use for o in x]) for x in opts], cap)
+        ks = Knapsack([x.seconds for x in opts], [x.use for x in opts], cap)
         if ks.fits():
             ks.run()
         cost[r] = ks.seconds()
         use[r] = ks.used
-        chains[r] = {t.name: chain_specs(x[c]) for t, x, c in zip(mine, opts, ks.cur,
-                                                                  strict=True)}
+        chains[r] = {t.name: chain_specs(x.choice(c)) for t, x, c in zip(mine, opts, ks.cur,
+                                                                         strict=True)}
     return _report(Plan(world, placements, chains), cost, use, tiers, cap, lookup)
 
 
@@ -217,7 +216,7 @@ def _tier_setup(budgets: Mapping[str, float], model: Any
 
 
 def _options(t: TableProfile, batch_size: int, parts: int, tiers: tuple[str, ...],
-             model: dict[str, Any], kind: str, share: float = 1.0) -> list[Choice]:
+             model: dict[str, Any], kind: str, share: float = 1.0) -> Options:
     """The options of one shard (`share` of the columns for a column shard)."""
     distinct = t.distinct(batch_size)
     grid = capacity_grid(distinct, t.rows, t.curve.capacities if t.curve else ())
@@ -233,8 +232,8 @@ def _plan_tiered(tables: list[TableProfile], world: int, batch_size: int,
                  min_columns: int) -> PlanReport:
     tiers, cap, model = _tier_setup(budgets, model_src)
     whole = [_options(t, batch_size, 1, tiers, model, "table") for t in tables]
-    secs = [np.array([o.seconds for o in x]) for x in whole]
-    use = [np.array([o.use for o in x]) for x in whole]
+    secs = [x.seconds for x in whole]
+    use = [x.use for x in whole]
     pool = Knapsack(secs, use, cap * world)
     if not pool.fits():
         raise _pool_error(tables, pool, use, tiers, cap, world)
@@ -255,31 +254,31 @@ def _plan_tiered(tables: list[TableProfile], world: int, batch_size: int,
 def _pool_error(tables: list[TableProfile], pool: Knapsack, use: list[np.ndarray],
                 tiers: tuple[str, ...], cap: np.ndarray, world: int) -> CapacityError:
     b = int(np.argmax(pool.used / cap))
-    least = [float(u[c, b]) for u, c in zip(use, pool.cur, strict=True)]
-    big = int(np.argmax(least))
+    held = [float(u[c, b]) for u, c in zip(use, pool.cur, strict=True)]
+    big = int(np.argmax(held))
     return CapacityError(
-        f"the tables need at least {fmt_bytes(pool.used[b])} of {tiers[b]} (table "
-        f"{tables[big].name!r} alone {fmt_bytes(least[big])}), {world} ranks with "
-        f"{tiers[b]}={fmt_bytes(cap[b])} each hold {fmt_bytes(cap[b] * world)}",
-        f"raise the {tiers[b]} budget, add ranks, or add an unbounded tier "
-        "(rocksdb=unbounded)")
+        f"the tables do not fit {world} rank{'s' if world > 1 else ''} with "
+        f"{_describe_use(cap, tiers)} each: even "
+        f"at their smallest they need {fmt_bytes(pool.used[b])} of {tiers[b]} (table "
+        f"{tables[big].name!r} {fmt_bytes(held[big])}), where the ranks hold "
+        f"{fmt_bytes(cap[b] * world)}",
+        "raise the budgets, add ranks, or add an unbounded tier (rocksdb=unbounded)")
 
 
 def _place_tiered(tables: list[TableProfile], world: int, batch_size: int,
                   tiers: tuple[str, ...], cap: np.ndarray, model: dict[str, Any],
-                  whole: list[list[Choice]], picked: list[int], split_above: float,
+                  whole: list[Options], picked: list[int], split_above: float,
                   min_columns: int) -> PlanReport:
-    whole_cost = [x[p].seconds for x, p in zip(whole, picked, strict=True)]
-    whole_use = [x[p].use for x, p in zip(whole, picked, strict=True)]
+    whole_cost = [float(x.seconds[p]) for x, p in zip(whole, picked, strict=True)]
+    whole_use = [x.use[p] for x, p in zip(whole, picked, strict=True)]
     kinds, shards = _split(tables, world, whole_cost, whole_use, cap, split_above, min_columns)
     # each shard's options, and its step-0 pick in them (the same chain and table caches)
-    shard_opts: dict[tuple[int, int], list[Choice]] = {}
+    shard_opts: dict[tuple[int, int], Options] = {}
     placed = []
     for i, part, k, _c, _u, share in shards:
         opts = _options(tables[i], batch_size, k, tiers, model, kinds[tables[i].name], share)
         shard_opts[(i, part)] = opts
-        o = opts[picked[i]]
-        placed.append((i, part, k, o.seconds, o.use, share))
+        placed.append((i, part, k, float(opts.seconds[picked[i]]), opts.use[picked[i]], share))
     owners, cost, used = _place(tables, placed, world, cap, tiers)
     # 4. the most loaded rank spends its leftover budgets while it can
     on_rank: list[list[tuple[int, int]]] = [[] for _ in range(world)]
@@ -289,8 +288,8 @@ def _place_tiered(tables: list[TableProfile], world: int, batch_size: int,
     sacks = []
     for r in range(world):
         keys = on_rank[r]
-        ks = Knapsack([np.array([o.seconds for o in shard_opts[key]]) for key in keys],
-                      [np.array([o.use for o in shard_opts[key]]) for key in keys], cap,
+        ks = Knapsack([shard_opts[key].seconds for key in keys],
+                      [shard_opts[key].use for key in keys], cap,
                       start=[picked[i] for i, _ in keys])
         sacks.append(ks)
         cost[r], used[r] = ks.seconds(), ks.used
@@ -305,7 +304,7 @@ def _place_tiered(tables: list[TableProfile], world: int, batch_size: int,
     for r in range(world):
         chains[r] = {}
         for (i, part), c in zip(on_rank[r], sacks[r].cur, strict=True):
-            chains[r][tables[i].name] = chain_specs(shard_opts[(i, part)][c])
+            chains[r][tables[i].name] = chain_specs(shard_opts[(i, part)].choice(c))
             lookup[r] += share_of[(i, part)] * tables[i].cost(batch_size)
     plan = _placements(tables, world, kinds, owners)
     return _report(Plan(world, plan.tables, chains), cost, used, tiers, cap, lookup)
