@@ -12,14 +12,15 @@ fastest within its budgets.
 
 The configuration: the tables, batch size, mean lookups per sample per table and the share of
 distinct ids (unique / lookups) are read from a dlrm_datasets ``locality_stats.txt`` (mean of
-its blocks; 2021: 856 tables, 65,536 samples, 8.35 lookups per sample per table, 13 % distinct
-ids). The published statistics do not give per-table figures, so each table draws, from a
-fixed seed, a pooling factor (log-normal, sigma 1, scaled to that mean), a row count
-(log-uniform, 10**3 to 10**8) and a dim (32, 64, 128 or 256); every rank may store 1.25 times
-its even share of the rows. With tier budgets each table also gets a miss-ratio curve: ids
-drawn from a Zipf law over its rows whose exponent gives the table the statistics' share of
-distinct ids per batch, cached by popularity (`zipf_curve`); the statistics say nothing of
-reuse across batches, so this is a stationary assumption, not a measurement.
+its blocks; 2021: 856 tables, 65,536 samples, 8.78 lookups per sample per table (8.35 in the
+16 numbered blocks, 15.8 in the first, whole-trace one), 13 % distinct ids). The published
+statistics do not give per-table figures, so each table draws, from a fixed seed, a pooling
+factor (log-normal, sigma 1, scaled to that mean), a row count (log-uniform, 10**3 to 10**8)
+and a dim (32, 64, 128 or 256); every rank may store 1.25 times its even share of the rows.
+With tier budgets each table also gets a miss-ratio curve: ids drawn from a Zipf law over its
+rows whose exponent gives the table the statistics' share of distinct ids per batch, cached
+by popularity (`zipf_curve`); the statistics say nothing of reuse across batches, so this is
+a stationary assumption, not a measurement.
 """
 
 from __future__ import annotations

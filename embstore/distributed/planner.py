@@ -24,13 +24,16 @@ Algorithm (longest-processing-time first, with splitting):
    each part >= `min_columns` columns and its memory fits half a rank, row-wise by hash
    otherwise.
 2. Shards are placed largest cost first on the least-loaded rank with room in every tier
-   (the parts of one table on distinct ranks).
+   (the parts of one table on distinct ranks); with tier budgets, a shard that fits no rank
+   takes, among its options that fit one, the one that leaves that rank least loaded.
 3. Table-wise shards then move, or swap in pairs, from the most loaded rank while that lowers
    the maximum.
 4. With tier budgets: the most loaded rank spends what is left of its own budgets on its
    shards (larger caches, faster chains: the move saving the most seconds per budget share)
    while it can; the step's time is the slowest rank's, so only that rank's savings count.
-   If the shards do not pack, 0-3 run again on a smaller share of the pool.
+
+With tier budgets, 0-4 run on 95% and on 90% of the pool and the plan whose slowest rank is
+faster wins; if neither packs, they run on smaller shares in turn.
 
 The figure of merit is the imbalance, max over mean of per-rank cost (1.0 is perfect); round
 robin placement of whole tables (`round_robin`) is the baseline.
@@ -66,8 +69,9 @@ from .plan import Placement, Plan, even_columns
 __all__ = ["MissCurve", "PlanReport", "TableProfile", "imbalance", "parse_tier_budgets",
            "plan_tables", "round_robin", "tables_from_profile"]
 
-_SLACKS = (0.9, 0.75, 0.5, 0.0)
-"""Shares of the pooled budgets step 0 may fill, tried in turn until the shards pack."""
+_SLACKS = (0.95, 0.9, 0.75, 0.5, 0.0)
+"""Shares of the pooled budgets step 0 may fill: the first two are both tried (the faster
+step wins; how well shards pack varies), the others in turn only if neither packs."""
 
 
 @dataclass
@@ -190,7 +194,7 @@ def plan_tables(tables: list[TableProfile], world: int, batch_size: int,
     use = [np.array([float(t.memory)]) for t in tables]
     cap = np.array([budget])
     kinds, shards = _split(tables, world, cost, use, cap, split_above, min_columns)
-    owners, rank_cost, rank_use = _place(tables, shards, world, cap, ("memory",))
+    owners, rank_cost, rank_use, _ = _place(tables, shards, world, cap, ("memory",))
     return PlanReport(_placements(tables, world, kinds, owners), rank_cost, rank_use[:, 0],
                       lookup_bytes=rank_cost.copy())
 
@@ -238,15 +242,25 @@ def _plan_tiered(tables: list[TableProfile], world: int, batch_size: int,
     if not pool.fits():
         raise _pool_error(tables, pool, use, tiers, cap, world)
     error: CapacityError | None = None
+    best: PlanReport | None = None
     for slack in _SLACKS:
+        if best is not None and slack < _SLACKS[1]:
+            break  # a plan from the fuller shares exists: the smaller ones only pad it
         ks = Knapsack(secs, use, cap * world * slack) if slack else pool
+        if not ks.fits():
+            continue  # this share of the pool cannot hold the tables at all
         if slack:
             ks.run()
         try:
-            return _place_tiered(tables, world, batch_size, tiers, cap, model, whole, ks.cur,
-                                 split_above, min_columns)
+            report = _place_tiered(tables, world, batch_size, tiers, cap, model, whole, ks.cur,
+                                   split_above, min_columns)
         except CapacityError as exc:
             error = exc
+            continue
+        if best is None or report.cost.max() < best.cost.max():
+            best = report
+    if best is not None:
+        return best
     assert error is not None
     raise error
 
@@ -279,7 +293,7 @@ def _place_tiered(tables: list[TableProfile], world: int, batch_size: int,
         opts = _options(tables[i], batch_size, k, tiers, model, kinds[tables[i].name], share)
         shard_opts[(i, part)] = opts
         placed.append((i, part, k, float(opts.seconds[picked[i]]), opts.use[picked[i]], share))
-    owners, cost, used = _place(tables, placed, world, cap, tiers)
+    owners, cost, used, changed = _place(tables, placed, world, cap, tiers, shard_opts)
     # 4. the most loaded rank spends its leftover budgets while it can
     on_rank: list[list[tuple[int, int]]] = [[] for _ in range(world)]
     for i, ranks in owners.items():
@@ -290,7 +304,7 @@ def _place_tiered(tables: list[TableProfile], world: int, batch_size: int,
         keys = on_rank[r]
         ks = Knapsack([shard_opts[key].seconds for key in keys],
                       [shard_opts[key].use for key in keys], cap,
-                      start=[picked[i] for i, _ in keys])
+                      start=[changed.get(key, picked[key[0]]) for key in keys])
         sacks.append(ks)
         cost[r], used[r] = ks.seconds(), ks.used
     while True:
@@ -353,37 +367,64 @@ def _split(tables: list[TableProfile], world: int, cost: list[float], use: list[
 
 
 def _place(tables: list[TableProfile], shards: list[_Shard], world: int, cap: np.ndarray,
-           tiers: tuple[str, ...]) -> tuple[dict[int, list[int]], np.ndarray, np.ndarray]:
+           tiers: tuple[str, ...], alternatives: dict[tuple[int, int], Options] | None = None
+           ) -> tuple[dict[int, list[int]], np.ndarray, np.ndarray, dict[tuple[int, int], int]]:
     """2 and 3: shards largest first on the least-loaded rank with room, then refined.
 
+    A shard with `alternatives` (its options) that fits no rank as it is takes the option and
+    rank that leave that rank least loaded among those that fit.
+
     Returns each table's ranks in part order (part j of a column-wise table holds the j-th
-    range of `even_columns`), and the per-rank cost and bytes per tier.
+    range of `even_columns`), the per-rank cost and bytes per tier, and the option taken
+    instead by each shard that had to change.
     """
     cost, used = np.zeros(world), np.zeros((world, len(cap)))
     owners: dict[int, list[int]] = {}
+    changed: dict[tuple[int, int], int] = {}
+    placed: dict[int, tuple[float, np.ndarray]] = {}
     for i, part, k, shard_cost, shard_use, _share in sorted(shards,
                                                            key=lambda s: (-s[3], s[0], s[1])):
         taken = owners.setdefault(i, [-1] * k)  # the rank of each part, in part order
         order = np.lexsort((np.arange(world), cost))
-        for r in order:
-            if int(r) not in taken and (used[r] + shard_use <= cap).all():
-                break
+        free = [int(r) for r in order if int(r) not in taken]
+        fits = [r for r in free if (used[r] + shard_use <= cap).all()]
+        if fits:
+            r = fits[0]
+        elif alternatives is not None and (i, part) in alternatives:
+            opts = alternatives[(i, part)]
+            best = None
+            for q in free:
+                ok = (used[q] + opts.use <= cap).all(axis=1)
+                if ok.any():
+                    j = int(np.argmin(np.where(ok, opts.seconds, np.inf)))
+                    if best is None or cost[q] + opts.seconds[j] < best[0]:
+                        best = (cost[q] + opts.seconds[j], q, j)
+            if best is None:
+                raise _no_room(tables[i].name, shard_use, cap, tiers, world)
+            _, r, j = best
+            changed[(i, part)] = j
+            shard_cost, shard_use = float(opts.seconds[j]), opts.use[j]
         else:
-            raise CapacityError(
-                f"table {tables[i].name!r}: no rank has room for a shard of "
-                f"{_describe_use(shard_use, tiers)} (per-rank budget "
-                f"{_describe_use(cap, tiers)}, {world} ranks)",
-                "add ranks or memory per rank" if tiers == ("memory",) else
-                "raise the budgets, add ranks, or add an unbounded tier (rocksdb=unbounded)")
-        taken[part] = int(r)
+            raise _no_room(tables[i].name, shard_use, cap, tiers, world)
+        taken[part] = r
         cost[r] += shard_cost
         used[r] += shard_use
+        if k == 1:
+            placed[i] = (shard_cost, shard_use)
     single = {i: owners[i][0] for i in owners if len(owners[i]) == 1}
-    one = {s[0]: (s[3], s[4]) for s in shards if s[2] == 1}
-    _refine(one, single, cost, used, cap)
+    _refine(placed, single, cost, used, cap)
     for i, r in single.items():
         owners[i] = [r]
-    return owners, cost, used
+    return owners, cost, used, changed
+
+
+def _no_room(name: str, use: np.ndarray, cap: np.ndarray, tiers: tuple[str, ...],
+             world: int) -> CapacityError:
+    return CapacityError(
+        f"table {name!r}: no rank has room for a shard of {_describe_use(use, tiers)} "
+        f"(per-rank budget {_describe_use(cap, tiers)}, {world} ranks)",
+        "add ranks or memory per rank" if tiers == ("memory",) else
+        "raise the budgets, add ranks, or add an unbounded tier (rocksdb=unbounded)")
 
 
 def _describe_use(use: np.ndarray, tiers: tuple[str, ...]) -> str:

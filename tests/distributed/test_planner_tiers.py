@@ -260,3 +260,19 @@ def test_a_plan_with_tiers_round_trips_and_checks_its_chains() -> None:
                     tables[1]])
     with pytest.raises(ConfigError, match="non-empty list of TierSpec"):
         Plan(2, plan.tables, {0: {"a": ()}})
+
+
+def test_a_profile_written_by_embstore_profile_plans_its_tables() -> None:
+    from embstore.tools.profile import build_profile, load_tables
+
+    profile = build_profile(load_tables("synth:seed=1,batches=16,lookups=2048"),
+                            policies=["clock"], points=6, samples_per_batch=64)
+    tables = tables_from_profile(profile, [
+        embstore.TableSpec(name, dim=64, optimizer=embstore.optim.RowWiseAdagrad())
+        for name in profile["tables"]])
+    total = sum(t.memory for t in tables)
+    report = plan_tables(tables, 2, 64, tier_budgets={"dram": 0.05 * total, "rocksdb": INF})
+    assert report.over_budget() <= 1
+    cached = [c for per in report.plan.tiers.values() for c in per.values()
+              if c[0].capacity is not None]
+    assert cached and {c[0].eviction for c in cached} <= {"clock", "lru"}
