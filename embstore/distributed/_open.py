@@ -79,6 +79,12 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         ConfigError: torch.distributed not initialised, ranks that disagree, a plan that does
             not fit the tables or the stored plan.
     """
+    if path is None and plan is not None:  # refused on every rank alike, before any collective
+        disk = sorted({t.backend for per in plan.tiers.values() for chain in per.values()
+                       for t in chain} - {"dram"})
+        if disk:
+            raise ConfigError(f"the plan puts shards on {disk} tiers, which need a directory; "
+                              "open the sharded store with a path")
     comm = _comm(group, timeout_s)
     directory = None if path is None else Path(path)
     meta = None if directory is None else _read_meta(directory)

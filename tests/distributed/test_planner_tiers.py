@@ -276,3 +276,13 @@ def test_a_profile_written_by_embstore_profile_plans_its_tables() -> None:
     cached = [c for per in report.plan.tiers.values() for c in per.values()
               if c[0].capacity is not None]
     assert cached and {c[0].eviction for c in cached} <= {"clock", "lru"}
+
+
+def test_an_in_memory_sharded_store_refuses_a_plan_with_disk_tiers() -> None:
+    pytest.importorskip("torch")
+    import embstore.distributed as ed
+
+    plan = Plan(1, {"a": Placement("table", (0,))},
+                {0: {"a": (embstore.TierSpec("dram", capacity=8), embstore.TierSpec("lmdb"))}})
+    with pytest.raises(ConfigError, match=r"\['lmdb'\] tiers, which need a directory"):
+        ed.open(None, tables=[embstore.TableSpec("a", 4)], plan=plan)
