@@ -1,21 +1,11 @@
 """The planner: per-table tier chains and cache sizes that minimise the predicted time per batch.
 
-Cost model, per table and batch, with L the distinct ids a batch looks up, r its row bytes,
-m(C) the miss ratio of a cache of C rows (the profile's curve of the chosen policy,
-interpolated in log C), and cost(tier, op, k) = latency + k x r / throughput (0 for k = 0):
-
-    lookup       cost(top, read, L) + cost(next, read, L m(C1)) + cost(bottom, read, L m(C1+C2))
-    promotions   cost(top, write, L m(C1)) (+ cost(middle, write, L m(C1+C2)) with 3 tiers)
-    update       cost(top', read, L) + cost(top, write, L)  (apply_gradients reads, then writes;
-                 top' is DRAM when the top is rocksdb or lmdb: their block and page caches
-                 serve a row read again within the step)
-    write-backs  cost(next, write, L m(C1)) (+ cost(bottom, write, L m(C1+C2)))
-
-(every looked-up row is trained, so every eviction writes a dirty row back; the store writes
-back into the store of record on a second thread, but every read of that tier waits for the
-writes queued before it, so at steady state they are on the step's path too). Memory: a cache
-of C rows costs C x (r + the tier's overhead per row); a table whose bottom is DRAM or pmem
-costs all its rows there; rocksdb and lmdb are not budgeted.
+Cost model, per table and batch: the predicted seconds of the batch's lookup and update
+through the chain (`embstore._tier_cost.step_seconds`: reads of the distinct ids from the top,
+misses read from below, promotions, the update's read and write, write-backs), with m(C) the
+miss ratio of a cache of C rows (the profile's curve of the chosen policy, interpolated in
+log C). Memory: a cache of C rows costs C x (r + the tier's overhead per row); a table whose
+bottom is DRAM or pmem costs all its rows there; rocksdb and lmdb are not budgeted.
 
 Each table's options are: all in DRAM; a DRAM cache (0 or one of the profile's capacities)
 over pmem, rocksdb or lmdb; a DRAM cache over a pmem cache over rocksdb. Each cache takes the
@@ -32,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from embstore._tier_cost import SSD_TIERS, step_seconds
 from embstore.errors import ConfigError
 from embstore.placement import KNOWN_TIERS, load_document
 from embstore.spec import TierSpec, parse_bytes
@@ -40,7 +31,7 @@ from embstore.tools.simulator import parse_policy
 __all__ = ["Option", "chain_option", "naive_placement", "parse_budget", "plan", "to_placement"]
 
 _BUDGETED = ("dram", "pmem")
-_SSD = ("rocksdb", "lmdb")
+_SSD = SSD_TIERS
 
 
 @dataclass
@@ -89,13 +80,6 @@ def parse_budget(text: str, row_bytes: int, model: dict[str, Any]) -> dict[str, 
     return out
 
 
-def _cost(model: dict[str, Any], tier: str, op: str, rows: float, row_bytes: int) -> float:
-    if rows <= 0:
-        return 0.0
-    o = model["tiers"][tier][op]
-    return float(o["batch_latency_s"] + rows * row_bytes / o["bytes_per_s"])
-
-
 def _miss(t: dict[str, Any], policy: str, cap: float) -> float:
     if cap <= 0:
         return 1.0
@@ -114,18 +98,9 @@ def chain_option(t: dict[str, Any], model: dict[str, Any], backends: list[str], 
     r, n, rows = t["row_bytes"], float(t["distinct_per_batch"]), t["rows_touched"]
     if policies is None:
         policies = [_best_policy(t, sum(caps[:i + 1])) for i in range(len(caps))]
-    top = backends[0]
     # misses below each cache level (a lower cache holds what the upper one does: inclusive)
     miss = [_miss(t, policies[i], sum(caps[:i + 1])) for i in range(len(caps))]
-    reach = [n, *[n * m for m in miss]]
-    again = "dram" if top in _SSD and "dram" in model["tiers"] else top
-    secs = (_cost(model, top, "read", n, r) + _cost(model, again, "read", n, r)
-            + _cost(model, top, "write", n, r))
-    for i in range(1, len(backends)):
-        secs += _cost(model, backends[i], "read", reach[i], r)
-        secs += _cost(model, backends[i - 1], "write", reach[i], r) if i > 1 else 0.0
-        secs += _cost(model, top, "write", reach[i], r) if i == 1 else 0.0
-        secs += _cost(model, backends[i], "write", reach[i], r)  # write-backs
+    secs = float(step_seconds(model, backends, n, r, miss))
     served = [1.0 - m for m in miss] + [1.0]
     hits = [served[0]] + [served[i] - served[i - 1] for i in range(1, len(served))]
     use = dict.fromkeys(_BUDGETED, 0.0)

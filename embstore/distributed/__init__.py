@@ -10,14 +10,27 @@
     store = ed.restore("ckpt/step100", "runs/ctr4") # with 4 ranks, or another plan
 
 Sharding kinds per table: table-wise, row-wise (hash or ranges) and column-wise (`Placement`);
-`planner.plan` chooses them to balance the bytes each rank looks up per step. Every method is
-collective and bit-identical to one process fed the ranks' inputs concatenated in rank order.
+`plan_tables` chooses them to balance the bytes each rank looks up per step, or, within
+per-rank tier budgets, the predicted time of each rank's shards through the tier chains it
+gives them (`Plan.tiers`; `tables_from_profile` reads tables' miss-ratio curves from a
+profile). Every method is collective and bit-identical to one process fed the ranks' inputs
+concatenated in rank order.
 """
 
 from ..errors import PeerFailedError
 from ._open import open, restore
 from .plan import KINDS, Placement, Plan, default_plan
+from .planner import (
+    MissCurve,
+    PlanReport,
+    TableProfile,
+    parse_tier_budgets,
+    plan_tables,
+    round_robin,
+    tables_from_profile,
+)
 from .store import ShardedStore
 
-__all__ = ["KINDS", "PeerFailedError", "Placement", "Plan", "ShardedStore", "default_plan",
-           "open", "restore"]
+__all__ = ["KINDS", "MissCurve", "PeerFailedError", "PlanReport", "Placement", "Plan",
+           "ShardedStore", "TableProfile", "default_plan", "open", "parse_tier_budgets",
+           "plan_tables", "restore", "round_robin", "tables_from_profile"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,8 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         tables: global table specs (required to create; on reopen, as stored or omitted).
         tiers: the default tier chain of every rank's local store.
         plan: placement of every table (default: the stored plan, else row-wise by hash
-            over all ranks). Reopening with another plan or world size needs `restore`.
+            over all ranks); its `Plan.tiers` give a rank's shards their own chains.
+            Reopening with another plan or world size needs `restore`.
         group: the process group (default: a new gloo group of all ranks with `timeout_s`).
         timeout_s: seconds a collective waits for the other ranks before PeerFailedError.
 
@@ -77,6 +79,12 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         ConfigError: torch.distributed not initialised, ranks that disagree, a plan that does
             not fit the tables or the stored plan.
     """
+    if path is None and plan is not None:  # refused on every rank alike, before any collective
+        disk = sorted({t.backend for per in plan.tiers.values() for chain in per.values()
+                       for t in chain} - {"dram"})
+        if disk:
+            raise ConfigError(f"the plan puts shards on {disk} tiers, which need a directory; "
+                              "open the sharded store with a path")
     comm = _comm(group, timeout_s)
     directory = None if path is None else Path(path)
     meta = None if directory is None else _read_meta(directory)
@@ -118,8 +126,13 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
 
 def _open_local(directory: Path | None, rank: int, specs: list[TableSpec], plan: Plan,
                 tiers: list[TierSpec] | None) -> EmbeddingStore:
-    mine = [local_spec(s, plan.tables[s.name], rank) for s in specs
-            if rank in plan.tables[s.name].ranks] or [_PLACEHOLDER]
+    mine = []
+    for s in specs:
+        if rank in plan.tables[s.name].ranks:
+            local = local_spec(s, plan.tables[s.name], rank)
+            chain = plan.chain(rank, s.name)  # Plan.check refused one that clashes with s.tiers
+            mine.append(local if chain is None else replace(local, tiers=chain))
+    mine = mine or [_PLACEHOLDER]
     where = None if directory is None else directory / f"rank{rank}"
     return base_open.open(where, tables=mine, tiers=tiers)
 

@@ -9,7 +9,9 @@ A `Placement` says how one table is split:
 
 A rank holds at most one shard of a table (its local table keeps the table's name). A `Plan`
 maps every table to its placement and serialises to JSON, so a sharded store's directory and
-checkpoints record how they were cut.
+checkpoints record how they were cut. A plan may also give, per rank, the tier chain of that
+rank's shard of a table (`Plan.tiers`, what the sharding planner chooses within per-tier
+budgets): `embstore.distributed.open` builds each rank's local table with it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..init import _mix64
-from ..spec import TableSpec
+from ..spec import TableSpec, TierSpec
 
 __all__ = ["KINDS", "Placement", "Plan", "default_plan"]
 
@@ -98,10 +100,31 @@ class Placement:
 
 @dataclass(frozen=True)
 class Plan:
-    """Placement of every table over `world_size` ranks."""
+    """Placement of every table over `world_size` ranks, and optionally the shards' tiers."""
 
     world_size: int
     tables: Mapping[str, Placement] = field(default_factory=dict)
+    tiers: Mapping[int, Mapping[str, tuple[TierSpec, ...]]] = field(default_factory=dict)
+    """Per rank, the tier chain (top first) of its shard of each table named there; a shard
+    not named takes its table's own chain, else the store's default."""
+
+    def __post_init__(self) -> None:
+        try:
+            tiers = {int(r): {str(t): tuple(chain) for t, chain in per.items()}
+                     for r, per in self.tiers.items()}
+        except (TypeError, ValueError, AttributeError):
+            raise ConfigError("Plan.tiers maps ranks to {table: [TierSpec, ...]}, got "
+                              f"{self.tiers!r}") from None
+        for r, per in tiers.items():
+            for t, chain in per.items():
+                if not chain or not all(isinstance(x, TierSpec) for x in chain):
+                    raise ConfigError(f"Plan.tiers[{r}][{t!r}] must be a non-empty list of "
+                                      f"TierSpec, got {chain!r}")
+        object.__setattr__(self, "tiers", {r: per for r, per in sorted(tiers.items()) if per})
+
+    def chain(self, rank: int, table: str) -> tuple[TierSpec, ...] | None:
+        """The tier chain of `rank`'s shard of `table`, or None where the plan gives none."""
+        return self.tiers.get(rank, {}).get(table)
 
     def check(self, specs: list[TableSpec]) -> None:
         """Raise ConfigError unless the plan places exactly `specs` within the world."""
@@ -109,6 +132,7 @@ class Plan:
         if set(self.tables) != names:
             raise ConfigError(f"the plan places {sorted(self.tables)} but the tables are "
                               f"{sorted(names)}; give one placement per table")
+        by_name = {s.name: s for s in specs}
         for spec in specs:
             p = self.tables[spec.name]
             if max(p.ranks) >= self.world_size or min(p.ranks) < 0:
@@ -117,17 +141,35 @@ class Plan:
             if p.kind == "column" and p.columns[-1] != spec.dim:
                 raise ConfigError(f"table {spec.name!r}: column offsets {p.columns} must end "
                                   f"at its dim {spec.dim}")
+        for rank, per in self.tiers.items():
+            for name, chain in per.items():
+                if name not in by_name or rank not in self.tables[name].ranks:
+                    raise ConfigError(f"the plan gives rank {rank} tiers for table {name!r}, "
+                                      f"which holds no shard of it there; give tiers only "
+                                      f"for a table's owners")
+                own = by_name[name].tiers
+                if own is not None and own != chain:
+                    raise ConfigError(f"table {name!r} sets its own tiers and the plan others "
+                                      f"on rank {rank}; drop one of them")
 
     def to_json(self) -> dict[str, Any]:
         """Plain-JSON form."""
-        return {"world_size": self.world_size,
-                "tables": {t: p.to_json() for t, p in self.tables.items()}}
+        out: dict[str, Any] = {"world_size": self.world_size,
+                               "tables": {t: p.to_json() for t, p in self.tables.items()}}
+        if self.tiers:
+            out["tiers"] = {str(r): {t: [x.to_json() for x in chain]
+                                     for t, chain in per.items()}
+                            for r, per in self.tiers.items()}
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Plan:
         """Inverse of `to_json`."""
+        tiers = {int(r): {t: tuple(TierSpec.from_json(x) for x in chain)
+                          for t, chain in per.items()}
+                 for r, per in data.get("tiers", {}).items()}
         return cls(int(data["world_size"]),
-                   {t: Placement.from_json(p) for t, p in data["tables"].items()})
+                   {t: Placement.from_json(p) for t, p in data["tables"].items()}, tiers)
 
 
 def even_columns(dim: int, ranks: tuple[int, ...]) -> tuple[int, ...]:

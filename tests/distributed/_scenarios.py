@@ -290,3 +290,39 @@ def rejects(rank: int, world: int) -> list[str]:
         if not np.array_equal(store.lookup("r_adagrad", np.arange(10)), before):
             out.append("changed")
     return out
+
+
+def tiered_plan(rank: int, world: int, path: str, plan_json: dict, steps: int) -> list[str]:
+    """Open on disk with a plan that gives shards their own tier chains, train, and check
+    that each rank's local tables run those chains (also after reopening) and that the
+    rows are the reference's.
+    """
+    plan = Plan.from_json(plan_json)
+    bad = []
+    with ed.open(path, tables=specs(), plan=plan, timeout_s=60) as store:
+        for step in range(steps):
+            _step_sharded(store, rank, step)
+        bad += _chains_differ(store, plan, rank)
+        bad += compare(store, reference(world, steps), rank)
+    with ed.open(path, timeout_s=60) as store:  # the directory alone: the same chains
+        bad += [f"reopened: {b}" for b in _chains_differ(store, plan, rank)]
+        bad += [f"reopened: {b}" for b in compare(store, reference(world, steps), rank)]
+    return bad
+
+
+def _chains_differ(store: ed.ShardedStore, plan: Plan, rank: int) -> list[str]:
+    bad = []
+    for spec in specs():
+        if rank not in plan.tables[spec.name].ranks:
+            continue
+        want = plan.chain(rank, spec.name)
+        got = store.local.table_spec(spec.name).tiers
+        if want is None or got != want:
+            bad.append(f"{spec.name}: local tiers {got}, planned {want}")
+            continue
+        levels = store.local.tier_statistics(spec.name)
+        if [t.backend for t in levels] != [t.backend for t in want] or any(
+                t.capacity is not None and (s.capacity_rows != t.capacity or s.rows > t.capacity)
+                for s, t in zip(levels, want, strict=False)):
+            bad.append(f"{spec.name}: tiers run {levels}, planned {want}")
+    return bad

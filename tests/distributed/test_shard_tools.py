@@ -19,6 +19,21 @@ def test_shard_plan_reports_imbalance_against_round_robin(tmp_path, capsys) -> N
     for row in out["results"]:
         assert row["imbalance_planner"] <= min(1.1, row["imbalance_round_robin"])
         assert row["memory_max_over_budget_planner"] <= 1.0
+    assert [row["world"] for row in out["tiered"]] == [4, 8]
+    for row in out["tiered"]:  # the default budgets: dram=10%,pmem=40%,rocksdb=unbounded
+        assert row["imbalance_planner"] <= min(1.1, row["imbalance_round_robin"])
+        assert row["step_seconds_planner"] <= row["step_seconds_round_robin"]
+        assert row["tier_max_over_budget_planner"] <= 1.0
+        assert set(row["budgets"]) == {"dram", "pmem", "rocksdb"}
+
+
+def test_shard_plan_answers_bad_budgets_with_one_line(tmp_path, capsys) -> None:
+    stats = tmp_path / "locality_stats.txt"
+    stats.write_text("fbgemm_t20_bs64_0.pt\nAvg # of indices: 6000\nAvg # of unique cols: 900\n")
+    assert _shard_plan.main(["--stats", str(stats), "--world", "2",
+                             "--budget", "tape=1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'tape'" in err and "Traceback" not in err
 
 
 @pytest.mark.timeout(180)
