@@ -85,6 +85,9 @@ def local_spec(spec: TableSpec, placement: Placement, rank: int) -> TableSpec:
     """The spec of `rank`'s local table for its shard of `spec`."""
     if placement.kind != "column":
         return spec
+    if spec.precision != "fp32":  # Plan.check refuses it first, on every rank
+        raise ConfigError(f"table {spec.name!r} stores {spec.precision} weights, which cannot "
+                          "be sharded column-wise; shard it table-wise or row-wise")
     start, stop = placement.column_range(rank)
     init = ColumnSlice({"name": spec.init.name, "config": spec.init.config()}, start, stop,
                        spec.dim)

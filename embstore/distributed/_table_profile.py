@@ -81,6 +81,8 @@ class TableProfile:
             of C rows misses 1 - C/rows, the most any cache misses).
         stored_row_bytes: bytes of a stored row when not (dim + state_width) x itemsize
             (16-bit weights, or as profiled).
+        column_split: whether the table may be sharded column-wise; not a table of 16-bit
+            weights, whose stochastic rounding is keyed by the column within the row.
     """
 
     name: str
@@ -92,6 +94,7 @@ class TableProfile:
     unique_ratio: float = 1.0
     curve: MissCurve | None = None
     stored_row_bytes: int | None = None
+    column_split: bool = True
 
     def cost(self, batch_size: int) -> float:
         """Bytes of rows looked up per step."""
@@ -208,5 +211,6 @@ def tables_from_profile(profile: str | os.PathLike[str] | Mapping[str, Any],
             spec.name, int(spec.num_embeddings or t["rows_touched"]), spec.dim,
             float(t["lookups_per_sample"]), spec.dtype.itemsize, spec.row_width - spec.dim,
             unique, MissCurve(tuple(mrc["capacities"]), tuple(curves.min(axis=0)),
-                              tuple(names[j] for j in best)), stored))
+                              tuple(names[j] for j in best)), stored,
+            column_split=spec.precision == "fp32"))
     return out

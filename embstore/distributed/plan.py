@@ -138,6 +138,12 @@ class Plan:
             if max(p.ranks) >= self.world_size or min(p.ranks) < 0:
                 raise ConfigError(f"table {spec.name!r} placed on ranks {p.ranks}, outside a "
                                   f"world of {self.world_size}")
+            if p.kind == "column" and spec.precision != "fp32":
+                # stochastic rounding draws its bits by (id, column): a shard's local columns
+                # would round otherwise than the whole row, unlike one process
+                raise ConfigError(f"table {spec.name!r} stores {spec.precision} weights, which "
+                                  "cannot be sharded column-wise; shard it table-wise or "
+                                  "row-wise")
             if p.kind == "column" and p.columns[-1] != spec.dim:
                 raise ConfigError(f"table {spec.name!r}: column offsets {p.columns} must end "
                                   f"at its dim {spec.dim}")

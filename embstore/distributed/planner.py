@@ -357,7 +357,8 @@ def _split(tables: list[TableProfile], world: int, cost: list[float], use: list[
         kind = "table"
         if k > 1:
             fits_half = not (m[bounded] > half[bounded]).any()
-            kind = "column" if t.dim // k >= min_columns and fits_half else "row"
+            kind = ("column" if t.column_split and t.dim // k >= min_columns and fits_half
+                    else "row")
         kinds[t.name] = kind
         cols = even_columns(t.dim, tuple(range(k))) if kind == "column" else None
         for part in range(k):

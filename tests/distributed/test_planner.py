@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import embstore
+from embstore.distributed.plan import Placement, Plan
 from embstore.distributed.planner import TableProfile, plan_tables, round_robin
-from embstore.errors import CapacityError
+from embstore.errors import CapacityError, ConfigError
 from embstore.tools import _shard_plan
 
 SHAPE_2021 = {"tables": 856, "batch_size": 65536, "lookups_per_sample": 8.35,
@@ -59,3 +60,19 @@ def test_reads_the_shape_of_the_published_statistics(tmp_path) -> None:
     shape = _shard_plan.read_shape(stats)
     assert shape == {"tables": 10, "batch_size": 100, "lookups_per_sample": 6.0,
                      "unique_ratio": pytest.approx(0.1)}
+
+
+def test_half_precision_tables_are_never_split_by_columns() -> None:
+    # stochastic rounding draws bits by (id, column): a column shard would round otherwise
+    wide = TableProfile("wide", 10**3, 256, 50.0)
+    half = TableProfile("wide", 10**3, 256, 50.0, column_split=False)
+    rest = [TableProfile(f"t{i}", 10**4, 32, 1.0) for i in range(20)]
+    assert plan_tables([wide, *rest], 4, 1024).plan.tables["wide"].kind == "column"
+    planned = plan_tables([half, *rest], 4, 1024)
+    assert planned.plan.tables["wide"].kind in ("row", "table")
+    specs = [embstore.TableSpec(t.name, t.dim, precision="fp16") for t in [half, *rest]]
+    planned.plan.check(specs)
+    by_columns = Placement("column", (0, 1), columns=(0, 128, 256))
+    forced = Plan(4, {**planned.plan.tables, "wide": by_columns})
+    with pytest.raises(ConfigError, match="fp16 weights, which cannot be sharded column-wise"):
+        forced.check(specs)
