@@ -30,6 +30,10 @@ POINTS = (
     "manifest.before_sync",      # the manifest's temporary file is written, not synced
     "manifest.before_rename",    # ... synced, not yet renamed over the manifest
     "manifest.before_dir_sync",  # ... renamed, its directory not yet synced
+    "rebuild.page",              # compact/migrate/repair: a page of rows is in the new copy
+    "rebuild.before_swap",       # ... the new copy is complete and synced, not swapped in
+    "rebuild.swap_parked",       # ... (no atomic exchange) the old store moved aside
+    "rebuild.after_swap",        # ... swapped in, the old store not yet removed
     "recovery.opened",           # reopening: the store of record is open, caches not yet
     "recovery.written",          # reopening: the written-id record is being rebuilt
 )

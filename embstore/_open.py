@@ -108,6 +108,7 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
                               lock_fd=None)
 
     directory = Path(path)
+    layout.recover_swap(directory)  # a compact or migrate killed between its two renames
     if directory.exists() and not directory.is_dir():
         raise StoreNotFoundError(f"{directory} is a file, not a store directory")
     exists = (directory / MANIFEST_NAME).exists()

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _counters, registry
+from . import _counters, _crash, registry
 from ._written import write_record
 from .backend import Backend, BackendSpec, SupportsBulkLoad
 from .errors import ConfigError, StoreNotFoundError
@@ -34,7 +34,9 @@ from .layout import (
     bottom_dir,
     lock,
     manifest_body,
+    parked_store,
     read_manifest,
+    recover_swap,
     table_chain,
     write_manifest,
     written_file,
@@ -158,6 +160,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
                     target.put(np.ascontiguousarray(ids), rows)
                 written.append(np.array(ids, dtype=np.int64))
                 n += len(ids)
+                _crash.point("rebuild.page")
                 if progress is not None:
                     progress(spec.name, len(ids))
             compact = getattr(target, "compact", None)
@@ -233,25 +236,18 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
 
 
-def recover_swap(root: Path) -> None:
-    """Finish or undo a two-rename swap that a crash interrupted (see the module doc)."""
-    parked = root.parent / f".{root.name}.swap-old"
-    if parked.exists() and not root.exists():
-        os.replace(parked, root)
-        fsync_dir(root.parent)
-    elif parked.exists():
-        shutil.rmtree(parked, ignore_errors=True)
-
-
 def swap_in(root: Path, new: Path) -> Path:
     """Put the complete store `new` at `root`; returns where the old store now lies."""
     if _exchange(root, new):
         fsync_dir(root.parent)
+        _crash.point("rebuild.after_swap")
         return new
-    parked = root.parent / f".{root.name}.swap-old"
+    parked = parked_store(root)
     os.replace(root, parked)
+    _crash.point("rebuild.swap_parked")
     os.replace(new, root)
     fsync_dir(root.parent)
+    _crash.point("rebuild.after_swap")
     return parked
 
 
@@ -292,6 +288,7 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
                                  source or store_rows(root, old_tiers, old_specs), extras=doc,
                                  history=_counters.load(root), progress=progress)
             fsync_dir(root.parent)
+            _crash.point("rebuild.before_swap")
             old = swap_in(root, tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -41,7 +41,15 @@ from ._fsck_pmem import scan_pmem
 from ._lmdb_walk import walk as walk_lmdb
 from ._rebuild import read_store, replace_store
 from .errors import EmbstoreError, StoreLockedError
-from .layout import MANIFEST_NAME, bottom_dir, lock, table_chain, written_file
+from .layout import (
+    MANIFEST_NAME,
+    bottom_dir,
+    lock,
+    parked_store,
+    recover_swap,
+    table_chain,
+    written_file,
+)
 from .spec import TableSpec, TierSpec
 from .store import EmbeddingStore
 
@@ -78,6 +86,15 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
             findings.extend(_check_open_table(store, name))
         return findings
     root = Path(store)
+    moved: list[Finding] = []
+    if parked_store(root).exists():
+        parked = Finding(None, "a compact, migrate or repair was interrupted between its two "
+                         f"renames: the store lies at {parked_store(root)}; `embstore.open` "
+                         "or `embstore fsck --repair` puts it back", file=str(parked_store(root)))
+        if not repair:
+            return [parked]
+        recover_swap(root)
+        moved = [_repaired(parked)]
     try:
         if not root.is_dir():
             raise FileNotFoundError(f"{root} is not a directory")
@@ -85,7 +102,7 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
             raise FileNotFoundError(f"{root} holds no embstore store (no {MANIFEST_NAME})")
         fd = lock(root, read_only=not repair)
     except (OSError, StoreLockedError) as exc:
-        return [Finding(None, f"cannot open {root}: {exc}", fatal=True)]
+        return moved + [Finding(None, f"cannot open {root}: {exc}", fatal=True)]
     dump_dir = Path(tempfile.mkdtemp(prefix=f".{root.name}.fsck-rows-", dir=root.parent)) \
         if repair else None
     try:
@@ -93,9 +110,9 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
         if not findings and parsed is not None:
             findings += _lost_rows(root, parsed)
         if not repair or not findings or parsed is None or any(f.fatal for f in findings):
-            return findings
+            return moved + findings
         assert dump_dir is not None
-        return _repair(root, fd, findings, parsed, scans, dump_dir, progress)
+        return moved + _repair(root, fd, findings, parsed, scans, dump_dir, progress)
     finally:
         os.close(fd)
         if dump_dir is not None:

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .errors import CorruptStoreError, StoreLockedError
-from .manifest import MANIFEST_NAME, read_manifest, write_manifest
+from .manifest import MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "lock", "manifest_body",
-           "read_manifest", "table_chain", "tier_dir", "write_manifest", "written_file"]
+           "parked_store", "read_manifest", "recover_swap", "table_chain", "tier_dir",
+           "write_manifest", "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
@@ -49,6 +51,30 @@ def tier_dir(root: Path, level: int, backend: str, *, is_bottom: bool) -> Path:
     """
     name = f"tier{level}-{backend}"
     return root / name if is_bottom else root / CACHE_DIR / name
+
+
+def parked_store(root: Path) -> Path:
+    """Where a swap without an atomic exchange parks the old store between its two renames."""
+    return root.parent / f".{root.name}.swap-old"
+
+
+def recover_swap(root: Path) -> None:
+    """Finish or undo a two-rename swap (embstore._rebuild) that a crash interrupted.
+
+    A store parked with nothing at its path goes back (the new copy, unnamed, is dropped by
+    the next rebuild); a parked store beside a store at its path is the old one, removed.
+    """
+    parked = parked_store(root)
+    if not parked.exists():
+        return
+    if not root.exists():
+        try:
+            os.replace(parked, root)
+        except FileNotFoundError:
+            return  # another process put it back first
+        fsync_dir(root.parent)
+    else:
+        shutil.rmtree(parked, ignore_errors=True)
 
 
 def check_inside(root: Path, path: Path) -> None:
