@@ -3,8 +3,9 @@
 `EMBSTORE_CRASH_AT="<point>:<n>"` (read once, at import) makes the n-th hit of `<point>` in
 this process send SIGKILL to the process itself: no handler, no flush, no atexit runs, as in
 a crash. Unset (the normal case), `point()` costs one comparison. The points (`POINTS`) sit
-in write-back, flush, checkpoint, the manifest's atomic write and recovery (opening a store);
-tests/crash/test_crash_points.py runs each for hits 1 and 2 on every persistent backend.
+in write-back, flush, checkpoint, the manifest's atomic write, recovery (opening a store)
+and access logs; tests/crash/test_crash_points.py runs each of the store's for hits 1 and 2
+on every persistent backend (tests/test_access_log.py the access log's).
 Compaction is `embstore compact`'s (tools/), which has no points of its own here.
 """
 
@@ -32,6 +33,7 @@ POINTS = (
     "manifest.before_dir_sync",  # ... renamed, its directory not yet synced
     "recovery.opened",           # reopening: the store of record is open, caches not yet
     "recovery.written",          # reopening: the written-id record is being rebuilt
+    "access_log.after_ids",      # an access log has a batch's ids, not yet its end offset
 )
 
 
