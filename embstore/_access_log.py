@@ -381,16 +381,24 @@ class AccessRecorder:
                                  f"{exc.strerror or exc}") from exc
 
     def close(self) -> None:
-        """Flush and close the log (idempotent)."""
+        """Flush and close the log (idempotent).
+
+        Raises:
+            StorageIOError: a sync failed (the files are closed all the same).
+        """
         logs, self._logs = self._logs, {}
-        try:
-            for log in logs.values():
-                try:
-                    os.fsync(log.ids_fd)
-                    os.fsync(log.off_fd)
-                finally:
-                    log.close()
-        finally:
-            if self._lock is not None:
-                os.close(self._lock)
-                self._lock = None
+        failed: OSError | None = None
+        for log in logs.values():
+            try:
+                os.fsync(log.ids_fd)
+                os.fsync(log.off_fd)
+            except OSError as exc:
+                failed = failed or exc
+            finally:
+                log.close()
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+        if failed is not None:
+            raise StorageIOError(failed.errno, f"syncing the access log {self.path}: "
+                                 f"{failed.strerror or failed}") from failed

@@ -103,6 +103,7 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
     """
     if record_accesses is not None:
         check_rates(record_sample)  # before a store is created for nothing
+        _check_log_outside(path, record_accesses)
     store = _open(path, tables, tiers, read_only, placement)
     if record_accesses is not None:
         try:
@@ -111,6 +112,21 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
             store.close()
             raise
     return store
+
+
+def _check_log_outside(path: str | os.PathLike[str] | None, log: object) -> None:
+    """Refuse an access log inside the store's directory, which rewrites would drop.
+
+    Raises:
+        ConfigError: `log` lies in the store's directory.
+    """
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(log, (str, os.PathLike)):
+        return  # no store directory, or a log that is no path (AccessRecorder says so)
+    store, where = Path(path).resolve(), Path(log).resolve()
+    if where == store or store in where.parents:
+        raise ConfigError(f"record_accesses={str(log)!r} lies inside the store {str(path)!r}, "
+                          "whose rewrites (compact, migrate, repair) would drop it; record "
+                          "beside the store, e.g. runs/ctr-log")
 
 
 def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,

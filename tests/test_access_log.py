@@ -204,5 +204,8 @@ def test_bad_paths_and_rates_give_embstore_errors_and_create_no_store(tmp_path: 
     with pytest.raises(ConfigError, match="does not have"):
         embstore.open(None, tables=[spec], record_accesses=tmp_path / "log",
                       record_sample={"nope": 0.1})
+    with pytest.raises(ConfigError, match="inside the store"):
+        embstore.open(tmp_path / "store", tables=[spec],
+                      record_accesses=tmp_path / "store" / "log")
     assert not (tmp_path / "store").exists() and not (tmp_path / "log").exists()
     assert main(["profile", str(tmp_path / "other"), "-o", str(tmp_path / "p.json")]) == 2
