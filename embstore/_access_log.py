@@ -122,10 +122,10 @@ def _rates(tables: Sequence[str], sample: float | Mapping[str, float]) -> dict[s
         ConfigError: a rate outside (0, 1] or below 2**-24, or a table not in the store.
     """
     if isinstance(sample, Mapping):
-        unknown = sorted(set(sample) - set(tables))
+        unknown = sorted(map(repr, set(sample) - set(tables)))
         if unknown:
-            raise ConfigError(f"record_sample names tables {unknown} the store does not have "
-                              f"({sorted(tables)})")
+            raise ConfigError(f"record_sample names tables {', '.join(unknown)} the store "
+                              f"does not have ({sorted(tables)})")
         given = {name: sample.get(name, 1.0) for name in tables}
     else:
         given = dict.fromkeys(tables, sample)
