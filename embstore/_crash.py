@@ -3,9 +3,10 @@
 `EMBSTORE_CRASH_AT="<point>:<n>"` (read once, at import) makes the n-th hit of `<point>` in
 this process send SIGKILL to the process itself: no handler, no flush, no atexit runs, as in
 a crash. Unset (the normal case), `point()` costs one comparison. The points (`POINTS`) sit
-in write-back, flush, checkpoint, the manifest's atomic write and recovery (opening a store);
-tests/crash/test_crash_points.py runs each for hits 1 and 2 on every persistent backend.
-Compaction is `embstore compact`'s (tools/), which has no points of its own here.
+in write-back, flush, checkpoint, the manifest's atomic write, the rewrite of compact, migrate
+and repair, recovery (opening a store) and access logs; tests/crash/test_crash_points.py runs
+each of the store's and the rewrite's for hits 1 and 2 on every persistent backend
+(tests/test_access_log.py the access log's).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ POINTS = (
     "rebuild.after_swap",        # ... swapped in, the old store not yet removed
     "recovery.opened",           # reopening: the store of record is open, caches not yet
     "recovery.written",          # reopening: the written-id record is being rebuilt
+    "access_log.after_ids",      # an access log has a batch's ids, not yet its end offset
 )
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from . import layout
+from ._access_log import AccessRecorder, check_rates
 from .errors import ConfigError, CorruptStoreError, ReadOnlyError, StoreNotFoundError
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
 from .manifest import fsync_dir
@@ -69,7 +71,9 @@ def _check_unique(specs: list[TableSpec]) -> None:
 
 def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = None,
          tiers: list[TierSpec] | None = None, *, read_only: bool = False,
-         placement: str | os.PathLike[str] | dict[str, Any] | None = None) -> EmbeddingStore:
+         placement: str | os.PathLike[str] | dict[str, Any] | None = None,
+         record_accesses: str | os.PathLike[str] | None = None,
+         record_sample: float | Mapping[str, float] = 1.0) -> EmbeddingStore:
     """Open or create a store.
 
     Args:
@@ -80,14 +84,54 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         read_only: open without write access (a shared lock; writes raise ReadOnlyError).
         placement: a placement (path or dict, from `embstore plan`) giving tables their tier
             chains; see `embstore.placement.apply_placement`.
+        record_accesses: a directory to log each table's batches of ids to (an access log,
+            appended to if it exists), which `embstore profile DIR` reads; closed with the
+            store. See `embstore._access_log` for the format and what a batch is.
+        record_sample: the share of ids the log keeps (SHARDS spatial sampling by id hash,
+            so the miss-ratio curves stay estimable), for all tables or per table (others:
+            1.0). 1.0 logs every id (8 bytes each); 0.01-0.1 suits long runs on large
+            tables, keeping a few thousand distinct ids a table or more.
 
     Raises:
         StoreNotFoundError: no store at `path` and no tables to create one, or `path` is a file
             or a directory of other files.
-        StoreLockedError: another process or handle holds the store.
-        ConfigError: invalid specs, or specs that contradict the manifest.
+        StoreLockedError: another process or handle holds the store, or another store is
+            recording to `record_accesses`.
+        ConfigError: invalid specs, or specs that contradict the manifest; a bad
+            `record_sample` or a `record_accesses` path that is no access log or directory.
         CorruptStoreError: the manifest or a tier's files are damaged.
     """
+    if record_accesses is not None:
+        check_rates(record_sample)  # before a store is created for nothing
+        _check_log_outside(path, record_accesses)
+    store = _open(path, tables, tiers, read_only, placement)
+    if record_accesses is not None:
+        try:
+            store._attach_recorder(AccessRecorder(record_accesses, store.tables, record_sample))
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+def _check_log_outside(path: str | os.PathLike[str] | None, log: object) -> None:
+    """Refuse an access log inside the store's directory, which rewrites would drop.
+
+    Raises:
+        ConfigError: `log` lies in the store's directory.
+    """
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(log, (str, os.PathLike)):
+        return  # no store directory, or a log that is no path (AccessRecorder says so)
+    store, where = Path(path).resolve(), Path(log).resolve()
+    if where == store or store in where.parents:
+        raise ConfigError(f"record_accesses={str(log)!r} lies inside the store {str(path)!r}, "
+                          "whose rewrites (compact, migrate, repair) would drop it; record "
+                          "beside the store, e.g. runs/ctr-log")
+
+
+def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
+          tiers: list[TierSpec] | None, read_only: bool,
+          placement: str | os.PathLike[str] | dict[str, Any] | None) -> EmbeddingStore:
     specs = list(tables or [])
     if not all(isinstance(s, TableSpec) for s in specs):
         raise ConfigError("tables must be a list of embstore.TableSpec")

@@ -12,7 +12,10 @@ Three documents, each a JSON object with ``"format"`` and ``"version"`` keys:
         "distinct_per_batch": float,   # what reaches a tier: distinct ids per batch
         "lookups_per_sample": float, "row_bytes": int,
         "bytes_per_sample": float,     # bandwidth demand: lookups_per_sample x row_bytes
-        "method": "exact" | "shards", "sample_rate": float, "error_bound": float,
+        "method": "exact" | "shards", "sample_rate": float,
+        "error_bound": float | null,   # null: too few sampled ids for the tested bound
+        "recorded_rate": float,        # only for an access log that sampled its ids
+        "sampled_ids": int,            # (likewise) distinct ids the log kept
         "reuse": {"edges": [ids], "lookups": [share per log2 bin], "cold": share},
         "mrc": {"capacities": [ids, increasing], "<policy>": [miss ratio per capacity]}}}}
 

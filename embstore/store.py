@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import _counters, _crash, _fused, _prefetch, layout
+from ._access_log import AccessRecorder
 from ._build import build_chain
 from ._precision import RowCodec
 from ._validate import as_ids, as_rows
@@ -92,6 +93,7 @@ class EmbeddingStore:
         self._checkpoint_info: dict[str, Any] | None = self._history.get("last_checkpoint")
         self._steps_saved = {name: int(n) for name, n in (gradient_steps or {}).items()}
         self._listed: set[str] | None = None  # tables the manifest says have a written record
+        self._recorder: AccessRecorder | None = None  # embstore.open(..., record_accesses=)
         steps = gradient_steps or {}
         try:
             for spec in specs:
@@ -271,6 +273,8 @@ class EmbeddingStore:
         with self._mutex:
             t = self._table(table)
             ids = as_ids(ids, t.spec)
+            if self._recorder is not None:
+                self._recorder.lookup(table, ids)
             if t.codec is not None:
                 raw, found = t.chain.get(ids)
                 weights = t.codec.decode_weights(raw)
@@ -336,6 +340,8 @@ class EmbeddingStore:
             ids = as_ids(ids, t.spec)
             rows = as_rows(rows, len(ids), t.spec)
             self._check_writable()
+            if self._recorder is not None:
+                self._recorder.write(table, ids)
             groups = IdGroups(ids)
             if t.spec.row_width == t.spec.dim and t.codec is None:
                 # rows the top tier holds are overwritten where they lie, in position order
@@ -373,6 +379,8 @@ class EmbeddingStore:
             ids = as_ids(ids, spec)
             grads = as_rows(grads, len(ids), spec, what="gradients")
             self._check_writable()
+            if self._recorder is not None:
+                self._recorder.write(table, ids)
             # where the top tier holds every row in slots, step them there: one probe and one
             # pass over the rows, no gathered copy, no write back (see embstore/_fused.py).
             # Distinct ids (what a trainer passes) are told by their slots, without grouping.
@@ -646,6 +654,8 @@ class EmbeddingStore:
         """
         with self._mutex:
             self._check_open()
+            if self._recorder is not None:
+                self._recorder.flush()
             if self._read_only:
                 return
             self._flush_tables()
@@ -764,7 +774,11 @@ class EmbeddingStore:
                                            self._default_tiers, record, self._history,
                                            self._last_flush, self._checkpoint_info)
                 finally:
-                    self._release_lock()
+                    try:
+                        if self._recorder is not None:
+                            self._recorder.close()
+                    finally:
+                        self._release_lock()
 
     def _history_record(self) -> dict[str, dict[str, Any]] | None:
         """This session's figures per table for `_counters.save`; None for a memory store."""
@@ -773,6 +787,14 @@ class EmbeddingStore:
         return {name: {"rows": len(t.chain), "updates_dropped": t.updates_dropped,
                        "tiers": [dataclasses.asdict(s) for s in t.chain.statistics()]}
                 for name, t in self._tables.items()}
+
+    def _attach_recorder(self, recorder: AccessRecorder | None) -> None:
+        """Log this store's batches to `recorder` from now on (None: stop; embstore._access_log).
+
+        The store closes the recorder it holds when it closes.
+        """
+        with self._mutex:
+            self._recorder = recorder
 
     def _close_tables(self) -> None:
         first: BaseException | None = None

@@ -149,3 +149,124 @@ def test_bench_placement_checks_a_plan_against_the_simulator_and_a_store(
     assert times["plan"]["predicted"] < min(times["proportional"]["predicted"],
                                             times["hottest"]["predicted"])
     assert all(t["measured"] > 0 for t in times.values())
+
+
+PLANNED = ("t00", "t02", "t05")
+
+
+def _planned_store(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """A store of three profiled tables (DRAM cache over LMDB), trained on their trace."""
+    tables = load_tables("synth:seed=1,batches=64,lookups=4096")
+    path = tmp_path / "store"
+    specs = [embstore.TableSpec(n, dim=8, optimizer=embstore.optim.Adam(lr=0.1))
+             for n in PLANNED]
+    with embstore.open(path, tables=specs, tiers=[embstore.TierSpec("dram", capacity=64),
+                                                  embstore.TierSpec("lmdb")]) as store:
+        for b in range(0, 64, 4):
+            for n in PLANNED:
+                ids = np.unique(tables[n][b])
+                store.apply_gradients(n, ids, np.full((len(ids), 8), 0.5, np.float32))
+    profile = build_profile({n: tables[n] for n in PLANNED},
+                            policies=["clock", "wtinylfu:hold_new=1"], points=8)
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    return path, _contents(path)
+
+
+def _contents(path: Path) -> dict[str, bytes]:
+    """Every table's rows (weights and optimizer state) in id order, as bytes."""
+    out = {}
+    with embstore.open(path, read_only=True) as store:
+        for name in store.tables:
+            ids, weights, state = (np.concatenate(p) for p in zip(*store.items(name),
+                                                                   strict=True))
+            order = np.argsort(ids)
+            out[name] = ids[order].tobytes() + weights[order].tobytes() + state[order].tobytes()
+    return out
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != "LOCK"}
+
+
+def test_migrate_applies_a_plan_to_a_store_bit_for_bit(tmp_path: Path) -> None:
+    path, before = _planned_store(tmp_path)
+    placement = tmp_path / "placement.json"
+    assert main(["plan", str(tmp_path / "profile.json"), "--tiers", str(EXAMPLE_TIERS),
+                 "--budget", "dram=2MiB,pmem=4MiB", "-o", str(placement)]) == 0
+    planned = json.loads(placement.read_text())["tables"]
+    assert len({json.dumps(e["tiers"]) for e in planned.values()}) == 3  # three layouts
+    chains = {n: tuple(embstore.TierSpec.from_json(t) for t in e["tiers"])
+              for n, e in planned.items()}
+    assert main(["migrate", str(path), "--placement", str(placement)]) == 0
+    assert _contents(path) == before and embstore.fsck.check(path) == []
+    with embstore.open(path) as store:
+        for name, chain in chains.items():
+            assert store.table_spec(name).tiers == chain
+            described = store.describe()["tables"][name]["tiers"]
+            assert [t["eviction"] for t in described[:-1]] == [t.eviction for t in chain[:-1]]
+        store.apply_gradients("t02", np.array([1, 2]), np.ones((2, 8), np.float32))
+
+
+def test_migrate_refuses_a_placement_that_does_not_fit_the_store_and_changes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = _planned_store(tmp_path)
+    model = load_document(EXAMPLE_TIERS, "tiers")
+    profile = load_document(tmp_path / "profile.json", "profile")
+    doc = to_placement(plan(profile, model, parse_budget("dram=2MiB", 260, model)),
+                       {"dram": 2 << 20, "pmem": 0})
+    files = _files(path)
+    missing = json.loads(json.dumps(doc))
+    del missing["tables"]["t02"]
+    foreign = json.loads(json.dumps(doc))
+    foreign["tables"]["t99"] = foreign["tables"]["t00"]
+    unknown = json.loads(json.dumps(doc))
+    unknown["tables"]["t05"]["tiers"][-1]["backend"] = "floppy"
+    for bad, message in ((missing, "no chain for tables ['t02']"), (foreign, "'t99'"),
+                         (unknown, "unknown tier 'floppy'")):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        assert main(["migrate", str(path), "--placement", str(tmp_path / "bad.json")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert _files(path) == files
+    # a table the plan lacks may stay where it is when only the planned ones move
+    (tmp_path / "part.json").write_text(json.dumps(missing))
+    assert main(["migrate", str(path), "--placement", str(tmp_path / "part.json"),
+                 "--table", "t00", "--table", "t05"]) == 0
+    with embstore.open(path, read_only=True) as store:
+        assert store.table_spec("t02").tiers is None
+
+
+def _profile_of(curves: dict[str, list[float]]) -> dict[str, Any]:
+    caps = [4096, 32768, 262144, 1 << 21]
+    return {"rows_touched": caps[-1], "row_bytes": 260, "distinct_per_batch": 2000.0,
+            "lookups_per_sample": 2000.0, "bytes_per_sample": 520_000.0,
+            "mrc": {"capacities": caps, **curves}}
+
+
+def test_each_cache_takes_the_profiled_policy_with_the_fewest_misses_at_its_size(
+        profile: dict[str, Any], model: dict[str, Any]) -> None:
+    recency = _profile_of({"lru": [0.9, 0.5, 0.2, 0.0], "clock": [0.9, 0.6, 0.3, 0.0],
+                           "wtinylfu": [0.9, 0.55, 0.25, 0.0]})
+    frequency = _profile_of({"lru": [0.9, 0.7, 0.4, 0.0], "clock": [0.9, 0.6, 0.35, 0.0],
+                             "wtinylfu": [0.8, 0.3, 0.1, 0.0]})
+    crossing = _profile_of({"lru": [0.9, 0.4, 0.3, 0.0], "clock": [0.9, 0.5, 0.1, 0.0]})
+    for t, size, want in ((recency, 32768, "lru"), (frequency, 32768, "wtinylfu"),
+                          (crossing, 32768, "lru"), (crossing, 262144, "clock")):
+        assert chain_option(t, model, ["dram", "rocksdb"], [size]).policies == [want]
+    # and through the whole planner into the placement's tier specs
+    doc = {"format": "embstore.profile", "version": 1,
+           "tables": {"recency": recency, "frequency": frequency}}
+    budget = parse_budget("dram=32MiB", 260, model)
+    chosen = to_placement(plan(doc, model, budget), budget)["tables"]
+    for name, want in (("recency", "lru"), ("frequency", "wtinylfu")):
+        tiers = chosen[name]["tiers"]
+        assert len(tiers) == 2 and tiers[0]["eviction"] == want, chosen[name]
+    # a real profile: every planned cache runs the curve that is lowest at its size
+    for name, o in plan(profile, model, parse_budget("dram=2MiB,pmem=4MiB", 260, model)).items():
+        t = profile["tables"][name]
+        for i, policy in enumerate(o.policies):
+            size = np.log(sum(o.caps[: i + 1]))
+            at = {p: np.interp(size, np.log(t["mrc"]["capacities"]), t["mrc"][p])
+                  for p in t["mrc"] if p != "capacities"}
+            assert at[policy] == min(at.values()), (name, at)

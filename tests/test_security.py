@@ -96,3 +96,24 @@ def test_a_linked_manifest_or_record_is_refused(tmp_path, name):
     _plant(tmp_path / "s" / name, tmp_path / "victim")
     with pytest.raises(CorruptStoreError, match="symbolic link|special file"):
         embstore.open(tmp_path / "s")
+
+
+def test_an_access_log_is_private_refuses_links_and_stays_out_of_the_store(tmp_path):
+    spec = embstore.TableSpec("t", dim=4)
+    log = tmp_path / "log"
+    with embstore.open(tmp_path / "s", tables=[spec], record_accesses=log) as store:
+        store.lookup("t", np.arange(5))
+    assert stat.S_IMODE(log.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(f.stat().st_mode) for f in log.iterdir()} == {0o600}
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep me")
+    (log / "t.ids").unlink()
+    (log / "t.ids").symlink_to(target)
+    with pytest.raises(embstore.errors.ConfigError, match="cannot record"):
+        embstore.open(tmp_path / "s", record_accesses=log)
+    assert target.read_bytes() == b"keep me"
+    with embstore.open(tmp_path / "s") as store:  # the failed open closed the store again
+        store.lookup("t", np.arange(2))
+    with pytest.raises(embstore.errors.ConfigError, match="inside the store"):
+        embstore.open(tmp_path / "s", record_accesses=tmp_path / "s" / "log")
+    assert not (tmp_path / "s" / "log").exists()

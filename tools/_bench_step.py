@@ -11,6 +11,10 @@ The baseline, measured in the same run on the same batches, is numpy on a plain 
 and accumulator vector: `np.take` of the distinct rows, the row-wise Adagrad rule, and a
 scatter of weights and accumulators back. Rates count the batch's ids with duplicates (the
 rows a pooled lookup reads), as embedding-bag benchmarks quote them.
+
+`--record-accesses 1,0.1` then times the same step on a store that records an access log
+(`embstore.open(..., record_accesses=, record_sample=)`) at each rate, against the step
+without, interleaved; and the recorder's own calls alone, as a share of the step.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import argparse
 import cProfile
 import io
 import pstats
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -51,6 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     parser.add_argument("--profile", action="store_true",
                         help="profile the store's step and print the top calls")
+    parser.add_argument("--record-accesses", default=None, metavar="RATES",
+                        type=_rates, help="also time the step while it records an access "
+                                          "log at these sampling rates, e.g. 1,0.1,0.01")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of rates, e.g. 1,0.1") from None
+    if not rates or not all(0 < r <= 1 for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: rates must lie in (0, 1]")
+    return rates
 
 
 def numpy_step(weights: np.ndarray, acc: np.ndarray, positions: np.ndarray,
@@ -129,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     ref = FBGEMM_REFERENCE[args.dist]
     print(f"reference measured elsewhere (not in this run): FBGEMM CPU TBE with fused "
           f"row-wise Adagrad, 10M x 64, bags of 20, {args.dist} ids: {ref / 1e6:.1f}M ids/s")
+    if args.record_accesses:
+        _time_recording(args, store, store_update, unique_ids, med["store"])
     if args.profile:
         profiler = cProfile.Profile()
         t0 = time.perf_counter()
@@ -143,3 +165,49 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))
     store.close()
     return 0
+
+
+def _time_recording(args: argparse.Namespace, store: embstore.EmbeddingStore,
+                    step: Callable[[int], None], unique_ids: list[np.ndarray],
+                    plain: float) -> None:
+    """Time the step while it records an access log at each of `args.record_accesses`."""
+    from embstore._access_log import AccessRecorder
+
+    with tempfile.TemporaryDirectory(prefix="embstore-bench-log-") as tmp:
+        recorders = {rate: AccessRecorder(Path(tmp) / f"log-{rate:g}", ["t"], rate)
+                     for rate in args.record_accesses}
+
+        def recording(rec: AccessRecorder | None) -> Callable[[int], None]:
+            def run(i: int) -> None:
+                store._attach_recorder(rec)
+                try:
+                    step(i)
+                finally:
+                    store._attach_recorder(None)
+            return run
+
+        contenders = {"store": recording(None)}
+        contenders.update({f"store, recording at {r:g}": recording(rec)
+                           for r, rec in recorders.items()})
+        med = interleaved_medians(contenders, args.repeats)
+        # the recorder's own calls alone, on the same batches (what the step pays for it)
+        alone = {}
+        for rate, rec in recorders.items():
+            def calls(i: int, rec: AccessRecorder = rec) -> None:
+                rec.lookup("t", unique_ids[i])
+                rec.write("t", unique_ids[i])
+            alone[rate] = interleaved_medians({"log": calls}, args.repeats)["log"]
+        sizes = {}
+        for rate, rec in recorders.items():
+            rec.close()
+            sizes[rate] = sum(f.stat().st_size for f in (Path(tmp) / f"log-{rate:g}").iterdir())
+    steps = (args.repeats + 2) * 2  # warm-up and timed calls of both timings
+    print_table(f"step while recording an access log ({args.bags * args.bag_size:,} ids a step)",
+                [(name, args.bags * args.bag_size / t, med["store"] / t)
+                 for name, t in med.items()])
+    for rate in args.record_accesses:
+        share = alone[rate] / plain
+        print(f"recording at {rate:g}: {alone[rate] * 1e3:.3f} ms of the recorder a step = "
+              f"{100 * share:.2f}% of the {plain * 1e3:.1f} ms step; step with it "
+              f"{100 * (med[f'store, recording at {rate:g}'] / med['store'] - 1):+.1f}% "
+              f"(interleaved medians); log {sizes[rate] / steps / 1024:.1f} KiB a step")

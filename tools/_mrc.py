@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from embstore.policies._hashing import splitmix64
+from embstore._access_log import sample_mask
 from embstore.policy import EvictionPolicy
 from embstore.tools.simulator import Trace, parse_policy, run_policies
 
@@ -37,15 +37,17 @@ MIN_SAMPLED_IDS = 2000
 SHARDS_ERROR_BOUND = 0.03
 """Largest absolute miss-ratio error of a sampled curve against the exact one in the tests
 (calibrated trace, at least `MIN_SAMPLED_IDS` sampled ids)."""
-_HASH_BITS = 24
 
 
 def sample_trace(trace: Trace, rate: float, seed: int = 0) -> Trace:
-    """The sub-trace of the ids whose hash falls below `rate` (spatial sampling)."""
+    """The sub-trace of the ids whose hash falls below `rate` (spatial sampling).
+
+    With seed 0 it keeps what an access log recorded at `rate` keeps (embstore._access_log),
+    and sampling at a rate below keeps a subset of that.
+    """
     if rate >= 1:
         return trace
-    threshold = np.uint64(int(rate * (1 << _HASH_BITS)))
-    keep = (splitmix64(trace.ids, seed) >> np.uint64(64 - _HASH_BITS)) < threshold
+    keep = sample_mask(trace.ids, rate, seed)
     return Trace([b[keep[d]] for b, d in zip(trace.batches, trace.dense, strict=True)])
 
 

@@ -3,8 +3,12 @@
 A trace gives, per table, the ids of each batch: a .npz holding ``<table>.ids`` (int64) and
 ``<table>.offsets`` (where each batch starts, one more than the batches) per table, a .npy or
 .npz the simulator reads (tables told apart by the bits above 40, as the generator writes
-them), or ``synth:key=value,...`` (`embstore.tools.traces.synthesize`). The profile (schema in
-`embstore.placement`) is what `embstore plan` reads.
+them), ``synth:key=value,...`` (`embstore.tools.traces.synthesize`), or the directory of an
+access log a store recorded (``embstore.open(..., record_accesses=DIR)``; see
+`embstore._access_log`). A log sampled at rate R holds the ids of a hash-chosen share R of
+each table's ids: its counts are scaled back by 1/R and its curves computed as SHARDS at R
+(or at a lower rate asked for), which is what profiling the whole trace sampled at R gives.
+The profile (schema in `embstore.placement`) is what `embstore plan` reads.
 """
 
 from __future__ import annotations
@@ -19,19 +23,47 @@ import numpy as np
 
 from embstore.errors import ConfigError
 
-__all__ = ["build_profile", "load_tables", "register", "save_tables", "split_tables"]
+__all__ = ["build_profile", "load_tables", "read_trace", "register", "save_tables",
+           "split_tables"]
 
 EXACT_LOOKUPS = 2_000_000
 """Tables with more lookups than this are profiled by SHARDS sampling (unless told)."""
 _TABLE_SHIFT = 40
 
 
-def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
-    """Per table, its id batches (all tables have the same number of batches).
+def read_trace(spec: str) -> tuple[dict[str, list[np.ndarray]], dict[str, float]]:
+    """Per table, its id batches, and the rate each table was recorded at (1.0: every id).
 
     Raises:
         ConfigError: the trace cannot be read.
     """
+    from embstore._access_log import is_access_log, read_access_log
+
+    if is_access_log(spec):
+        log = read_access_log(spec)
+        tables = {name: log.batches(name) for name in sorted(log.ids) if len(log.ids[name])}
+        if not tables:
+            raise ConfigError(f"the access log {spec!r} holds no ids yet; record some batches "
+                              "(or a higher record_sample) first")
+        return tables, {name: log.rates[name] for name in tables}
+    return load_tables(spec), {}
+
+
+def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
+    """Per table, its id batches (a .npz's or generated tables have the same batch count).
+
+    Raises:
+        ConfigError: the trace cannot be read, or is an access log that sampled its ids
+            (`read_trace` gives their rates, which `build_profile` needs).
+    """
+    from embstore._access_log import is_access_log
+
+    if is_access_log(spec):
+        tables, rates = read_trace(spec)
+        if any(r < 1 for r in rates.values()):
+            raise ConfigError(f"the access log {spec!r} sampled its ids; read it with "
+                              "read_trace and pass its rates to build_profile")
+        return tables
     path = Path(spec)
     if path.suffix == ".npz" and path.exists():
         with np.load(path) as data:
@@ -111,7 +143,7 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
                   row_bytes: str | int = 260, samples_per_batch: int = 1,
                   sample_rate: float | None = None, points: int = 12, warmup: float = 0.0,
                   step_calls: int = 3,
-                  trace_name: str = "",
+                  trace_name: str = "", recorded_rates: dict[str, float] | None = None,
                   seed: int = 0, progress: Any = None) -> dict[str, Any]:
     """The profile document (see `embstore.placement`) of per-table batches.
 
@@ -129,12 +161,15 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
             optimizer's read and write of the same rows, which CLOCK and W-TinyLFU count as
             accesses), 1 for lookups only (as `embstore simulate`).
         trace_name: what the trace was, recorded in the profile.
+        recorded_rates: per table, the rate an access log sampled its ids at (missing: 1.0,
+            every id); counts are scaled back by it and curves computed at it or below.
         seed: seeds sampling and the policies.
         progress: an object with ``update(n)`` called once per table, or None.
 
     Raises:
         ConfigError: a bad setting or policy spec.
     """
+    from embstore._access_log import sample_mask
     from embstore.tools.simulator import Trace, parse_policy
 
     from ._mrc import (
@@ -156,7 +191,7 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
     names = sorted(tables)
     sizes = _row_bytes(row_bytes, names)
     out: dict[str, Any] = {}
-    n_batches = 0
+    most = max((len(b) for b in tables.values()), default=0)  # a log's tables may differ
     for name in names:
         trace = Trace(tables[name])
         n_batches = len(trace.batches)
@@ -164,15 +199,21 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
             if progress is not None:
                 progress.update(1)
             continue
+        # a log sampled at `recorded` holds that share of the ids: the whole trace's figures
+        # are its own over `recorded`, and sampling it again at `recorded` changes nothing
+        recorded = (recorded_rates or {}).get(name, 1.0)
+        rows = max(1, int(round(trace.distinct / recorded)))
+        lookups = trace.lookups / recorded
         rate = 1.0 if sample_rate is None else sample_rate
-        if sample_rate is None and trace.lookups > EXACT_LOOKUPS:
-            rate = min(1.0, max(EXACT_LOOKUPS / trace.lookups, MIN_SAMPLED_IDS / trace.distinct))
-        caps = capacity_grid(trace.distinct, points)
+        if sample_rate is None and lookups > EXACT_LOOKUPS:
+            rate = min(1.0, max(EXACT_LOOKUPS / lookups, MIN_SAMPLED_IDS / rows))
+        rate = min(rate, recorded)
+        caps = capacity_grid(rows, points)
         skip = int(warmup * len(trace.batches))
         lru = lru_curve(trace, caps, rate, skip)
         # below two batches' width the order inside a batch decides what LRU keeps, which
         # stack distances do not know: replay those few capacities instead
-        narrow = caps < 2 * trace.lookups / max(len(trace.batches), 1)
+        narrow = caps < 2 * lookups / max(len(trace.batches), 1)
         if narrow.any():
             lru[narrow] = policy_curve(trace, "lru", caps[narrow].tolist(), rate, seed, skip,
                                        step_calls)
@@ -180,21 +221,29 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         for p in policies:
             mrc[p] = policy_curve(trace, p, caps.tolist(), rate, seed, skip,
                                   step_calls).tolist()
-        per_sample = trace.accesses / max(n_batches, 1) / samples_per_batch
+        accesses = trace.accesses / recorded
+        per_sample = accesses / max(n_batches, 1) / samples_per_batch
         out[name] = {
-            "rows_touched": trace.distinct,
-            "lookups_per_batch": trace.accesses / max(n_batches, 1),
-            "distinct_per_batch": trace.lookups / max(n_batches, 1),
+            "rows_touched": rows,
+            "lookups_per_batch": accesses / max(n_batches, 1),
+            "distinct_per_batch": lookups / max(n_batches, 1),
             "lookups_per_sample": per_sample, "row_bytes": sizes[name],
             "bytes_per_sample": per_sample * sizes[name],
             "method": "exact" if rate >= 1 else "shards", "sample_rate": rate,
             "error_bound": 0.0 if rate >= 1 else SHARDS_ERROR_BOUND,
             "reuse": reuse_histogram(trace, rate, skip), "mrc": mrc,
         }
+        if recorded < 1:
+            # a log's rate is the recording's choice: below MIN_SAMPLED_IDS ids the tests
+            # bound no error (small tables want a higher record_sample)
+            out[name]["recorded_rate"] = recorded
+            out[name]["sampled_ids"] = kept = int(sample_mask(trace.ids, rate).sum())
+            if kept < MIN_SAMPLED_IDS:
+                out[name]["error_bound"] = None
         if progress is not None:
             progress.update(1)
     return {"format": "embstore.profile", "version": 1, "trace": trace_name,
-            "batches": n_batches, "warmup_batches": int(warmup * n_batches),
+            "batches": most, "warmup_batches": int(warmup * most),
             "step_calls": step_calls,
             "samples_per_batch": samples_per_batch,
             "policies": ["lru", *policies], "tables": out}
@@ -235,7 +284,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="per-table bandwidth demand and miss-ratio curves",
                        description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("trace", metavar="TRACE", help="a per-table .npz (<table>.ids, "
-                   "<table>.offsets), a simulator .npy/.npz, or synth:key=value,...")
+                   "<table>.offsets), a simulator .npy/.npz, synth:key=value,..., or an "
+                   "access log directory (embstore.open(..., record_accesses=DIR))")
     p.add_argument("-o", "--output", required=True, type=Path, help="profile JSON to write")
     p.add_argument("--plot", type=Path, default=None, help="draw the curves into this image")
     p.add_argument("--policies", default="clock,wtinylfu:hold_new=1",
@@ -261,7 +311,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from embstore.placement import save_document
 
-    tables = load_tables(args.trace)
+    tables, recorded = read_trace(args.trace)
     bar = None
     if sys.stderr.isatty():
         try:
@@ -276,7 +326,8 @@ def _run(args: argparse.Namespace) -> int:
                                 samples_per_batch=args.samples_per_batch,
                                 sample_rate=args.sample_rate, points=args.points,
                                 warmup=args.warmup, step_calls=args.step_calls,
-                                trace_name=args.trace, seed=args.seed, progress=bar)
+                                trace_name=args.trace, recorded_rates=recorded, seed=args.seed,
+                                progress=bar)
     finally:
         if bar is not None:
             bar.close()
@@ -296,7 +347,12 @@ def _run(args: argparse.Namespace) -> int:
             marks.append("/".join(f"{np.interp(np.log(at), np.log(caps), t['mrc'][p]):.2f}"
                                   for p in profile["policies"]))
         print(f"{name:<12} {t['rows_touched']:>9} {t['lookups_per_sample']:>15.2f} "
-              f"{t['row_bytes']:>6} {t['bytes_per_sample']:>10.1f} {t['method']:>7}  "
-              f"{'  '.join(marks)}")
+              f"{t['row_bytes']:>6} {t['bytes_per_sample']:>10.1f} {t['method']:>7}"
+              f"{'!' if t['error_bound'] is None else ' '} {'  '.join(marks)}")
+    if any(t["error_bound"] is None for t in profile["tables"].values()):
+        from embstore.tools._mrc import MIN_SAMPLED_IDS
+
+        print(f"!: the log kept fewer than {MIN_SAMPLED_IDS} of this table's ids; its curves "
+              "may be far off: record it at a higher record_sample")
     print(f"wrote {args.output}" + (f" and {args.plot}" if args.plot else ""))
     return 0

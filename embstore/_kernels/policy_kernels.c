@@ -124,3 +124,24 @@ void count_accesses_saturating(uint8_t *freq, uint8_t max, const int32_t *slots,
         if (*f < max) (*f)++;
     }
 }
+
+/* SHARDS spatial sampling (embstore/_access_log.py): copy to out, in order, the ids whose
+ * splitmix64 hash (policies/_hashing.py's, key = its seed-derived xor) has its top `bits`
+ * bits below `threshold`, and where keep is not NULL set keep[j] to whether id j is kept.
+ * Returns how many were kept. One pass where numpy made a dozen over temporaries: recording
+ * a training step's lookups must cost little against the step. */
+int64_t shards_keep(const int64_t *ids, int64_t n, uint64_t key, int bits, uint64_t threshold,
+                    int64_t *out, uint8_t *keep) {
+    int64_t kept = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint64_t x = ((uint64_t)ids[j] ^ key) + 0x9E3779B97F4A7C15ULL;
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+        x ^= x >> 31;
+        int in = (x >> (64 - bits)) < threshold;
+        out[kept] = ids[j];
+        kept += in;
+        if (keep) keep[j] = (uint8_t)in;
+    }
+    return kept;
+}

@@ -1,0 +1,211 @@
+"""Access logs: a store records its batches, `embstore profile` reads them as it reads traces."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore import _crash
+from embstore._access_log import read_access_log, sample_mask
+from embstore.errors import ConfigError, StoreLockedError
+from embstore.tools._mrc import (
+    MIN_SAMPLED_IDS,
+    SHARDS_ERROR_BOUND,
+    lru_curve,
+    policy_curve,
+    sample_trace,
+)
+from embstore.tools.cli import main
+from embstore.tools.profile import build_profile, load_tables, read_trace, save_tables
+from embstore.tools.simulator import Trace
+
+
+def record(log: Path, tables: dict[str, list[np.ndarray]], sample: float = 1.0) -> None:
+    """Train every table on its batches (a lookup, then one step of its distinct ids)."""
+    specs = [embstore.TableSpec(n, dim=2) for n in tables]
+    with embstore.open(None, tables=specs, record_accesses=log, record_sample=sample) as store:
+        for b in range(len(next(iter(tables.values())))):
+            for name, batches in tables.items():
+                store.lookup(name, batches[b])
+                unique = np.unique(batches[b])
+                store.apply_gradients(name, unique, np.ones((len(unique), 2), np.float32))
+
+
+def without_name(profile: dict) -> dict:
+    return {k: v for k, v in profile.items() if k != "trace"}
+
+
+def test_an_unsampled_log_profiles_exactly_as_the_trace_as_npz(tmp_path: Path) -> None:
+    tables = load_tables("synth:seed=1,batches=40,lookups=2048")
+    record(tmp_path / "log", tables)
+    save_tables(tmp_path / "trace.npz", tables)
+    for source in ("log", "trace.npz"):
+        assert main(["profile", str(tmp_path / source), "-o", str(tmp_path / f"{source}.json"),
+                     "--points", "6", "--policies", "clock"]) == 0
+    from_log = json.loads((tmp_path / "log.json").read_text())
+    from_npz = json.loads((tmp_path / "trace.npz.json").read_text())
+    assert without_name(from_log) == without_name(from_npz)
+    assert set(from_log["tables"]) == set(tables)
+
+
+@pytest.fixture(scope="module")
+def big() -> dict[str, list[np.ndarray]]:
+    tables = load_tables("synth:seed=2,batches=160,lookups=8192")
+    return {n: tables[n] for n in ("t00", "t01", "t02", "t03")}  # the tables with many ids
+
+
+def test_a_sampled_log_is_the_sampled_trace_and_its_curves_keep_the_shards_bound(
+        tmp_path: Path, big: dict[str, list[np.ndarray]]) -> None:
+    rate = 0.25
+    record(tmp_path / "log", big, sample=rate)
+    logged, rates = read_trace(str(tmp_path / "log"))
+    assert rates == dict.fromkeys(big, rate)
+    profile = build_profile(logged, policies=[], recorded_rates=rates, points=10)
+    for name, batches in big.items():
+        full = Trace(batches)
+        sub = Trace(logged[name])
+        # the log holds exactly what SHARDS keeps of the trace at that rate, batch for batch
+        assert [len(b) for b in sub.batches] == [len(b) for b in sample_trace(full, rate).batches]
+        assert all(np.array_equal(a, b) for a, b in zip(
+            sub.batches, sample_trace(full, rate).batches, strict=True))
+        t = profile["tables"][name]
+        caps = np.asarray(t["mrc"]["capacities"])
+        # so its curves are those of the whole trace sampled at that rate ...
+        assert np.array_equal(lru_curve(sub, caps, rate), lru_curve(full, caps, rate))
+        assert np.array_equal(policy_curve(sub, "clock", caps[-4:].tolist(), rate),
+                              policy_curve(full, "clock", caps[-4:].tolist(), rate))
+        # ... within the stated bound of the exact ones, and its counts scale back
+        assert t["sampled_ids"] >= MIN_SAMPLED_IDS and t["error_bound"] == SHARDS_ERROR_BOUND
+        wide = caps >= 2 * full.lookups / len(full.batches)
+        err = np.abs(np.asarray(t["mrc"]["lru"]) - lru_curve(full, caps))[wide].max()
+        assert err <= SHARDS_ERROR_BOUND, (name, err)
+        assert abs(t["rows_touched"] - full.distinct) <= 0.1 * full.distinct
+        assert t["lookups_per_batch"] == pytest.approx(full.accesses / 160, rel=0.1)
+        assert t["method"] == "shards" and t["recorded_rate"] == rate
+
+
+def test_a_table_logged_with_too_few_ids_says_its_curves_have_no_bound(
+        tmp_path: Path) -> None:
+    tables = {"small": [np.arange(50) + 100 * (b % 3) for b in range(12)]}
+    record(tmp_path / "log", tables, sample=0.5)
+    logged, rates = read_trace(str(tmp_path / "log"))
+    t = build_profile(logged, policies=[], recorded_rates=rates, points=4)["tables"]["small"]
+    assert t["sampled_ids"] < MIN_SAMPLED_IDS and t["error_bound"] is None
+    with pytest.raises(ConfigError, match="sampled its ids"):
+        load_tables(str(tmp_path / "log"))
+
+
+def test_the_sampling_kernel_keeps_what_the_sketches_hash_keeps(tmp_path: Path) -> None:
+    from embstore.policies._hashing import splitmix64
+
+    ids = np.random.default_rng(0).integers(-2**63, 2**63 - 1, 50_000, dtype=np.int64)
+    for seed, rate in ((0, 0.3), (0, 2**-24), (5, 0.5), (0, 1.0)):
+        want = (splitmix64(ids, seed) >> np.uint64(40)) < np.uint64(int(rate * 2**24))
+        assert np.array_equal(sample_mask(ids, rate, seed), want)
+    with embstore.open(None, tables=[embstore.TableSpec("t", dim=2)],
+                       record_accesses=tmp_path / "log", record_sample=0.3) as store:
+        store.lookup("t", ids)
+    assert np.array_equal(read_access_log(tmp_path / "log").ids["t"], ids[sample_mask(ids, 0.3)])
+
+
+def test_a_batch_is_a_lookup_and_its_steps_writes_are_not_logged_again(tmp_path: Path) -> None:
+    grads = np.ones((3, 2), np.float32)
+    a, b, c = np.array([1, 2, 3]), np.array([4, 5, 6]), np.array([7, 8, 9])
+    with embstore.open(None, tables=[embstore.TableSpec("t", dim=2)],
+                       record_accesses=tmp_path / "log") as store:
+        store.lookup("t", a)                # a training step: lookup, then the update
+        store.apply_gradients("t", a, grads)
+        store.lookup("t", b)                # a pipeline: the next lookup before this update
+        store.lookup("t", c)
+        store.apply_gradients("t", b, grads)
+        store.apply_gradients("t", c, grads)
+        store.update("t", a, grads)         # a write without a lookup is a batch of its own
+        store.apply_gradients("t", b, grads)
+        store.lookup_state("t", a)          # not a training access
+        store.flush()
+        log = read_access_log(tmp_path / "log")
+        assert [list(x) for x in log.batches("t")] == [[1, 2, 3], [4, 5, 6], [7, 8, 9],
+                                                       [1, 2, 3], [4, 5, 6]]
+
+
+def test_the_log_is_private_and_a_reopened_store_appends_to_it(tmp_path: Path) -> None:
+    log = tmp_path / "runs" / "log"
+    spec = embstore.TableSpec("t", dim=2)
+    for start in (0, 10):
+        with embstore.open(tmp_path / "store", tables=[spec], record_accesses=log) as store:
+            store.lookup("t", np.arange(start, start + 5))
+    assert (log.stat().st_mode & 0o777) == 0o700
+    assert {f.name: f.stat().st_mode & 0o777 for f in log.iterdir()} == {
+        "ACCESS_LOG.json": 0o600, "LOCK": 0o600, "t.ids": 0o600, "t.offsets": 0o600}
+    assert [list(b) for b in read_access_log(log).batches("t")] == [
+        list(range(5)), list(range(10, 15))]
+    with pytest.raises(ConfigError, match="rate"):
+        embstore.open(tmp_path / "store", record_accesses=log, record_sample=0.5)
+    with embstore.open(tmp_path / "store", record_accesses=log), pytest.raises(
+            StoreLockedError, match="another store"):
+        embstore.open(None, tables=[spec], record_accesses=log)
+
+
+CHILD = """
+import sys, numpy as np, embstore
+store = embstore.open(None, tables=[embstore.TableSpec("t", dim=2)],
+                      record_accesses=sys.argv[1], record_sample=float(sys.argv[2]))
+for b in range(100):
+    store.lookup("t", np.arange(b, b + 4000))
+"""
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5])
+def test_a_killed_writer_leaves_every_complete_batch_and_the_next_one_appends(
+        tmp_path: Path, rate: float) -> None:
+    log = tmp_path / "log"
+    env = {**os.environ, _crash.ENV: "access_log.after_ids:6"}
+    child = subprocess.run([sys.executable, "-c", CHILD, str(log), str(rate)], env=env,
+                           check=False)
+    assert child.returncode == -signal.SIGKILL
+    assert (log / "t.ids").stat().st_size > 0
+    want = [b[sample_mask(b, rate)] for b in (np.arange(b, b + 4000) for b in range(5))]
+    got = read_access_log(log).batches("t")
+    assert len(got) == 5 and all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    # a torn offset record on top of the torn batch changes nothing either
+    with open(log / "t.offsets", "ab") as fh:
+        fh.write(b"\x01\x02\x03")
+    assert len(read_access_log(log).batches("t")) == 5
+    with embstore.open(None, tables=[embstore.TableSpec("t", dim=2)], record_accesses=log,
+                       record_sample=rate) as store:
+        store.lookup("t", np.arange(7, 11))
+    got = read_access_log(log).batches("t")
+    assert len(got) == 6 and np.array_equal(got[-1], np.arange(7, 11)[sample_mask(
+        np.arange(7, 11), rate)])
+
+
+def test_bad_paths_and_rates_give_embstore_errors_and_create_no_store(tmp_path: Path) -> None:
+    spec = embstore.TableSpec("t", dim=2)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    cases = [(tmp_path / "file", "is a file"), (tmp_path / "file" / "log", "cannot record"),
+             (tmp_path / "other", "not an access log"), (7, "must be a path")]
+    for path, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            embstore.open(None, tables=[spec], record_accesses=path)  # type: ignore[arg-type]
+    for rate in (0, 1.5, -1, True, "0.1", 1e-9):
+        with pytest.raises(ConfigError, match="record_sample"):
+            embstore.open(tmp_path / "store", tables=[spec], record_accesses=tmp_path / "log",
+                          record_sample=rate)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="does not have"):
+        embstore.open(None, tables=[spec], record_accesses=tmp_path / "log",
+                      record_sample={"nope": 0.1})
+    with pytest.raises(ConfigError, match="inside the store"):
+        embstore.open(tmp_path / "store", tables=[spec],
+                      record_accesses=tmp_path / "store" / "log")
+    assert not (tmp_path / "store").exists() and not (tmp_path / "log").exists()
+    assert main(["profile", str(tmp_path / "other"), "-o", str(tmp_path / "p.json")]) == 2
