@@ -8,7 +8,13 @@ import numpy as np
 
 import embstore
 
-from ._benchutil import add_size_arguments, build_table, interleaved_medians, print_table
+from ._benchutil import (
+    add_size_arguments,
+    build_table,
+    interleaved_medians,
+    on_threads,
+    print_table,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,13 +59,22 @@ def run(args: argparse.Namespace) -> int:
     def store_lookup(i: int) -> None:
         store.lookup("t", ids[i])
 
-    med = interleaved_medians({"take": numpy_take, "fancy": numpy_fancy,
-                               "store": store_lookup}, args.repeats)
+    threads = embstore.get_num_threads()
+    contenders = {"take": numpy_take, "fancy": numpy_fancy,
+                  "store": on_threads(1, store_lookup)}
+    if threads > 1:
+        contenders["threads"] = store_lookup
+    med = interleaved_medians(contenders, args.repeats)
     base = args.batch / med["take"]
+    rows = [("numpy np.take(out=, mode='clip') [baseline]", base, 1.0),
+            ("numpy fancy indexing", args.batch / med["fancy"], med["take"] / med["fancy"]),
+            ("embstore lookup, DRAM tier, 1 thread", args.batch / med["store"],
+             med["take"] / med["store"])]
+    if threads > 1:
+        rows.append((f"embstore lookup, DRAM tier, {threads} threads",
+                     args.batch / med["threads"], med["take"] / med["threads"]))
     print_table(
         f"lookup: {args.batch:,} Zipf({args.zipf}) ids from {args.rows:,} x {args.dim} float32",
-        [("numpy np.take(out=, mode='clip') [baseline]", base, 1.0),
-         ("numpy fancy indexing", args.batch / med["fancy"], med["take"] / med["fancy"]),
-         ("embstore lookup, DRAM tier", args.batch / med["store"], med["take"] / med["store"])])
+        rows)
     store.close()
     return 0

@@ -34,7 +34,7 @@ import embstore
 from embstore.index import IdGroups
 from embstore.optim import RowWiseAdagrad
 
-from ._benchutil import build_table, interleaved_medians, print_table
+from ._benchutil import build_table, interleaved_medians, on_threads, print_table
 
 LR, EPS = 0.01, 1e-8
 
@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         store.lookup("t", unique_ids[i])
         store.apply_gradients("t", unique_ids[i], batch_grads[i])
 
-    med = interleaved_medians({"numpy": numpy_update, "store": store_update}, args.repeats)
+    med = interleaved_medians({"numpy": numpy_update, "store": on_threads(1, store_update)},
+                              args.repeats)
     # both applied the same steps in the same order: the tables agree to float32 rounding
     sample = unique_pos[-1][:2000]
     state = store.lookup_state("t", zipf.ids[sample])[:, 0]
@@ -144,6 +145,12 @@ def run(args: argparse.Namespace) -> int:
         [("numpy take+rule+scatter [baseline]", args.batch / med["numpy"], 1.0),
          ("embstore lookup+apply_gradients, DRAM", rate, ratio)])
     print(f"ratio store/numpy: {ratio:.2f}")
+    threads = embstore.get_num_threads()
+    if threads > 1:  # after the check: these steps apply the batches again
+        again = interleaved_medians({"one": on_threads(1, store_update),
+                                     "many": store_update}, args.repeats)
+        print(f"store step on {threads} threads: {args.batch / again['many'] / 1e6:.2f}M ids/s, "
+              f"{again['one'] / again['many']:.2f}x the store on 1 thread in the same run")
     print(f"store step: {rate / 1e6:.2f}M ids/s ({distinct / med['store'] / 1e6:.2f}M distinct "
           f"ids/s); {med['store'] * 1e3:.1f} ms per step")
     ref = FBGEMM_REFERENCE[args.dist]

@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo-chunk", type=int, default=10,
                         help="demo steps per timed repeat (10)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of every contender (1: embstore's store work is "
-                             "single-threaded)")
+                        help="torch threads of every contender (1); embstore's own DRAM "
+                             "kernels run on embstore.get_num_threads() (EMBSTORE_NUM_THREADS)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
 
@@ -210,7 +210,9 @@ def _step_part(args: argparse.Namespace, dists: list[str], torch: Any) -> int:
         if tbe is not None:
             table.append(("FBGEMM CPU TBE, fused row-wise Adagrad", n_ids / med["fbgemm"],
                           med["torch"] / med["fbgemm"]))
-        table.append(("embstore.torch.EmbeddingBag, row-wise Adagrad", n_ids / med["embstore"],
+        threads = embstore.get_num_threads()
+        table.append((f"embstore.torch.EmbeddingBag, row-wise Adagrad, {threads} thread"
+                      f"{'s' if threads > 1 else ''}", n_ids / med["embstore"],
                       med["torch"] / med["embstore"]))
         print_table(f"step ({dist}): {batch:,} bags x {bag} ids ({distinct:,.0f} distinct rows) "
                     f"from {rows:,} x {dim}; ratios to torch", table)

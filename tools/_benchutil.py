@@ -69,6 +69,18 @@ def interleaved_medians(contenders: dict[str, Callable[[int], None]], repeats: i
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
+def on_threads(count: int, fn: Callable[[int], None]) -> Callable[[int], None]:
+    """`fn` run with the store's DRAM kernels on `count` threads (embstore.set_num_threads)."""
+    def run(i: int) -> None:
+        before = embstore.get_num_threads()
+        embstore.set_num_threads(count)
+        try:
+            fn(i)
+        finally:
+            embstore.set_num_threads(before)
+    return run
+
+
 TABLES: list[dict[str, object]] = []
 """Every table printed by `print_table` in this process, for `embstore bench ... --json`."""
 
