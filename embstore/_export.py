@@ -34,7 +34,7 @@ import numpy as np
 from ._rebuild import page_rows, read_store, store_rows, write_store
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
 from .layout import lock
-from .manifest import fsync_dir, write_atomic
+from .manifest import fsync_dir, make_dirs, write_atomic
 from .spec import TableSpec, TierSpec
 
 __all__ = ["FORMAT", "export_store", "import_store", "read_header"]
@@ -51,7 +51,7 @@ def _le(dtype: np.dtype) -> np.dtype:
 def _fresh(dest: Path) -> Path:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise StoreExistsError(f"{dest} exists; choose a new path (nothing is overwritten)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(dest.parent)  # new parents' entries must survive with what is published
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

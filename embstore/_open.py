@@ -13,27 +13,12 @@ from . import layout
 from ._access_log import AccessRecorder, check_rates
 from .errors import ConfigError, CorruptStoreError, ReadOnlyError, StoreNotFoundError
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
-from .manifest import fsync_dir
+from .manifest import make_dirs
 from .placement import apply_placement
 from .spec import TableSpec, TierSpec
 from .store import DEFAULT_TIERS, EmbeddingStore
 
 __all__ = ["open"]
-
-
-def _make_dirs(directory: Path) -> None:
-    """Create `directory` and its missing parents, syncing the parent of each one created.
-
-    So the store's directory entry survives a power cut once its first flush is done.
-    """
-    missing = []
-    d = directory
-    while not d.exists():
-        missing.append(d)
-        d = d.parent
-    for d in reversed(missing):
-        d.mkdir(mode=0o700 if d == directory else 0o777, exist_ok=True)
-        fsync_dir(d.parent)
 
 
 def _parse_manifest(directory: Path, doc: dict[str, object]
@@ -167,7 +152,7 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
                 "choose an empty or new directory"
             )
         before = set(directory.iterdir()) - leftovers if directory.exists() else None
-        _make_dirs(directory)
+        make_dirs(directory, 0o700)
     lock_fd = layout.lock(directory, read_only)
     try:
         if not exists:

@@ -41,7 +41,7 @@ from .layout import (
     write_manifest,
     written_file,
 )
-from .manifest import fsync_dir
+from .manifest import fsync_dir, fsync_tree
 from .spec import TableSpec, TierSpec
 
 __all__ = ["RowSource", "open_bottom", "page_rows", "read_store", "replace_store",
@@ -186,7 +186,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
                                  enumerate(table_chain(s, default_tiers))]} for s in specs}
     _counters.save(dest, specs, default_tiers, tables, old, old.get("last_flush"),
                    old.get("last_checkpoint"))
-    _sync_tree(dest)
+    fsync_tree(dest)  # the backends synced their own data; this is the rest
     return counts
 
 
@@ -202,18 +202,6 @@ def _check_chains(specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec])
             make_policy(ts.eviction, ts.eviction_options, EvictionPolicy)
             if ts.admission not in (None, "always"):
                 make_policy(ts.admission, ts.admission_options, AdmissionPolicy)
-
-
-def _sync_tree(root: Path) -> None:
-    """Fsync every file and directory under `root` (the backends synced their own data)."""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
 
 
 _RENAME_EXCHANGE = 2

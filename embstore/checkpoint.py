@@ -12,9 +12,10 @@ to an id not yet copied first saves that row's T0 value (a pre-image) and the co
 id in its pages, so the checkpoint is the table as of T0 while lookups and writes go on. The
 store meets the checkpoint through `CheckpointSource`, a small interface of its own.
 
-Crash safety: everything is written under a temporary name, fsynced, then renamed into place;
-an interrupted checkpoint leaves only a `.<name>.tmp-*` directory and every earlier checkpoint
-intact.
+Crash safety: everything is written under a temporary name, fsynced, then renamed into place
+and the directory synced (new parent directories too), so a checkpoint or restore that returned
+survives a power cut; an interrupted one leaves only a `.<name>.tmp-*` directory and every
+earlier checkpoint intact.
 
 Tombstone file layout (`<table>.deleted`):
 
@@ -53,7 +54,7 @@ from .layout import (
     write_manifest,
     written_file,
 )
-from .manifest import fsync_dir, write_atomic
+from .manifest import fsync_dir, fsync_tree, make_dirs, write_atomic
 from .spec import TableSpec, TierSpec
 
 __all__ = ["CheckpointPlan", "CheckpointSource", "CopyState", "restore"]
@@ -193,7 +194,8 @@ def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=0o700, parents=True)
+        make_dirs(dest.parent)  # new parents: their entries must survive with the checkpoint
+        tmp.mkdir(mode=0o700)
         for spec in plan.specs:
             total = plan.rows[spec.name]
             with _bottom_backend(tmp, spec, plan.tiers, read_only=False) as target:
@@ -275,9 +277,9 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
     base = chain[-1][0]
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(dest.parent)
     try:
-        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(LOCK_NAME))
+        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(LOCK_NAME))  # not synced
         doc = read_manifest(tmp)
         tables = {t["name"]: TableSpec.from_json(t) for t in doc["tables"]}
         tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
@@ -294,6 +296,7 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
             doc["gradient_steps"] = chain[0][1]["gradient_steps"]
         doc.pop("checkpoint", None)
         write_manifest(tmp, doc)
+        fsync_tree(tmp)  # the copied files and their directory entries, before publishing
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
     except BaseException:

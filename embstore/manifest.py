@@ -19,7 +19,8 @@ from typing import Any
 from . import _crash
 from .errors import CorruptStoreError, StoreNotFoundError
 
-__all__ = ["FORMAT", "MANIFEST_NAME", "VERSION", "read_manifest", "write_atomic", "write_manifest"]
+__all__ = ["FORMAT", "MANIFEST_NAME", "VERSION", "fsync_dir", "fsync_tree", "make_dirs",
+           "read_manifest", "write_atomic", "write_manifest"]
 
 FORMAT = "embstore"
 VERSION = 1
@@ -36,6 +37,33 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Fsync every file and directory under `root`, `root` included."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def make_dirs(directory: Path, mode: int = 0o777) -> None:
+    """Create `directory` (with `mode`) and its missing parents, syncing each one's parent.
+
+    So the new directories' entries survive a power cut once something is synced in them.
+    """
+    missing = []
+    d = directory
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        d.mkdir(mode=mode if d == directory else 0o777, exist_ok=True)
+        fsync_dir(d.parent)
 
 
 def write_atomic(file: Path, data: bytes) -> None:

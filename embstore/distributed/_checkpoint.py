@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreExistsError
-from ..manifest import write_atomic
+from ..manifest import make_dirs, write_atomic
 
 __all__ = ["META", "checkpoint_sharded"]
 
@@ -27,7 +27,7 @@ def checkpoint_sharded(store: Any, dest: Path, step: int | None) -> Path:
         if dest.exists():
             error = f"{dest} exists; checkpoint into a new directory"
         else:
-            dest.mkdir(parents=True)
+            make_dirs(dest)  # synced into its parent, as the ranks' checkpoints are into it
     errors = comm.gather_objects(error, "checkpoint start")
     if errors[0]:
         raise StoreExistsError(str(errors[0]))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .. import _open as base_open
 from ..errors import ConfigError, StoreNotFoundError
-from ..manifest import write_atomic
+from ..manifest import make_dirs, write_atomic
 from ..spec import TableSpec, TierSpec
 from ..store import EmbeddingStore
 from ._checkpoint import META, checkpoint_sharded
@@ -117,7 +117,7 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
            "tables": [s.to_json() for s in specs], "tiers": tier_json}
     _agree(comm, doc, "sharded store's tables, tiers and plan")
     if directory is not None and meta is None and comm.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_dirs(directory)  # its entry must survive a power cut like the record in it
         write_atomic(directory / META, json.dumps(doc, indent=1).encode())
     comm.barrier("open")
     local = _open_local(directory, comm.rank, specs, plan, tier_specs)
