@@ -54,7 +54,7 @@ from . import _crash
 from ._kernels._policy_kernels import ffi as _ffi
 from ._kernels._policy_kernels import lib as _kernels
 from .errors import ConfigError, StorageIOError, StoreLockedError
-from .manifest import DIR_MODE, FILE_MODE, fsync_dir, read_bytes_nofollow, write_atomic
+from .manifest import DIR_MODE, FILE_MODE, make_dirs, read_bytes_nofollow, write_atomic
 
 __all__ = ["HEADER_NAME", "AccessLog", "AccessRecorder", "check_rates", "is_access_log",
            "read_access_log", "sample_mask"]
@@ -315,8 +315,7 @@ class AccessRecorder:
             raise ConfigError(f"{root} holds files but no {HEADER_NAME}: it is not an access "
                               "log; give a new or empty directory")
         if not root.exists():
-            root.mkdir(mode=DIR_MODE, parents=True)
-            fsync_dir(root.parent)
+            make_dirs(root, DIR_MODE)  # each new directory's entry synced in its parent
         self._lock = os.open(root / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
                              FILE_MODE)
         try:

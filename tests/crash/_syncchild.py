@@ -233,10 +233,26 @@ def demo(root: Path, backend: str, point: Points) -> None:
                                                      {"w": torch.ones(4)}))
 
 
+def access(root: Path, backend: str, point: Points) -> None:
+    """A store recording an access log (in directories not made yet): flush and close."""
+    spec = embstore.TableSpec("t", dim=DIM, optimizer=embstore.optim.RowWiseAdagrad(lr=0.1))
+    tiers = [embstore.TierSpec("dram", capacity=50), embstore.TierSpec(backend)]
+    store = embstore.open(root / "stores" / "s", tables=[spec], tiers=tiers,
+                          record_accesses=root / "logs" / "a")
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        ids = rng.integers(0, 500, 200)
+        store.lookup("t", ids)
+        store.apply_gradients("t", ids, np.ones((200, DIM), np.float32))
+    point("access-flush", store.flush)
+    store.lookup("t", rng.integers(0, 500, 200))
+    point("access-close", store.close)
+
+
 WORKLOADS: dict[str, Callable[[Path, str, Points], None]] = {
     "flush": flush, "bulk": bulk, "checkpoint": checkpoint, "rebuild": rebuild,
     "rebuild-renames": lambda r, b, p: rebuild(r, b, p, renames=True),
-    "export": export, "demo": demo}
+    "export": export, "demo": demo, "access": access}
 
 
 def main() -> None:

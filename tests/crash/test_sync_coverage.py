@@ -115,6 +115,14 @@ export.commit_dir_sync  _commit: fsync_dir after the rename (export and import)
     [export/lmdb/export].
 demo.dense_fsync, demo.dense_dir_fsync  tools/demo.py _save_dense: fsync of the dense model's
     file before its rename, and of its directory after [demo/dram/demo-save].
+access_log.flush_ids_fsync, access_log.flush_offsets_fsync  embstore/_access_log.py
+    AccessRecorder.flush: fsync of a table's ids and offsets files at the store's flush
+    [access/rocksdb/access-flush].
+access_log.close_ids_fsync, access_log.close_offsets_fsync  AccessRecorder.close: the same at
+    the store's close [access/rocksdb/access-close].
+access_log.new_ids_fsync, access_log.new_offsets_fsync  AccessRecorder._open: fsync of a new
+    table's empty files before the header lists them. Redundant at every acknowledged point:
+    the flush or close after it syncs the same files (stays clean without it: access/rocksdb).
 
 Not syncs of stored data (the scan knows them): RocksDB's sync_writes option (off by default:
 every batch synced; no point needs it), the raw-library baselines of `embstore bench
@@ -157,7 +165,8 @@ POINTS = {"flush": ["flush", "flush-deletes", "flush-new-rows", "journal-new-dir
           "bulk": ["bulk-load"],
           "checkpoint": ["checkpoint", "checkpoint-incr", "restore", "restore-incr"],
           "rebuild": ["compact", "migrate"], "rebuild-renames": ["compact", "migrate"],
-          "export": ["export", "import"], "demo": ["demo-save"]}
+          "export": ["export", "import"], "demo": ["demo-save"],
+          "access": ["access-flush", "access-close"]}
 
 
 def _trace(tmp_path: Path, workload: str, backend: str, **env: str) -> _synccheck.Report:
@@ -180,7 +189,8 @@ def _trace(tmp_path: Path, workload: str, backend: str, **env: str) -> _syncchec
 PLAIN = [("flush", "rocksdb"), ("flush", "lmdb"), ("flush", "pmem"), ("flush", "pmem-mmap"),
          ("flush", "dram"), ("bulk", "rocksdb"), ("checkpoint", "rocksdb"),
          ("checkpoint", "lmdb"), ("checkpoint", "pmem"), ("rebuild", "lmdb"),
-         ("rebuild", "pmem"), ("rebuild-renames", "lmdb"), ("export", "lmdb")]
+         ("rebuild", "pmem"), ("rebuild-renames", "lmdb"), ("export", "lmdb"),
+         ("access", "rocksdb")]
 MORE = [(w, b) for w in ("bulk", "checkpoint", "rebuild", "rebuild-renames", "export")
         for b in ("rocksdb", "lmdb", "pmem", "pmem-mmap", "dram") if (w, b) not in PLAIN]
 MORE.append(("demo", "dram"))
