@@ -212,7 +212,7 @@ print("rebuilt", flush=True)
 """
 
 
-@pytest.mark.parametrize("hit", [1, 2])
+@pytest.mark.parametrize("hit", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("point, op, exchange", [
     ("rebuild.page", "compact", "exchange"),
     ("rebuild.page", "migrate", "exchange"),
