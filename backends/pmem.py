@@ -22,7 +22,11 @@ The file layout (header, state blocks, records) is documented, with its byte off
 `backends/_pmem_format.py`; the names are re-exported here for the corruption tests.
 
 Caveats:
-    - One writer per table file (an exclusive `flock`; read-only handles take a shared one).
+    - One writer per table file (an exclusive `flock`). Read-only handles take no lock and
+      read beside the writer, in this process or another: each scan sees every row as of
+      the writer's last flush (or later), and rows are checked as they are copied out, so
+      a slot the writer retires or reuses meanwhile makes the reader scan again, never
+      return a torn or foreign row.
     - The mapping is advised MADV_RANDOM so that the page cache holds the file in 4 KiB pages:
       write-back is by whole cached folio, and a file cached in large folios (e.g. after `cp`
       or `cat` of it) costs up to a folio per dirty row on the msync path until evicted.
@@ -66,6 +70,8 @@ from ._pmem_format import (
     MAGIC,
     MAX_SLOTS,
     PAGE_SIZE,
+    READER_SCAN_SLOTS,
+    READER_SCANS,
     REC_CRC,
     REC_ID,
     REC_KIND,
@@ -78,6 +84,7 @@ from ._pmem_format import (
     VERSION,
     _merge_ranges,
     _SlotIndex,
+    current_state,
     record_size,
     seq_counters,
     seq_words,
@@ -158,20 +165,24 @@ class PmemBackend(Backend):
             self._create()
         flags = os.O_RDONLY if self.spec.read_only else os.O_RDWR
         self._fd = os.open(self._file, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            fcntl.flock(self._fd, (fcntl.LOCK_SH if self.spec.read_only else fcntl.LOCK_EX)
-                        | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreLockedError(
-                f"{self._file} is open in another handle or process; close it there first "
-                "(one writer or many readers per pmem table)"
-            ) from None
+        if not self.spec.read_only:
+            # one writer per table file; readers take no lock and read beside it
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreLockedError(
+                    f"{self._file} is open for writing in another handle or process; close "
+                    "it there first (one writer per pmem table; readers may join it)"
+                ) from None
         size = os.fstat(self._fd).st_size
         if size < DATA_OFFSET:
             raise CorruptStoreError(f"{self._file}: truncated header ({size} bytes)")
         self._map_file(size)
         self._check_header()
-        self._scan()
+        if self.spec.read_only:
+            self._scan_beside_writer()
+        else:
+            self._scan()
 
     def _create(self) -> None:
         """Write a new file under a temporary name and link it into place.
@@ -298,11 +309,7 @@ class PmemBackend(Backend):
         if rec != self._rec or payload != REC_PAYLOAD:
             raise CorruptStoreError(f"{self._file}: record size {rec}/{payload}, expected "
                                     f"{self._rec}/{REC_PAYLOAD}; the header is damaged")
-        best = None
-        for off in STATE_OFFSETS:
-            gen, wm, reserve, scrc = STATE.unpack_from(head, off)
-            if gen and crc32c(head[off : off + 24]) == scrc and (best is None or gen > best[0]):
-                best = (gen, wm, reserve)
+        best = current_state(head)
         if best is None:
             raise CorruptStoreError(f"{self._file}: both header state blocks are damaged; "
                                     "restore the table from a checkpoint")
@@ -338,8 +345,9 @@ class PmemBackend(Backend):
                         mmap.MADV_WILLNEED)  # readahead in small pages for the scan
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         torn_parts: list[np.ndarray] = []
-        for lo in range(0, n, SCAN_SLOTS):
-            live, live_ids, live_seq, torn = self._scan_chunk(lo, min(n, lo + SCAN_SLOTS))
+        step = READER_SCAN_SLOTS if self.spec.read_only else SCAN_SLOTS  # readers copy
+        for lo in range(0, n, step):
+            live, live_ids, live_seq, torn = self._scan_chunk(lo, min(n, lo + step))
             parts.append((live, live_ids, live_seq))
             torn_parts.append(torn)
         live = np.concatenate([p[0] for p in parts])
@@ -379,15 +387,29 @@ class PmemBackend(Backend):
         Returns (slots, ids, seq counters) of the valid records and the slots of torn writes;
         raises CorruptStoreError on a damaged record.
         """
-        # copies, not views: an exception raised here must not keep the mapping exported
-        seq_word = self._field(REC_SEQ, "<u8")[lo:hi].copy()
+        if self.spec.read_only:
+            # one copy of each record, every field then read from it: a writer may change a
+            # record between two reads of the mapping
+            recs = self._records()[lo:hi].copy()
+            seq_word = np.ascontiguousarray(recs[:, REC_SEQ:REC_SEQ + 8]).view("<u8")[:, 0]
+        else:
+            # copies, not views: an exception raised here must not keep the mapping exported
+            seq_word = self._field(REC_SEQ, "<u8")[lo:hi].copy()
         used = np.flatnonzero(seq_word)
         top = lo + (int(used[-1]) + 1 if len(used) else 0)  # nothing written past it
         seq_word = seq_word[: top - lo]
-        ids = self._field(REC_ID, "<i8")[lo:top].copy()
-        stored_crc = self._field(REC_CRC, "<u4")[lo:top].copy()
-        kind = self._field(REC_KIND, "<u4")[lo:top].copy()
-        calc = row_checksums(ids, self._records()[lo:top, REC_KIND : REC_PAYLOAD + self._row_bytes])
+        if self.spec.read_only:
+            recs = recs[: top - lo]
+            ids = np.ascontiguousarray(recs[:, REC_ID:REC_ID + 8]).view("<i8")[:, 0]
+            stored_crc = np.ascontiguousarray(recs[:, REC_CRC:REC_CRC + 4]).view("<u4")[:, 0]
+            kind = np.ascontiguousarray(recs[:, REC_KIND:REC_KIND + 4]).view("<u4")[:, 0]
+            calc = row_checksums(ids, recs[:, REC_KIND : REC_PAYLOAD + self._row_bytes])
+        else:
+            ids = self._field(REC_ID, "<i8")[lo:top].copy()
+            stored_crc = self._field(REC_CRC, "<u4")[lo:top].copy()
+            kind = self._field(REC_KIND, "<u4")[lo:top].copy()
+            calc = row_checksums(
+                ids, self._records()[lo:top, REC_KIND : REC_PAYLOAD + self._row_bytes])
         seq, intact = seq_counters(seq_word)
         valid = (seq_word != 0) & (calc == stored_crc) & (kind == KIND_ROW)
         bad = np.flatnonzero((seq_word != 0) & ~valid)
@@ -535,6 +557,8 @@ class PmemBackend(Backend):
         return self._index.find(ids).astype(np.int64)
 
     def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.spec.read_only:
+            return self._get_beside_writer(ids)
         n = len(ids)
         out = np.empty((n, self.spec.dim), dtype=self.spec.dtype)
         found = np.zeros(n, dtype=bool)
@@ -557,6 +581,89 @@ class PmemBackend(Backend):
                 "checkpoint, or run `embstore fsck` to list every damaged row"
             )
         return out, found
+
+    # --- reading beside a writer -----------------------------------------------------------
+    #
+    # A read-only handle takes no lock, so a writer in another process may change the file
+    # under it. What a flush promised changes only by retirement (its seq word zeroed), and
+    # only after a newer state block (see `_flush`); new records go to free slots or over
+    # records no flush promised. So a scan during which the state did not change saw every
+    # row as of the writer's last flush or later, and a row read afterwards is checked as
+    # copied: a slot retired or reused since the scan fails its id or checksum, and the
+    # handle scans again and retries.
+
+    def _mapped_state(self) -> tuple[int, int, int]:
+        assert self._mem is not None
+        state = current_state(self._mem[:DATA_OFFSET].tobytes())
+        if state is None:
+            raise CorruptStoreError(f"{self._file}: both header state blocks are damaged; "
+                                    "restore the table from a checkpoint")
+        return state
+
+    def _scan_beside_writer(self) -> None:
+        """Index every record, again until no state was written meanwhile (see above).
+
+        Raises:
+            CorruptStoreError: a damaged record (one no writer was writing).
+            StoreLockedError: the writer wrote a new state during each of READER_SCANS scans.
+        """
+        damage: CorruptStoreError | None = None
+        for _ in range(READER_SCANS):
+            state = self._mapped_state()
+            size = os.fstat(self._fd).st_size
+            if self._map is None or size != self._map.length:  # the writer grew the file
+                self._unmap()
+                self._map_file(size)
+            self._gen, self._watermark, self._reserve = state
+            self._index = _SlotIndex()
+            try:
+                self._scan()
+            except CorruptStoreError as exc:
+                # damage is there at the next scan too; a record the writer changed while it
+                # was copied (a slot retired, or the reserve moved on) is not
+                if damage is not None and str(damage) == str(exc):
+                    raise
+                damage = exc
+                continue
+            if self._mapped_state() == state:
+                return
+        raise StoreLockedError(
+            f"{self._file}: its writer flushed during each of {READER_SCANS} scans of this "
+            "read-only handle; open it again when the writer flushes less often")
+
+    def _get_beside_writer(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(ids)
+        for _ in range(READER_SCANS):
+            out = np.zeros((n, self.spec.dim), dtype=self.spec.dtype)
+            if self._mem is None or not len(self._index):
+                return out, np.zeros(n, dtype=bool)
+            slots = self._lookup(ids)
+            found = slots >= 0
+            want = ids[found]
+            recs = self._records()[slots[found]]  # a copy, checked as copied
+            held = np.ascontiguousarray(recs[:, REC_ID:REC_ID + 8]).view("<i8")[:, 0]
+            crc = np.ascontiguousarray(recs[:, REC_CRC:REC_CRC + 4]).view("<u4")[:, 0]
+            ok = (held == want) & (row_checksums(
+                want, recs[:, REC_KIND:REC_PAYLOAD + self._row_bytes]) == crc)
+            if ok.all():
+                payload = np.ascontiguousarray(recs[:, REC_PAYLOAD:REC_PAYLOAD + self._row_bytes])
+                out[found] = payload.view(self.spec.dtype)
+                return out, found
+            j = int(np.flatnonzero(~ok)[0])
+            bad_id, bad_slot = int(want[j]), int(slots[found][j])
+            self._scan_beside_writer()
+        raise CorruptStoreError(
+            f"table {self.spec.table!r}: row of id {bad_id} in slot {bad_slot} (byte offset "
+            f"{DATA_OFFSET + bad_slot * self._rec}) of {self._file} fails its checksum on "
+            f"{READER_SCANS} reads; the data is damaged: restore the table from a checkpoint, "
+            "or run `embstore fsck` to list every damaged row")
+
+    def _refresh(self) -> None:
+        if self._map is None:
+            if self._file.exists():  # its writer created it since
+                self._open_file()
+            return
+        self._scan_beside_writer()
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
         # A row written since the last flush is rewritten in its own slot: no flush has
@@ -600,26 +707,29 @@ class PmemBackend(Backend):
         return len(self._index)
 
     def _flush(self) -> None:
-        """Persist new records, then retire what they replace, then the watermark.
+        """Persist new records, then the watermark, then retire what they replace.
 
         The order is the crash guarantee: a retired slot's row is durable elsewhere first, so
         a crash between the steps leaves two versions (the higher seq wins on open), never
         none. Skipping the flush loses only writes since the previous one (atomicity per row,
-        durability at flush, in ACID terms).
+        durability at flush, in ACID terms). The watermark goes before the retirements for
+        readers beside the writer: a retirement is never seen without a new state.
         """
         if self._map is None or not (self._touched or self._retire):
             return
         touched = (np.unique(np.concatenate(self._touched)) if self._touched
                    else np.zeros(0, dtype=np.int64))
         self._persist_slots(touched, 0, self._rec)
+        self._watermark = self._next_seq - 1
+        # the state before the retirements: a reader in another process that saw a slot
+        # retired then sees a new state too, and scans again (`_scan_beside_writer`)
+        self._write_state()
         retire = (np.concatenate(self._retire) if self._retire
                   else np.zeros(0, dtype=np.int64))
         if len(retire):
             lib.rec_zero_seq(self._base(), self._rec, REC_SEQ,
                              ffi.cast("int64_t *", retire.ctypes.data), len(retire))
             self._persist_slots(retire, REC_SEQ, 8)
-        self._watermark = self._next_seq - 1
-        self._write_state()
         self._state[touched[self._state[touched] == _DIRTY]] = _LIVE
         self._state[retire] = _FREE
         self._push_free(retire)

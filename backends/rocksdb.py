@@ -26,6 +26,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Final, NoReturn, final
 
@@ -54,7 +58,8 @@ from ._keys import (
 )
 from ._kv import KeyValueBackend, check_table_meta, table_meta
 
-__all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend"]
+__all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend",
+           "open_read_only"]
 
 CF_PREFIX: Final = "t:"
 META_PREFIX: Final = b"embstore/table/"
@@ -101,6 +106,85 @@ def restrict_modes(directory: Path) -> None:
                     os.chmod(entry.path, 0o600, follow_symlinks=False)
             except FileNotFoundError:  # removed by a compaction meanwhile
                 continue
+
+
+_DB_FILE: Final = re.compile(r"^(CURRENT|IDENTITY|MANIFEST-\d+|OPTIONS-\d+|\d+\.(sst|log|blob))$")
+_OPEN_TRIES: Final = 8
+
+
+def open_read_only(directory: Path, db_options: Any,
+                   cf_options: Callable[[], Any] | None) -> tuple[Any, list[str]]:
+    """Open the RocksDB database in `directory` read-only, writing nothing there.
+
+    rocksdict writes its own config file into the directory it opens, read-only or not; so
+    the database is opened through a private directory of symbolic links to its files,
+    removed once open (every table file is opened then: max_open_files -1). RocksDB's
+    read-only open takes no lock and replays the write-ahead log in memory: it reads beside
+    a writer, as of the open. That writer may delete or add a file between the listing and
+    the open (a log after a memtable flush, SSTs in a compaction, a new MANIFEST): the open
+    is then tried again with a fresh listing.
+
+    Args:
+        directory: the tier directory.
+        db_options: the database's options (rocksdict.Options).
+        cf_options: options of each table's column family, or None to open only the
+            default column family.
+
+    Returns:
+        The database (rocksdict.Rdict) and the names of its column families.
+
+    Raises:
+        StoreNotFoundError: no RocksDB database in `directory`.
+        Exception: what rocksdict raised on the last try.
+    """
+    db_options.set_max_open_files(-1)
+    last: Exception | None = None
+    for _ in range(_OPEN_TRIES):
+        view = Path(tempfile.mkdtemp(prefix="embstore-rocksdb-read-"))
+        try:
+            if not directory.is_dir():
+                raise StoreNotFoundError(
+                    f"no RocksDB database in {directory}; open it for writing first to create it")
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if _DB_FILE.match(entry.name) and entry.is_file(follow_symlinks=False):
+                        os.symlink(os.path.abspath(entry.path), view / entry.name)
+            if not (view / "CURRENT").exists():
+                raise StoreNotFoundError(
+                    f"no RocksDB database in {directory}; open it for writing first to create it")
+            cfs = rocksdict.Rdict.list_cf(str(view), rocksdict.Options(raw_mode=True))
+            families = ({n: cf_options() for n in cfs if n != "default"} or None
+                        if cf_options is not None else None)
+            db = rocksdict.Rdict(str(view), db_options, column_families=families,
+                                 access_type=rocksdict.AccessType.read_only(False))
+            return db, cfs
+        except StoreNotFoundError:
+            raise
+        except Exception as exc:
+            if "No such file" not in str(exc) and "NotFound" not in str(exc):
+                raise
+            last = exc  # a file the writer removed or added meanwhile: list again
+        finally:
+            shutil.rmtree(view, ignore_errors=True)
+    assert last is not None
+    raise last
+
+
+def _files(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime ns) of the database files in `directory`: changes with any write."""
+    out = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if _DB_FILE.match(entry.name):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    out.append((entry.name, st.st_size, st.st_mtime_ns))
+    except FileNotFoundError:
+        pass  # the open that follows says what is missing
+    return tuple(sorted(out))
 
 
 def _fail(exc: Exception, what: str) -> NoReturn:
@@ -187,8 +271,14 @@ class RocksDBBackend(KeyValueBackend):
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._key = _HANDLES.key(self._dir)
         shared = _HANDLES.acquire(self._key, self._settings, spec.read_only, self._open_db)
+        self._shared = shared
         try:
             self._db: Any = shared.db
+            self._generation = shared.generation
+            if shared.read_only and shared.files != _files(self._dir):
+                # another reader of this process opened it, and the writer has written since:
+                # a reader opened now reads what the directory holds now
+                self._reopen_shared()
             self._cf, self._cf_handle = self._open_table(shared)
         except BaseException:
             _HANDLES.release(self._key, _Shared.close)
@@ -199,21 +289,29 @@ class RocksDBBackend(KeyValueBackend):
     def _open_db(self) -> _Shared:
         # Called once per directory and process, by the first table opened there.
         cache = rocksdict.Cache(dict(self._settings)["block_cache_bytes"])
+        settings = self._settings
+        if self.spec.read_only:
+            files = _files(self._dir)
+            try:
+                db, cfs = open_read_only(self._dir, _make_options(settings, cache, db=True),
+                                         lambda: _make_options(settings, cache))
+            except EmbstoreError:
+                raise
+            except Exception as exc:
+                _fail(exc, f"opening RocksDB directory {self._dir} read-only")
+            shared = _Shared(db, lambda: _make_options(settings, cache), set(cfs),
+                             read_only=True)
+            shared.files = files
+            return shared
         path = str(self._dir)
         exists = (self._dir / "CURRENT").exists()
-        if self.spec.read_only and not exists:
-            raise StoreNotFoundError(
-                f"no RocksDB database in {self._dir}; open it for writing first to create it"
-            )
         cfs = rocksdict.Rdict.list_cf(path, rocksdict.Options(raw_mode=True)) if exists else []
-        access = (rocksdict.AccessType.read_only(False) if self.spec.read_only
-                  else rocksdict.AccessType.read_write())
         try:
             # RocksDB must open every existing column family; each gets the tier's options.
             db = rocksdict.Rdict(path, _make_options(self._settings, cache, db=True),
                                  column_families={n: _make_options(self._settings, cache)
                                                   for n in cfs if n != "default"} or None,
-                                 access_type=access)
+                                 access_type=rocksdict.AccessType.read_write())
         except Exception as exc:
             # "While lock file: .../LOCK: Resource temporarily unavailable" (not any message
             # that merely contains "block")
@@ -223,10 +321,8 @@ class RocksDBBackend(KeyValueBackend):
                     "close the store that uses it first"
                 ) from exc
             _fail(exc, f"opening RocksDB directory {self._dir}")
-        settings = self._settings
-        if not self.spec.read_only:
-            restrict_modes(self._dir)
-        return _Shared(db, lambda: _make_options(settings, cache), set(cfs))
+        restrict_modes(self._dir)
+        return _Shared(db, lambda: _make_options(settings, cache), set(cfs), read_only=False)
 
     def _open_table(self, shared: _Shared) -> tuple[Any, Any]:
         meta_key = META_PREFIX + self.spec.table.encode()
@@ -415,6 +511,42 @@ class RocksDBBackend(KeyValueBackend):
             _fail(exc, f"syncing the write-ahead log of {self._dir}")
         restrict_modes(self._dir)
 
+    def _refresh(self) -> None:
+        """Reopen the read-only database, unless another table of the directory did already.
+
+        The old database stays open while a table of this process still reads through it
+        (rocksdict closes it with its last reference).
+        """
+        shared = self._shared
+        if not shared.read_only:
+            return  # the writer's own handle, borrowed: it sees every write already
+        if shared.generation == self._generation:
+            self._reopen_shared()
+        self._cf.close()
+        self._db, self._generation = shared.db, shared.generation
+        self._cf, self._cf_handle = self._open_table(shared)
+        self._count = None
+
+    def _reopen_shared(self) -> None:
+        """Open the directory's read-only database anew for every table of this process.
+
+        Tables still bound to the old one (by `_db`) read it until their own `_refresh`.
+        """
+        shared = self._shared
+        cache = rocksdict.Cache(dict(self._settings)["block_cache_bytes"])
+        settings = self._settings
+        files = _files(self._dir)
+        try:
+            db, cfs = open_read_only(self._dir, _make_options(settings, cache, db=True),
+                                     lambda: _make_options(settings, cache))
+        except EmbstoreError:
+            raise
+        except Exception as exc:
+            _fail(exc, f"reopening RocksDB directory {self._dir} read-only")
+        shared.db, shared.generation = db, shared.generation + 1
+        shared.column_families, shared.files = set(cfs), files
+        self._db, self._generation = shared.db, shared.generation
+
     def _close(self) -> None:
         # Drop every reference to the column family first: rocksdict closes the database only
         # when no object refers to it.
@@ -429,10 +561,14 @@ class RocksDBBackend(KeyValueBackend):
 class _Shared:
     """The database of one directory, with what tables opened later need from it."""
 
-    def __init__(self, db: Any, cf_options: Any, column_families: set[str]) -> None:
+    def __init__(self, db: Any, cf_options: Any, column_families: set[str], *,
+                 read_only: bool) -> None:
         self.db = db
+        self.read_only = read_only
         self.cf_options = cf_options
         self.column_families = column_families
+        self.generation = 0  # bumped by each reopen of a read-only database (`_refresh`)
+        self.files: object = None  # a read-only database's files as it opened them (`_files`)
 
     def close(self) -> None:
         """Close the database (the last table of the directory was closed)."""

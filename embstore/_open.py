@@ -77,14 +77,17 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         tables: table specs. Required to create a store; on reopen, tables already in the
             manifest must be given exactly as stored, and new ones are added.
         tiers: the default tier chain, top first (default: one DRAM tier). Fixed at creation.
-        read_only: open without write access (a shared lock; writes raise ReadOnlyError).
+        read_only: open without write access and without the store's lock, beside a writer
+            in another process if one holds the store: writes raise ReadOnlyError, and the
+            store reads what that writer's last flush left (see `EmbeddingStore`).
         placement: a placement (path or dict, from `embstore plan`) giving tables their tier
             chains; see `embstore.placement.apply_placement`.
 
     Raises:
         StoreNotFoundError: no store at `path` and no tables to create one, or `path` is a file
             or a directory of other files.
-        StoreLockedError: another process or handle holds the store.
+        StoreLockedError: (writers only) another process or handle holds the store for
+            writing; the error names its pid.
         ConfigError: invalid specs, or specs that contradict the manifest.
         CorruptStoreError: the manifest or a tier's files are damaged.
     """
@@ -123,7 +126,8 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
             )
         before = set(directory.iterdir()) - leftovers if directory.exists() else None
         _make_dirs(directory)
-    lock_fd = layout.lock(directory, read_only)
+    # a reader takes no lock: it reads beside a writer (see EmbeddingStore's docstring)
+    lock_fd = None if read_only else layout.lock(directory, read_only=False)
     try:
         if not exists:
             # what a creation cut short by a crash left: its manifest, written last, is
@@ -167,7 +171,8 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
                     (shutil.rmtree if entry.is_dir() else os.unlink)(entry)
             if before is None:
                 directory.rmdir()
-        os.close(lock_fd)
+        if lock_fd is not None:
+            layout.release(lock_fd)
         raise
     if added:
         write_manifest(directory, layout.manifest_body(chain, all_specs))
