@@ -51,6 +51,9 @@ class Finding:
     """fsck could not check the store (missing, locked, unreadable): e2fsck's exit 8."""
     ids: tuple[int, ...] = ()
     """Ids of rows a repair dropped (at most 1000 listed)."""
+    note: bool = False
+    """An observation, not a problem (exit codes ignore it): e.g. that a writer held the
+    store while fsck read it."""
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON, fields that are unset left out."""

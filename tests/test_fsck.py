@@ -225,10 +225,14 @@ def test_a_missing_store_cannot_be_checked(tmp_path, capsys):
     assert main(["fsck", str(tmp_path / "none")]) == 8
 
 
-def test_a_store_locked_by_a_writer_cannot_be_checked(tmp_path):
+def test_beside_a_writer_fsck_checks_with_a_note_and_repair_is_refused(tmp_path, capsys):
     path = _store(tmp_path / "s", "lmdb")
     with embstore.open(path):
-        assert main(["fsck", str(path)]) == 8
+        assert main(["fsck", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert f"note: (store): process {os.getpid()} held the store open for writing" in out
+        assert main(["fsck", "--repair", str(path)]) == 8
+        assert "holds it for writing" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("how", ["outside", "missing", "symlink", "garbage", "version"])
