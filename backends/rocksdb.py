@@ -59,7 +59,7 @@ from ._keys import (
 from ._kv import KeyValueBackend, check_table_meta, table_meta
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend",
-           "open_read_only"]
+           "error_text", "open_read_only"]
 
 CF_PREFIX: Final = "t:"
 META_PREFIX: Final = b"embstore/table/"
@@ -108,6 +108,7 @@ def restrict_modes(directory: Path) -> None:
                 continue
 
 
+_VIEW_PREFIX: Final = "embstore-rocksdb-read-"
 _DB_FILE: Final = re.compile(r"^(CURRENT|IDENTITY|MANIFEST-\d+|OPTIONS-\d+|\d+\.(sst|log|blob))$")
 _OPEN_TRIES: Final = 8
 
@@ -140,7 +141,7 @@ def open_read_only(directory: Path, db_options: Any,
     db_options.set_max_open_files(-1)
     last: Exception | None = None
     for _ in range(_OPEN_TRIES):
-        view = Path(tempfile.mkdtemp(prefix="embstore-rocksdb-read-"))
+        view = Path(tempfile.mkdtemp(prefix=_VIEW_PREFIX))
         try:
             if not directory.is_dir():
                 raise StoreNotFoundError(
@@ -187,9 +188,21 @@ def _files(directory: Path) -> tuple[tuple[str, int, int], ...]:
     return tuple(sorted(out))
 
 
-def _fail(exc: Exception, what: str) -> NoReturn:
+_VIEW: Final = re.compile(r"\S*/" + _VIEW_PREFIX + r"[A-Za-z0-9_]+")
+
+
+def error_text(exc: Exception, directory: Path) -> str:
+    """The message of a rocksdict error, naming `directory` where it names a reader's links.
+
+    A read-only database is opened through a private directory of links (`open_read_only`):
+    RocksDB's messages name that directory, which is gone by the time anyone reads them.
+    """
+    return _VIEW.sub(str(directory), str(exc))
+
+
+def _fail(exc: Exception, what: str, directory: Path) -> NoReturn:
     """Re-raise an error of rocksdict as the embstore error it means."""
-    msg = str(exc)
+    msg = error_text(exc, directory)
     if isinstance(exc, EmbstoreError):
         raise exc
     if "Corruption" in msg or "checksum mismatch" in msg:
@@ -298,7 +311,7 @@ class RocksDBBackend(KeyValueBackend):
             except EmbstoreError:
                 raise
             except Exception as exc:
-                _fail(exc, f"opening RocksDB directory {self._dir} read-only")
+                _fail(exc, f"opening RocksDB directory {self._dir} read-only", self._dir)
             shared = _Shared(db, lambda: _make_options(settings, cache), set(cfs),
                              read_only=True)
             shared.files = files
@@ -320,7 +333,7 @@ class RocksDBBackend(KeyValueBackend):
                     f"RocksDB directory {self._dir} is open in another process ({exc}); "
                     "close the store that uses it first"
                 ) from exc
-            _fail(exc, f"opening RocksDB directory {self._dir}")
+            _fail(exc, f"opening RocksDB directory {self._dir}", self._dir)
         restrict_modes(self._dir)
         return _Shared(db, lambda: _make_options(settings, cache), set(cfs), read_only=False)
 
@@ -329,7 +342,7 @@ class RocksDBBackend(KeyValueBackend):
         try:
             stored = self._db.get(meta_key)
         except Exception as exc:
-            _fail(exc, f"opening table {self.spec.table!r} in {self._dir}")
+            _fail(exc, f"opening table {self.spec.table!r} in {self._dir}", self._dir)
         check_table_meta(self.spec, self._dir, stored)
         if self._cf_name in shared.column_families:
             cf = self._db.get_column_family(self._cf_name)
@@ -360,7 +373,7 @@ class RocksDBBackend(KeyValueBackend):
         try:
             values = self._cf[encode_keys(uniq)]
         except Exception as exc:
-            _fail(exc, f"reading table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"reading table {self.spec.table!r} in {self._where()}", self._dir)
         return self._assemble(uniq, inverse, values)
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -376,7 +389,7 @@ class RocksDBBackend(KeyValueBackend):
         try:
             self._db.write(batch, self._write_opt)
         except Exception as exc:
-            _fail(exc, f"writing table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"writing table {self.spec.table!r} in {self._where()}", self._dir)
 
     def _delete(self, ids: np.ndarray) -> np.ndarray:
         keys = encode_keys(ids)
@@ -384,7 +397,7 @@ class RocksDBBackend(KeyValueBackend):
             present = np.fromiter((v is not None for v in self._cf[keys]), dtype=bool,
                                   count=len(keys))
         except Exception as exc:
-            _fail(exc, f"reading table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"reading table {self.spec.table!r} in {self._where()}", self._dir)
         if present.any():
             batch = rocksdict.WriteBatch(raw_mode=True)
             batch.set_default_column_family(self._cf_handle)
@@ -418,7 +431,7 @@ class RocksDBBackend(KeyValueBackend):
             it.status()
             del it
         except Exception as exc:
-            _fail(exc, f"scanning table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"scanning table {self.spec.table!r} in {self._where()}", self._dir)
         return keys, vals
 
     def _len(self) -> int:
@@ -484,7 +497,7 @@ class RocksDBBackend(KeyValueBackend):
             ingest.set_move_files(True)
             self._cf.ingest_external_file([str(file)], ingest)
         except Exception as exc:
-            _fail(exc, f"bulk loading table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"bulk loading table {self.spec.table!r} in {self._where()}", self._dir)
         finally:
             file.unlink(missing_ok=True)
         self._count = None
@@ -502,13 +515,13 @@ class RocksDBBackend(KeyValueBackend):
         try:
             self._cf.compact_range(None, None)
         except Exception as exc:
-            _fail(exc, f"compacting table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"compacting table {self.spec.table!r} in {self._where()}", self._dir)
 
     def _flush(self) -> None:
         try:
             self._db.flush_wal(True)
         except Exception as exc:
-            _fail(exc, f"syncing the write-ahead log of {self._dir}")
+            _fail(exc, f"syncing the write-ahead log of {self._dir}", self._dir)
         restrict_modes(self._dir)
 
     def _refresh(self) -> None:
@@ -542,7 +555,7 @@ class RocksDBBackend(KeyValueBackend):
         except EmbstoreError:
             raise
         except Exception as exc:
-            _fail(exc, f"reopening RocksDB directory {self._dir} read-only")
+            _fail(exc, f"reopening RocksDB directory {self._dir} read-only", self._dir)
         shared.db, shared.generation = db, shared.generation + 1
         shared.column_families, shared.files = set(cfs), files
         self._db, self._generation = shared.db, shared.generation

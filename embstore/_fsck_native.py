@@ -407,7 +407,7 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
                                         file=str(d)))
                 continue
             cf = db.get_column_family("t:" + spec.name)
-            for keys, vals in _rocks_pages(cf, rows, where):
+            for keys, vals in _rocks_pages(cf, rows, where, d):
                 again: Any = cf[keys]
                 if list(again) != vals:
                     rows._note("reach", Finding(spec.name, "a multi-get of scanned keys "
@@ -418,9 +418,17 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     return findings, scans
 
 
-def _rocks_pages(cf: Any, rows: _Rows, where: str) -> Iterator[tuple[list[bytes], list[bytes]]]:
-    """Every page of a column family, forward; after a damaged block, the rest backward."""
+def _rocks_pages(cf: Any, rows: _Rows, where: str, d: Path
+                 ) -> Iterator[tuple[list[bytes], list[bytes]]]:
+    """Every page of a column family, forward; after a damaged block, the rest backward.
+
+    The rows in between, in the damaged block(s), are unread: their keys lie strictly
+    between the last key read forward and the first key read backward, which
+    `rows.scan.lost_range` records.
+    """
     import rocksdict
+
+    from .backends.rocksdb import error_text
 
     ro = rocksdict.ReadOptions()
     ro.set_verify_checksums(True)
@@ -443,21 +451,23 @@ def _rocks_pages(cf: Any, rows: _Rows, where: str) -> Iterator[tuple[list[bytes]
         it.status()
         return
     except Exception as exc:
+        rows.scan.unreadable = True
         rows.findings.append(Finding(rows.spec.name, f"RocksDB reports damaged data while "
-                                     f"scanning ({' '.join(str(exc).split())})", file=where))
+                                     f"scanning ({' '.join(error_text(exc, d).split())})",
+                                     file=where))
+    keys, vals = [], []
     try:  # read what lies past the damaged block from the other end
         it = cf.iter(ro)
         it.seek_to_last()
-        keys, vals = [], []
         while it.valid() and (last is None or it.key() > last):
             keys.append(it.key())
             vals.append(it.value())
             it.prev()
-        if keys:
-            rows.last = None
-            rows.page(keys[::-1], vals[::-1])
     except Exception:
-        pass
+        pass  # a second damaged block: keep what was read up to it
+    if keys:
+        rows.last = None
+        rows.page(keys[::-1], vals[::-1])
 
 
 def _cross_tiers(request: dict[str, Any]) -> list[Finding]:
@@ -536,7 +546,7 @@ def scan(request: dict[str, Any]) -> dict[str, Any]:
     for name, s in scans.items():
         dropped = s.dropped_ids()
         out_tables[name] = {"rows": s.rows, "dropped": dropped[:1000].tolist(),
-                            "dropped_count": len(dropped)}
+                            "dropped_count": len(dropped), "unreadable": s.unreadable}
     return {"findings": [f.to_json() for f in findings], "tables": out_tables}
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import embstore
+from embstore import fsck
 from embstore.errors import StoreLockedError
 from embstore.tools.cli import main
 
@@ -180,8 +181,8 @@ def test_readers_info_and_fsck_beside_a_writer_read_its_last_flush_and_write_not
 
 
 @pytest.mark.parametrize("writer", PERSISTENT, indirect=True)
-def test_a_reader_follows_a_writer_that_flushes_and_deletes_without_false_alarms(tmp_path,
-                                                                              writer):
+def test_readers_and_fsck_follow_a_writer_that_flushes_and_deletes_without_false_alarms(
+        tmp_path, writer):
     path = tmp_path / "s"
     assert writer.ask("write 1") == "ok" and writer.ask("flush") == "ok"
     with embstore.open(path, read_only=True) as early:  # open before the writer goes on
@@ -200,6 +201,9 @@ def test_a_reader_follows_a_writer_that_flushes_and_deletes_without_false_alarms
                 if store is not early:
                     assert ((got >= flushed) | (got == INIT)).all()
                     store.close()
+            if flushed % 8 == 0:  # fsck of a store in flight: no problem, one note
+                findings = fsck.check(path)
+                assert [f.note for f in findings] == [True], findings
     assert reads >= 2
     writer.close()
     with embstore.open(path, read_only=True) as store:
