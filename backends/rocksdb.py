@@ -96,8 +96,12 @@ def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool
 def restrict_modes(directory: Path) -> None:
     """Make the files RocksDB created in `directory` 0600 (it creates them 0644).
 
-    RocksDB has no setting for the mode of its files; the directory itself is 0700, and this
-    pass, on open and on every flush, takes the group and other bits off the files as well.
+    RocksDB has no setting for the mode of its files, and a umask set around its calls would
+    neither cover its background threads (flushes and compactions create files whenever they
+    run) nor spare other threads' files. So the directory itself is 0700, which keeps everyone
+    else out of every file in it whatever its mode, and this pass takes the group and other
+    bits off the files on open, on every flush and on close. The tradeoff: between two
+    flushes a file a compaction just made may be 0644, inside the 0700 directory.
     """
     with os.scandir(directory) as entries:
         for entry in entries:
