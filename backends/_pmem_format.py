@@ -102,6 +102,7 @@ _FREE, _LIVE, _DIRTY, _RETIRE = 0, 1, 2, 3
 READER_SCANS = 8
 """Scans a reader beside a writer tries before giving up on a writer that flushes during each."""
 READER_SCAN_SLOTS = 1 << 16  # slots per chunk of a reader's scan (which copies each chunk)
+GATHER_GROUP = 4  # records rec_gather checks at once (GROUP in pmem_records.c): its scratch
 
 
 def current_state(head: bytes) -> tuple[int, int, int] | None:

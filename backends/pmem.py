@@ -64,6 +64,7 @@ from ._pmem_format import (
     _RETIRE,
     CACHE_LINE,
     DATA_OFFSET,
+    GATHER_GROUP,
     HEADER,
     HEADER_CRC_OFFSET,
     KIND_ROW,
@@ -559,28 +560,43 @@ class PmemBackend(Backend):
     def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self.spec.read_only:
             return self._get_beside_writer(ids)
+        out, found, bad, first_bad = self._gather(ids)
+        if bad:
+            raise self._damaged_row(ids, first_bad, f"({bad} bad row(s) in this batch)")
+        return out, found
+
+    def _gather(self, ids: np.ndarray, *, copied: bool = False
+                ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Rows of `ids` and found, by the C kernel: (rows, found, bad records, first bad).
+
+        `copied`: check each record in a copy of it (a reader beside a writer), not in place.
+        """
         n = len(ids)
         out = np.empty((n, self.spec.dim), dtype=self.spec.dtype)
         found = np.zeros(n, dtype=bool)
         if not n or not len(self._index):
             out[:] = 0
-            return out, found
+            return out, found, 0, -1
         keys, vals, mask = self._index.pointers()
         first_bad = ffi.new("int64_t *")
+        scratch = (np.empty(GATHER_GROUP * (REC_PAYLOAD + self._row_bytes), dtype=np.uint8)
+                   if copied else None)
         bad = lib.rec_gather(self._base(), self._rec, REC_PAYLOAD, self._row_bytes,
                              keys, vals, mask, ffi.cast("int64_t *", ids.ctypes.data), n,
                              ffi.cast("char *", out.ctypes.data),
-                             ffi.cast("uint8_t *", found.ctypes.data), first_bad)
-        if bad:
-            j = int(first_bad[0])
-            s = int(self._lookup(ids[j : j + 1])[0])
-            raise CorruptStoreError(
-                f"table {self.spec.table!r}: row of id {int(ids[j])} in slot {s} (byte offset "
-                f"{DATA_OFFSET + s * self._rec}) of {self._file} fails its checksum ({bad} bad "
-                "row(s) in this batch); the data is damaged: restore the table from a "
-                "checkpoint, or run `embstore fsck` to list every damaged row"
-            )
-        return out, found
+                             ffi.cast("uint8_t *", found.ctypes.data), first_bad,
+                             ffi.NULL if scratch is None
+                             else ffi.cast("char *", scratch.ctypes.data))
+        return out, found, int(bad), int(first_bad[0])
+
+    def _damaged_row(self, ids: np.ndarray, j: int, how: str) -> CorruptStoreError:
+        s = int(self._lookup(ids[j : j + 1])[0])
+        return CorruptStoreError(
+            f"table {self.spec.table!r}: row of id {int(ids[j])} in slot {s} (byte offset "
+            f"{DATA_OFFSET + s * self._rec}) of {self._file} fails its checksum {how}; the "
+            "data is damaged: restore the table from a checkpoint, or run `embstore fsck` to "
+            "list every damaged row"
+        )
 
     # --- reading beside a writer -----------------------------------------------------------
     #
@@ -632,31 +648,17 @@ class PmemBackend(Backend):
             "read-only handle; open it again when the writer flushes less often")
 
     def _get_beside_writer(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        n = len(ids)
+        """`get` of a read-only handle: each record checked and read in a copy of it.
+
+        A record the writer retired, reused or rewrote while it was copied fails its check:
+        the handle then scans again and retries.
+        """
         for _ in range(READER_SCANS):
-            out = np.zeros((n, self.spec.dim), dtype=self.spec.dtype)
-            if self._mem is None or not len(self._index):
-                return out, np.zeros(n, dtype=bool)
-            slots = self._lookup(ids)
-            found = slots >= 0
-            want = ids[found]
-            recs = self._records()[slots[found]]  # a copy, checked as copied
-            held = np.ascontiguousarray(recs[:, REC_ID:REC_ID + 8]).view("<i8")[:, 0]
-            crc = np.ascontiguousarray(recs[:, REC_CRC:REC_CRC + 4]).view("<u4")[:, 0]
-            ok = (held == want) & (row_checksums(
-                want, recs[:, REC_KIND:REC_PAYLOAD + self._row_bytes]) == crc)
-            if ok.all():
-                payload = np.ascontiguousarray(recs[:, REC_PAYLOAD:REC_PAYLOAD + self._row_bytes])
-                out[found] = payload.view(self.spec.dtype)
+            out, found, bad, first_bad = self._gather(ids, copied=True)
+            if not bad:
                 return out, found
-            j = int(np.flatnonzero(~ok)[0])
-            bad_id, bad_slot = int(want[j]), int(slots[found][j])
             self._scan_beside_writer()
-        raise CorruptStoreError(
-            f"table {self.spec.table!r}: row of id {bad_id} in slot {bad_slot} (byte offset "
-            f"{DATA_OFFSET + bad_slot * self._rec}) of {self._file} fails its checksum on "
-            f"{READER_SCANS} reads; the data is damaged: restore the table from a checkpoint, "
-            "or run `embstore fsck` to list every damaged row")
+        raise self._damaged_row(ids, first_bad, f"on {READER_SCANS} reads")
 
     def _refresh(self) -> None:
         if self._map is None:

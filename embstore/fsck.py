@@ -14,9 +14,18 @@ What is checked, from the top:
 `repair=True` never edits in place: the rows that pass their checks are written into a new
 store beside the old one, which is swapped in with one atomic rename (`_rebuild`); the old
 store is kept as `.<name>.fsck-backup-<time>` beside it. Only rows failing their checks are
-dropped, and the findings list their ids. A damaged manifest is not repaired (restore it from
-a checkpoint). Exit codes of `exit_code` follow e2fsck: 0 clean, 1 repaired, 4 problems left,
-8 fsck could not run.
+dropped, and the findings list their ids: those the scanners dropped, and those the old
+written-id record held that the new store lacks (rows in RocksDB blocks that could not be
+read, rows the medium had lost before). Where no record names them, the finding says that an
+unknown number more were lost. The new store's record holds the rows it kept, so a dropped
+row reads as never written from then on (the backup keeps what was there). A damaged
+manifest is not repaired (restore it from a checkpoint). Exit codes of `exit_code` follow
+e2fsck: 0 clean, 1 repaired, 4 problems left, 8 fsck could not run.
+
+Beside a writer (another process holds the store open for writing) a check takes no lock and
+changes nothing: it reads the state the writer's last flush left (see `_check_path`) and adds
+a note saying so (`Finding.note`, which no exit code counts). A repair needs the writer gone:
+it fails at once naming the writer's pid.
 """
 
 from __future__ import annotations
@@ -78,8 +87,9 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
           progress: Callable[[str], None] | None = None) -> list[Finding]:
     """Every problem found in `store` (an open store, or the path of one).
 
-    A path is checked file by file under the store's shared lock (exclusive to repair); an
-    open store only row by row through its API. Returns an empty list for a healthy store.
+    A path is checked file by file under the store's shared lock (exclusive to repair), or
+    beside the writer that holds it (see the module doc); an open store only row by row
+    through its API. Returns an empty list for a healthy store.
 
     Args:
         store: the store's path, or an open store.

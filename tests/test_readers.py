@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -21,8 +22,9 @@ import numpy as np
 import pytest
 
 import embstore
-from embstore import fsck
+from embstore import TableSpec, TierSpec, fsck
 from embstore.errors import StoreLockedError
+from embstore.layout import lock_for_reading
 from embstore.tools.cli import main
 
 PERSISTENT = ["rocksdb", "lmdb", "pmem"]
@@ -208,3 +210,20 @@ def test_readers_and_fsck_follow_a_writer_that_flushes_and_deletes_without_false
     writer.close()
     with embstore.open(path, read_only=True) as store:
         np.testing.assert_array_equal(store.lookup("t", np.arange(N))[:, 0], _expected(ROUNDS))
+
+
+def test_a_writer_kept_out_by_a_reader_that_holds_the_store_still_is_told_so(tmp_path):
+    path = tmp_path / "s"
+    with embstore.open(path, tables=[TableSpec("t", dim=2)], tiers=[TierSpec("lmdb")]):
+        pass  # a clean close takes the writer's pid out of the lock file
+    fd = lock_for_reading(path)  # as export, or fsck with no writer around, hold it
+    try:
+        with pytest.raises(StoreLockedError, match="a reader that needs it to hold still") \
+                as err:
+            embstore.open(path)
+        assert err.value.holder_pid is None
+        with embstore.open(path, read_only=True) as store:  # readers do not mind
+            assert store.num_rows("t") == 0
+    finally:
+        os.close(fd)
+    embstore.open(path).close()
