@@ -33,7 +33,7 @@ from .spec import TableSpec, TierSpec
 
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "lock", "lock_for_reading",
            "manifest_body", "read_manifest", "release", "table_chain", "tier_dir",
-           "write_manifest", "writer_pid", "written_file"]
+           "write_manifest", "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
@@ -151,22 +151,6 @@ def lock_for_reading(root: Path) -> int | None:
     return fd
 
 
-def writer_pid(root: Path) -> int | None:
-    """The pid of the live process that holds the store open for writing, if one does.
-
-    Reads the pid the writer wrote into the lock file (a writer's clean release empties it)
-    and checks that the process lives; takes no lock.
-    """
-    try:
-        fd = os.open(root / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return _holder(fd)
-    finally:
-        os.close(fd)
-
-
 def release(fd: int) -> None:
     """Release a writer's lock taken with `lock(root, read_only=False)`, clearing its pid."""
     try:
@@ -190,7 +174,8 @@ def _take(root: Path, fd: int, read_only: bool) -> None:
         elif read_only:
             who = "its writer holds it"
         else:
-            who = "a reader that needs it to hold still (embstore export or fsck) holds it"
+            who = ("a reader that needs it to hold still, such as embstore export or fsck, "
+                   "or a writer still starting holds it")
         raise StoreLockedError(
             f"{root} is open in another process or handle ({who}); close that store first",
             holder_pid=holder) from None
