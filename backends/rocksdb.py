@@ -26,10 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Final, NoReturn, final
 
@@ -57,6 +53,7 @@ from ._keys import (
     record_dtype,
 )
 from ._kv import KeyValueBackend, check_table_meta, table_meta
+from ._rocksdb_read import db_files, error_text, open_read_only
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend",
            "error_text", "open_read_only"]
@@ -110,98 +107,6 @@ def restrict_modes(directory: Path) -> None:
                     os.chmod(entry.path, 0o600, follow_symlinks=False)
             except FileNotFoundError:  # removed by a compaction meanwhile
                 continue
-
-
-_VIEW_PREFIX: Final = "embstore-rocksdb-read-"
-_DB_FILE: Final = re.compile(r"^(CURRENT|IDENTITY|MANIFEST-\d+|OPTIONS-\d+|\d+\.(sst|log|blob))$")
-_OPEN_TRIES: Final = 8
-
-
-def open_read_only(directory: Path, db_options: Any,
-                   cf_options: Callable[[], Any] | None) -> tuple[Any, list[str]]:
-    """Open the RocksDB database in `directory` read-only, writing nothing there.
-
-    rocksdict writes its own config file into the directory it opens, read-only or not; so
-    the database is opened through a private directory of symbolic links to its files,
-    removed once open (every table file is opened then: max_open_files -1). RocksDB's
-    read-only open takes no lock and replays the write-ahead log in memory: it reads beside
-    a writer, as of the open. That writer may delete or add a file between the listing and
-    the open (a log after a memtable flush, SSTs in a compaction, a new MANIFEST): the open
-    is then tried again with a fresh listing.
-
-    Args:
-        directory: the tier directory.
-        db_options: the database's options (rocksdict.Options).
-        cf_options: options of each table's column family, or None to open only the
-            default column family.
-
-    Returns:
-        The database (rocksdict.Rdict) and the names of its column families.
-
-    Raises:
-        StoreNotFoundError: no RocksDB database in `directory`.
-        Exception: what rocksdict raised on the last try.
-    """
-    db_options.set_max_open_files(-1)
-    last: Exception | None = None
-    for _ in range(_OPEN_TRIES):
-        view = Path(tempfile.mkdtemp(prefix=_VIEW_PREFIX))
-        try:
-            if not directory.is_dir():
-                raise StoreNotFoundError(
-                    f"no RocksDB database in {directory}; open it for writing first to create it")
-            with os.scandir(directory) as entries:
-                for entry in entries:
-                    if _DB_FILE.match(entry.name) and entry.is_file(follow_symlinks=False):
-                        os.symlink(os.path.abspath(entry.path), view / entry.name)
-            if not (view / "CURRENT").exists():
-                raise StoreNotFoundError(
-                    f"no RocksDB database in {directory}; open it for writing first to create it")
-            cfs = rocksdict.Rdict.list_cf(str(view), rocksdict.Options(raw_mode=True))
-            families = ({n: cf_options() for n in cfs if n != "default"} or None
-                        if cf_options is not None else None)
-            db = rocksdict.Rdict(str(view), db_options, column_families=families,
-                                 access_type=rocksdict.AccessType.read_only(False))
-            return db, cfs
-        except StoreNotFoundError:
-            raise
-        except Exception as exc:
-            if "No such file" not in str(exc) and "NotFound" not in str(exc):
-                raise
-            last = exc  # a file the writer removed or added meanwhile: list again
-        finally:
-            shutil.rmtree(view, ignore_errors=True)
-    assert last is not None
-    raise last
-
-
-def _files(directory: Path) -> tuple[tuple[str, int, int], ...]:
-    """(name, size, mtime ns) of the database files in `directory`: changes with any write."""
-    out = []
-    try:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                if _DB_FILE.match(entry.name):
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    out.append((entry.name, st.st_size, st.st_mtime_ns))
-    except FileNotFoundError:
-        pass  # the open that follows says what is missing
-    return tuple(sorted(out))
-
-
-_VIEW: Final = re.compile(r"\S*/" + _VIEW_PREFIX + r"[A-Za-z0-9_]+")
-
-
-def error_text(exc: Exception, directory: Path) -> str:
-    """The message of a rocksdict error, naming `directory` where it names a reader's links.
-
-    A read-only database is opened through a private directory of links (`open_read_only`):
-    RocksDB's messages name that directory, which is gone by the time anyone reads them.
-    """
-    return _VIEW.sub(str(directory), str(exc))
 
 
 def _fail(exc: Exception, what: str, directory: Path) -> NoReturn:
@@ -292,7 +197,7 @@ class RocksDBBackend(KeyValueBackend):
         try:
             self._db: Any = shared.db
             self._generation = shared.generation
-            if shared.read_only and shared.files != _files(self._dir):
+            if shared.read_only and shared.files != db_files(self._dir):
                 # another reader of this process opened it, and the writer has written since:
                 # a reader opened now reads what the directory holds now
                 self._reopen_shared()
@@ -308,7 +213,7 @@ class RocksDBBackend(KeyValueBackend):
         cache = rocksdict.Cache(dict(self._settings)["block_cache_bytes"])
         settings = self._settings
         if self.spec.read_only:
-            files = _files(self._dir)
+            files = db_files(self._dir)
             try:
                 db, cfs = open_read_only(self._dir, _make_options(settings, cache, db=True),
                                          lambda: _make_options(settings, cache))
@@ -552,7 +457,7 @@ class RocksDBBackend(KeyValueBackend):
         shared = self._shared
         cache = rocksdict.Cache(dict(self._settings)["block_cache_bytes"])
         settings = self._settings
-        files = _files(self._dir)
+        files = db_files(self._dir)
         try:
             db, cfs = open_read_only(self._dir, _make_options(settings, cache, db=True),
                                      lambda: _make_options(settings, cache))
@@ -585,7 +490,7 @@ class _Shared:
         self.cf_options = cf_options
         self.column_families = column_families
         self.generation = 0  # bumped by each reopen of a read-only database (`_refresh`)
-        self.files: object = None  # a read-only database's files as it opened them (`_files`)
+        self.files: object = None  # a read-only database's files as it opened them (`db_files`)
 
     def close(self) -> None:
         """Close the database (the last table of the directory was closed)."""

@@ -11,10 +11,12 @@ are DRAM), so it opens and reads while another process holds the store open for 
 It reads the state as of that writer's last flush or later: every row the flush made durable,
 and maybe writes made since (RocksDB: what the writer had written when the reader opened, its
 log included; LMDB: what the writer had committed when each batch began; pmem: what each scan
-found, records cut short skipped). A crashed writer's files are read around the same way.
-Where a lookup meets an id that the written-id record holds and no tier has, the reader reads
-the record and the store of record again (`Backend.refresh`) before it raises
-`CorruptStoreError`: the row may only have been flushed, or deleted, after it read them.
+found, records cut short skipped); rows its own DRAM cache holds stay as it first read them,
+so a reader that must follow a writer opens anew. A crashed writer's files are read around
+the same way. Where a lookup meets an id that the written-id record holds and no tier has,
+the reader reads the record and the store of record again (`Backend.refresh`) before it
+raises `CorruptStoreError`: the row may only have been flushed, or deleted, after it read
+them.
 """
 
 from __future__ import annotations
