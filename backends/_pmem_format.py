@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from embstore._kernels import _pmem_records
+from embstore.checksum import crc32c
 from embstore.index import HashTable
 
 ffi, lib = _pmem_records.ffi, _pmem_records.lib
@@ -96,6 +97,22 @@ MAX_SLOTS = 2**31 - 1
 
 # per-slot states, in memory only
 _FREE, _LIVE, _DIRTY, _RETIRE = 0, 1, 2, 3
+
+
+READER_SCANS = 8
+"""Scans a reader beside a writer tries before giving up on a writer that flushes during each."""
+READER_SCAN_SLOTS = 1 << 16  # slots per chunk of a reader's scan (which copies each chunk)
+GATHER_GROUP = 4  # records rec_gather checks at once (GROUP in pmem_records.c): its scratch
+
+
+def current_state(head: bytes) -> tuple[int, int, int] | None:
+    """(gen, watermark, reserve) of the valid state block with the higher gen; None if neither."""
+    best = None
+    for off in STATE_OFFSETS:
+        gen, wm, reserve, scrc = STATE.unpack_from(head, off)
+        if gen and crc32c(head[off : off + 24]) == scrc and (best is None or gen > best[0]):
+            best = (gen, wm, reserve)
+    return best
 
 
 def record_size(row_bytes: int) -> int:

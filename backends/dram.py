@@ -72,10 +72,21 @@ class DRAMBackend(SlottedBackend):
         self._slabs = RowSlabs(spec.dim, spec.dtype, shift=chunk_rows_log2)
         self._dirty_since_flush = False
         self._file = (spec.path / f"{spec.table}.dram") if spec.path is not None else None
+        self._chunk_rows_log2 = chunk_rows_log2
         if self._file is not None:
-            spec.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not spec.read_only:
+                spec.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             if self._file.exists():
                 self._load(self._file)
+
+    def _refresh(self) -> None:
+        # the writer replaces the snapshot with a rename at each flush: load the newest
+        if self._file is None:
+            return
+        self._index = BucketIdIndex(1024)
+        self._slabs = RowSlabs(self.spec.dim, self.spec.dtype, shift=self._chunk_rows_log2)
+        if self._file.exists():
+            self._load(self._file)
 
     # --- snapshot ---------------------------------------------------------------------
 

@@ -7,6 +7,11 @@ on reopen. A batch is read in one read transaction and written in one write tran
 map grows by itself: a write that fills it is rolled back, the map is doubled and the whole
 transaction is retried.
 
+A read-only handle reads beside a writer in another process, each batch in a read transaction
+of its own, so it sees every write the writer had committed when the batch began. It changes
+nothing but its slot in ``lock.mdb``, LMDB's table of readers (which keeps the writer from
+reusing the pages a reader reads).
+
 Keys are 8 bytes, big-endian with the sign bit flipped, so a scan yields ids in numeric order.
 Stored value layout (R = BackendSpec.row_bytes), imported by the corruption tests:
 
@@ -150,8 +155,10 @@ class LMDBBackend(KeyValueBackend):
         if not self.spec.read_only and not created_before:
             # the new data file's directory entry must survive a power cut like its pages
             fsync_dir(self._dir)
-        # Reader slots of dead processes pin old pages and would stop the file from reusing them.
-        self._stale_readers_cleared = env.reader_check()
+        if not self.spec.read_only:
+            # Reader slots of dead processes pin old pages and would stop the file from
+            # reusing them; a reader leaves them to the writer.
+            self._stale_readers_cleared = env.reader_check()
         return env
 
     def _open_table(self) -> Any:

@@ -22,7 +22,11 @@ The file layout (header, state blocks, records) is documented, with its byte off
 `backends/_pmem_format.py`; the names are re-exported here for the corruption tests.
 
 Caveats:
-    - One writer per table file (an exclusive `flock`; read-only handles take a shared one).
+    - One writer per table file (an exclusive `flock`). Read-only handles take no lock and
+      read beside the writer, in this process or another: each scan sees every row as of
+      the writer's last flush (or later), and rows are checked as they are copied out, so
+      a slot the writer retires or reuses meanwhile makes the reader scan again, never
+      return a torn or foreign row.
     - The mapping is advised MADV_RANDOM so that the page cache holds the file in 4 KiB pages:
       write-back is by whole cached folio, and a file cached in large folios (e.g. after `cp`
       or `cat` of it) costs up to a folio per dirty row on the msync path until evicted.
@@ -60,12 +64,15 @@ from ._pmem_format import (
     _RETIRE,
     CACHE_LINE,
     DATA_OFFSET,
+    GATHER_GROUP,
     HEADER,
     HEADER_CRC_OFFSET,
     KIND_ROW,
     MAGIC,
     MAX_SLOTS,
     PAGE_SIZE,
+    READER_SCAN_SLOTS,
+    READER_SCANS,
     REC_CRC,
     REC_ID,
     REC_KIND,
@@ -78,6 +85,7 @@ from ._pmem_format import (
     VERSION,
     _merge_ranges,
     _SlotIndex,
+    current_state,
     record_size,
     seq_counters,
     seq_words,
@@ -158,20 +166,24 @@ class PmemBackend(Backend):
             self._create()
         flags = os.O_RDONLY if self.spec.read_only else os.O_RDWR
         self._fd = os.open(self._file, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            fcntl.flock(self._fd, (fcntl.LOCK_SH if self.spec.read_only else fcntl.LOCK_EX)
-                        | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreLockedError(
-                f"{self._file} is open in another handle or process; close it there first "
-                "(one writer or many readers per pmem table)"
-            ) from None
+        if not self.spec.read_only:
+            # one writer per table file; readers take no lock and read beside it
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreLockedError(
+                    f"{self._file} is open for writing in another handle or process; close "
+                    "it there first (one writer per pmem table; readers may join it)"
+                ) from None
         size = os.fstat(self._fd).st_size
         if size < DATA_OFFSET:
             raise CorruptStoreError(f"{self._file}: truncated header ({size} bytes)")
         self._map_file(size)
         self._check_header()
-        self._scan()
+        if self.spec.read_only:
+            self._scan_beside_writer()
+        else:
+            self._scan()
 
     def _create(self) -> None:
         """Write a new file under a temporary name and link it into place.
@@ -298,11 +310,7 @@ class PmemBackend(Backend):
         if rec != self._rec or payload != REC_PAYLOAD:
             raise CorruptStoreError(f"{self._file}: record size {rec}/{payload}, expected "
                                     f"{self._rec}/{REC_PAYLOAD}; the header is damaged")
-        best = None
-        for off in STATE_OFFSETS:
-            gen, wm, reserve, scrc = STATE.unpack_from(head, off)
-            if gen and crc32c(head[off : off + 24]) == scrc and (best is None or gen > best[0]):
-                best = (gen, wm, reserve)
+        best = current_state(head)
         if best is None:
             raise CorruptStoreError(f"{self._file}: both header state blocks are damaged; "
                                     "restore the table from a checkpoint")
@@ -338,8 +346,9 @@ class PmemBackend(Backend):
                         mmap.MADV_WILLNEED)  # readahead in small pages for the scan
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         torn_parts: list[np.ndarray] = []
-        for lo in range(0, n, SCAN_SLOTS):
-            live, live_ids, live_seq, torn = self._scan_chunk(lo, min(n, lo + SCAN_SLOTS))
+        step = READER_SCAN_SLOTS if self.spec.read_only else SCAN_SLOTS  # readers copy
+        for lo in range(0, n, step):
+            live, live_ids, live_seq, torn = self._scan_chunk(lo, min(n, lo + step))
             parts.append((live, live_ids, live_seq))
             torn_parts.append(torn)
         live = np.concatenate([p[0] for p in parts])
@@ -379,15 +388,29 @@ class PmemBackend(Backend):
         Returns (slots, ids, seq counters) of the valid records and the slots of torn writes;
         raises CorruptStoreError on a damaged record.
         """
-        # copies, not views: an exception raised here must not keep the mapping exported
-        seq_word = self._field(REC_SEQ, "<u8")[lo:hi].copy()
+        if self.spec.read_only:
+            # one copy of each record, every field then read from it: a writer may change a
+            # record between two reads of the mapping
+            recs = self._records()[lo:hi].copy()
+            seq_word = np.ascontiguousarray(recs[:, REC_SEQ:REC_SEQ + 8]).view("<u8")[:, 0]
+        else:
+            # copies, not views: an exception raised here must not keep the mapping exported
+            seq_word = self._field(REC_SEQ, "<u8")[lo:hi].copy()
         used = np.flatnonzero(seq_word)
         top = lo + (int(used[-1]) + 1 if len(used) else 0)  # nothing written past it
         seq_word = seq_word[: top - lo]
-        ids = self._field(REC_ID, "<i8")[lo:top].copy()
-        stored_crc = self._field(REC_CRC, "<u4")[lo:top].copy()
-        kind = self._field(REC_KIND, "<u4")[lo:top].copy()
-        calc = row_checksums(ids, self._records()[lo:top, REC_KIND : REC_PAYLOAD + self._row_bytes])
+        if self.spec.read_only:
+            recs = recs[: top - lo]
+            ids = np.ascontiguousarray(recs[:, REC_ID:REC_ID + 8]).view("<i8")[:, 0]
+            stored_crc = np.ascontiguousarray(recs[:, REC_CRC:REC_CRC + 4]).view("<u4")[:, 0]
+            kind = np.ascontiguousarray(recs[:, REC_KIND:REC_KIND + 4]).view("<u4")[:, 0]
+            calc = row_checksums(ids, recs[:, REC_KIND : REC_PAYLOAD + self._row_bytes])
+        else:
+            ids = self._field(REC_ID, "<i8")[lo:top].copy()
+            stored_crc = self._field(REC_CRC, "<u4")[lo:top].copy()
+            kind = self._field(REC_KIND, "<u4")[lo:top].copy()
+            calc = row_checksums(
+                ids, self._records()[lo:top, REC_KIND : REC_PAYLOAD + self._row_bytes])
         seq, intact = seq_counters(seq_word)
         valid = (seq_word != 0) & (calc == stored_crc) & (kind == KIND_ROW)
         bad = np.flatnonzero((seq_word != 0) & ~valid)
@@ -535,28 +558,114 @@ class PmemBackend(Backend):
         return self._index.find(ids).astype(np.int64)
 
     def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.spec.read_only:
+            return self._get_beside_writer(ids)
+        out, found, bad, first_bad = self._gather(ids)
+        if bad:
+            raise self._damaged_row(ids, first_bad, f"({bad} bad row(s) in this batch)")
+        return out, found
+
+    def _gather(self, ids: np.ndarray, *, copied: bool = False
+                ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Rows of `ids` and found, by the C kernel: (rows, found, bad records, first bad).
+
+        `copied`: check each record in a copy of it (a reader beside a writer), not in place.
+        """
         n = len(ids)
         out = np.empty((n, self.spec.dim), dtype=self.spec.dtype)
         found = np.zeros(n, dtype=bool)
         if not n or not len(self._index):
             out[:] = 0
-            return out, found
+            return out, found, 0, -1
         keys, vals, mask = self._index.pointers()
         first_bad = ffi.new("int64_t *")
+        scratch = (np.empty(GATHER_GROUP * (REC_PAYLOAD + self._row_bytes), dtype=np.uint8)
+                   if copied else None)
         bad = lib.rec_gather(self._base(), self._rec, REC_PAYLOAD, self._row_bytes,
                              keys, vals, mask, ffi.cast("int64_t *", ids.ctypes.data), n,
                              ffi.cast("char *", out.ctypes.data),
-                             ffi.cast("uint8_t *", found.ctypes.data), first_bad)
-        if bad:
-            j = int(first_bad[0])
-            s = int(self._lookup(ids[j : j + 1])[0])
-            raise CorruptStoreError(
-                f"table {self.spec.table!r}: row of id {int(ids[j])} in slot {s} (byte offset "
-                f"{DATA_OFFSET + s * self._rec}) of {self._file} fails its checksum ({bad} bad "
-                "row(s) in this batch); the data is damaged: restore the table from a "
-                "checkpoint, or run `embstore fsck` to list every damaged row"
-            )
-        return out, found
+                             ffi.cast("uint8_t *", found.ctypes.data), first_bad,
+                             ffi.NULL if scratch is None
+                             else ffi.cast("char *", scratch.ctypes.data))
+        return out, found, int(bad), int(first_bad[0])
+
+    def _damaged_row(self, ids: np.ndarray, j: int, how: str) -> CorruptStoreError:
+        s = int(self._lookup(ids[j : j + 1])[0])
+        return CorruptStoreError(
+            f"table {self.spec.table!r}: row of id {int(ids[j])} in slot {s} (byte offset "
+            f"{DATA_OFFSET + s * self._rec}) of {self._file} fails its checksum {how}; the "
+            "data is damaged: restore the table from a checkpoint, or run `embstore fsck` to "
+            "list every damaged row"
+        )
+
+    # --- reading beside a writer -----------------------------------------------------------
+    #
+    # A read-only handle takes no lock, so a writer in another process may change the file
+    # under it. What a flush promised changes only by retirement (its seq word zeroed), and
+    # only after a newer state block (see `_flush`); new records go to free slots or over
+    # records no flush promised. So a scan during which the state did not change saw every
+    # row as of the writer's last flush or later, and a row read afterwards is checked as
+    # copied: a slot retired or reused since the scan fails its id or checksum, and the
+    # handle scans again and retries.
+
+    def _mapped_state(self) -> tuple[int, int, int]:
+        assert self._mem is not None
+        state = current_state(self._mem[:DATA_OFFSET].tobytes())
+        if state is None:
+            raise CorruptStoreError(f"{self._file}: both header state blocks are damaged; "
+                                    "restore the table from a checkpoint")
+        return state
+
+    def _scan_beside_writer(self) -> None:
+        """Index every record, again until no state was written meanwhile (see above).
+
+        Raises:
+            CorruptStoreError: a damaged record (one no writer was writing).
+            StoreLockedError: the writer wrote a new state during each of READER_SCANS scans.
+        """
+        damage: CorruptStoreError | None = None
+        for _ in range(READER_SCANS):
+            state = self._mapped_state()
+            size = os.fstat(self._fd).st_size
+            if self._map is None or size != self._map.length:  # the writer grew the file
+                self._unmap()
+                self._map_file(size)
+            self._gen, self._watermark, self._reserve = state
+            self._index = _SlotIndex()
+            try:
+                self._scan()
+            except CorruptStoreError as exc:
+                # damage is there at the next scan too; a record the writer changed while it
+                # was copied (a slot retired, or the reserve moved on) is not
+                if damage is not None and str(damage) == str(exc):
+                    raise
+                damage = exc
+                continue
+            if self._mapped_state() == state:
+                return
+        raise StoreLockedError(
+            f"{self._file}: its writer flushed during each of {READER_SCANS} scans of this "
+            "read-only handle; open it again when the writer flushes less often")
+
+    def _get_beside_writer(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`get` of a read-only handle: each record checked and read in a copy of it.
+
+        A record the writer retired, reused or rewrote while it was copied fails its check:
+        the handle then scans again and retries.
+        """
+        for _ in range(READER_SCANS):
+            out, found, bad, first_bad = self._gather(ids, copied=True)
+            if not bad:
+                return out, found
+            self._scan_beside_writer()
+        raise self._damaged_row(ids, first_bad, f"on {READER_SCANS} reads")
+
+    def _refresh(self) -> None:
+        if self._map is None:
+            if self._file.exists():  # its writer created it since
+                self._open_file()
+            return
+        self._scan_beside_writer()
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
         # A row written since the last flush is rewritten in its own slot: no flush has
@@ -600,26 +709,29 @@ class PmemBackend(Backend):
         return len(self._index)
 
     def _flush(self) -> None:
-        """Persist new records, then retire what they replace, then the watermark.
+        """Persist new records, then the watermark, then retire what they replace.
 
         The order is the crash guarantee: a retired slot's row is durable elsewhere first, so
         a crash between the steps leaves two versions (the higher seq wins on open), never
         none. Skipping the flush loses only writes since the previous one (atomicity per row,
-        durability at flush, in ACID terms).
+        durability at flush, in ACID terms). The watermark goes before the retirements for
+        readers beside the writer: a retirement is never seen without a new state.
         """
         if self._map is None or not (self._touched or self._retire):
             return
         touched = (np.unique(np.concatenate(self._touched)) if self._touched
                    else np.zeros(0, dtype=np.int64))
         self._persist_slots(touched, 0, self._rec)
+        self._watermark = self._next_seq - 1
+        # the state before the retirements: a reader in another process that saw a slot
+        # retired then sees a new state too, and scans again (`_scan_beside_writer`)
+        self._write_state()
         retire = (np.concatenate(self._retire) if self._retire
                   else np.zeros(0, dtype=np.int64))
         if len(retire):
             lib.rec_zero_seq(self._base(), self._rec, REC_SEQ,
                              ffi.cast("int64_t *", retire.ctypes.data), len(retire))
             self._persist_slots(retire, REC_SEQ, 8)
-        self._watermark = self._next_seq - 1
-        self._write_state()
         self._state[touched[self._state[touched] == _DIRTY]] = _LIVE
         self._state[retire] = _FREE
         self._push_free(retire)

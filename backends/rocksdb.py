@@ -53,8 +53,10 @@ from ._keys import (
     record_dtype,
 )
 from ._kv import KeyValueBackend, check_table_meta, table_meta
+from ._rocksdb_read import db_files, error_text, open_read_only
 
-__all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend"]
+__all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend",
+           "error_text", "open_read_only"]
 
 CF_PREFIX: Final = "t:"
 META_PREFIX: Final = b"embstore/table/"
@@ -91,8 +93,12 @@ def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool
 def restrict_modes(directory: Path) -> None:
     """Make the files RocksDB created in `directory` 0600 (it creates them 0644).
 
-    RocksDB has no setting for the mode of its files; the directory itself is 0700, and this
-    pass, on open and on every flush, takes the group and other bits off the files as well.
+    RocksDB has no setting for the mode of its files, and a umask set around its calls would
+    neither cover its background threads (flushes and compactions create files whenever they
+    run) nor spare other threads' files. So the directory itself is 0700, which keeps everyone
+    else out of every file in it whatever its mode, and this pass takes the group and other
+    bits off the files on open, on every flush and on close. The tradeoff: between two
+    flushes a file a compaction just made may be 0644, inside the 0700 directory.
     """
     with os.scandir(directory) as entries:
         for entry in entries:
@@ -103,9 +109,9 @@ def restrict_modes(directory: Path) -> None:
                 continue
 
 
-def _fail(exc: Exception, what: str) -> NoReturn:
+def _fail(exc: Exception, what: str, directory: Path) -> NoReturn:
     """Re-raise an error of rocksdict as the embstore error it means."""
-    msg = str(exc)
+    msg = error_text(exc, directory)
     if isinstance(exc, EmbstoreError):
         raise exc
     if "Corruption" in msg or "checksum mismatch" in msg:
@@ -187,8 +193,14 @@ class RocksDBBackend(KeyValueBackend):
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._key = _HANDLES.key(self._dir)
         shared = _HANDLES.acquire(self._key, self._settings, spec.read_only, self._open_db)
+        self._shared = shared
         try:
             self._db: Any = shared.db
+            self._generation = shared.generation
+            if shared.read_only and shared.files != db_files(self._dir):
+                # another reader of this process opened it, and the writer has written since:
+                # a reader opened now reads what the directory holds now
+                self._reopen_shared()
             self._cf, self._cf_handle = self._open_table(shared)
         except BaseException:
             _HANDLES.release(self._key, _Shared.close)
@@ -199,21 +211,29 @@ class RocksDBBackend(KeyValueBackend):
     def _open_db(self) -> _Shared:
         # Called once per directory and process, by the first table opened there.
         cache = rocksdict.Cache(dict(self._settings)["block_cache_bytes"])
+        settings = self._settings
+        if self.spec.read_only:
+            files = db_files(self._dir)
+            try:
+                db, cfs = open_read_only(self._dir, _make_options(settings, cache, db=True),
+                                         lambda: _make_options(settings, cache))
+            except EmbstoreError:
+                raise
+            except Exception as exc:
+                _fail(exc, f"opening RocksDB directory {self._dir} read-only", self._dir)
+            shared = _Shared(db, lambda: _make_options(settings, cache), set(cfs),
+                             read_only=True)
+            shared.files = files
+            return shared
         path = str(self._dir)
         exists = (self._dir / "CURRENT").exists()
-        if self.spec.read_only and not exists:
-            raise StoreNotFoundError(
-                f"no RocksDB database in {self._dir}; open it for writing first to create it"
-            )
         cfs = rocksdict.Rdict.list_cf(path, rocksdict.Options(raw_mode=True)) if exists else []
-        access = (rocksdict.AccessType.read_only(False) if self.spec.read_only
-                  else rocksdict.AccessType.read_write())
         try:
             # RocksDB must open every existing column family; each gets the tier's options.
             db = rocksdict.Rdict(path, _make_options(self._settings, cache, db=True),
                                  column_families={n: _make_options(self._settings, cache)
                                                   for n in cfs if n != "default"} or None,
-                                 access_type=access)
+                                 access_type=rocksdict.AccessType.read_write())
         except Exception as exc:
             # "While lock file: .../LOCK: Resource temporarily unavailable" (not any message
             # that merely contains "block")
@@ -222,18 +242,16 @@ class RocksDBBackend(KeyValueBackend):
                     f"RocksDB directory {self._dir} is open in another process ({exc}); "
                     "close the store that uses it first"
                 ) from exc
-            _fail(exc, f"opening RocksDB directory {self._dir}")
-        settings = self._settings
-        if not self.spec.read_only:
-            restrict_modes(self._dir)
-        return _Shared(db, lambda: _make_options(settings, cache), set(cfs))
+            _fail(exc, f"opening RocksDB directory {self._dir}", self._dir)
+        restrict_modes(self._dir)
+        return _Shared(db, lambda: _make_options(settings, cache), set(cfs), read_only=False)
 
     def _open_table(self, shared: _Shared) -> tuple[Any, Any]:
         meta_key = META_PREFIX + self.spec.table.encode()
         try:
             stored = self._db.get(meta_key)
         except Exception as exc:
-            _fail(exc, f"opening table {self.spec.table!r} in {self._dir}")
+            _fail(exc, f"opening table {self.spec.table!r} in {self._dir}", self._dir)
         check_table_meta(self.spec, self._dir, stored)
         if self._cf_name in shared.column_families:
             cf = self._db.get_column_family(self._cf_name)
@@ -264,7 +282,7 @@ class RocksDBBackend(KeyValueBackend):
         try:
             values = self._cf[encode_keys(uniq)]
         except Exception as exc:
-            _fail(exc, f"reading table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"reading table {self.spec.table!r} in {self._where()}", self._dir)
         return self._assemble(uniq, inverse, values)
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -280,7 +298,7 @@ class RocksDBBackend(KeyValueBackend):
         try:
             self._db.write(batch, self._write_opt)
         except Exception as exc:
-            _fail(exc, f"writing table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"writing table {self.spec.table!r} in {self._where()}", self._dir)
 
     def _delete(self, ids: np.ndarray) -> np.ndarray:
         keys = encode_keys(ids)
@@ -288,7 +306,7 @@ class RocksDBBackend(KeyValueBackend):
             present = np.fromiter((v is not None for v in self._cf[keys]), dtype=bool,
                                   count=len(keys))
         except Exception as exc:
-            _fail(exc, f"reading table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"reading table {self.spec.table!r} in {self._where()}", self._dir)
         if present.any():
             batch = rocksdict.WriteBatch(raw_mode=True)
             batch.set_default_column_family(self._cf_handle)
@@ -322,7 +340,7 @@ class RocksDBBackend(KeyValueBackend):
             it.status()
             del it
         except Exception as exc:
-            _fail(exc, f"scanning table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"scanning table {self.spec.table!r} in {self._where()}", self._dir)
         return keys, vals
 
     def _len(self) -> int:
@@ -388,7 +406,7 @@ class RocksDBBackend(KeyValueBackend):
             ingest.set_move_files(True)
             self._cf.ingest_external_file([str(file)], ingest)
         except Exception as exc:
-            _fail(exc, f"bulk loading table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"bulk loading table {self.spec.table!r} in {self._where()}", self._dir)
         finally:
             file.unlink(missing_ok=True)
         self._count = None
@@ -406,14 +424,50 @@ class RocksDBBackend(KeyValueBackend):
         try:
             self._cf.compact_range(None, None)
         except Exception as exc:
-            _fail(exc, f"compacting table {self.spec.table!r} in {self._where()}")
+            _fail(exc, f"compacting table {self.spec.table!r} in {self._where()}", self._dir)
 
     def _flush(self) -> None:
         try:
             self._db.flush_wal(True)
         except Exception as exc:
-            _fail(exc, f"syncing the write-ahead log of {self._dir}")
+            _fail(exc, f"syncing the write-ahead log of {self._dir}", self._dir)
         restrict_modes(self._dir)
+
+    def _refresh(self) -> None:
+        """Reopen the read-only database, unless another table of the directory did already.
+
+        The old database stays open while a table of this process still reads through it
+        (rocksdict closes it with its last reference).
+        """
+        shared = self._shared
+        if not shared.read_only:
+            return  # the writer's own handle, borrowed: it sees every write already
+        if shared.generation == self._generation:
+            self._reopen_shared()
+        self._cf.close()
+        self._db, self._generation = shared.db, shared.generation
+        self._cf, self._cf_handle = self._open_table(shared)
+        self._count = None
+
+    def _reopen_shared(self) -> None:
+        """Open the directory's read-only database anew for every table of this process.
+
+        Tables still bound to the old one (by `_db`) read it until their own `_refresh`.
+        """
+        shared = self._shared
+        cache = rocksdict.Cache(dict(self._settings)["block_cache_bytes"])
+        settings = self._settings
+        files = db_files(self._dir)
+        try:
+            db, cfs = open_read_only(self._dir, _make_options(settings, cache, db=True),
+                                     lambda: _make_options(settings, cache))
+        except EmbstoreError:
+            raise
+        except Exception as exc:
+            _fail(exc, f"reopening RocksDB directory {self._dir} read-only", self._dir)
+        shared.db, shared.generation = db, shared.generation + 1
+        shared.column_families, shared.files = set(cfs), files
+        self._db, self._generation = shared.db, shared.generation
 
     def _close(self) -> None:
         # Drop every reference to the column family first: rocksdict closes the database only
@@ -429,10 +483,14 @@ class RocksDBBackend(KeyValueBackend):
 class _Shared:
     """The database of one directory, with what tables opened later need from it."""
 
-    def __init__(self, db: Any, cf_options: Any, column_families: set[str]) -> None:
+    def __init__(self, db: Any, cf_options: Any, column_families: set[str], *,
+                 read_only: bool) -> None:
         self.db = db
+        self.read_only = read_only
         self.cf_options = cf_options
         self.column_families = column_families
+        self.generation = 0  # bumped by each reopen of a read-only database (`_refresh`)
+        self.files: object = None  # a read-only database's files as it opened them (`db_files`)
 
     def close(self) -> None:
         """Close the database (the last table of the directory was closed)."""

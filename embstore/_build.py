@@ -32,7 +32,8 @@ def build_chain(spec: TableSpec, default_tiers: Sequence[TierSpec], root: Path |
         spec: the table.
         default_tiers: the store's default chain.
         root: the store's directory; None for in-memory tiers only.
-        read_only: open the store of record read-only.
+        read_only: open the store of record read-only; cache tiers that keep files become
+            DRAM tiers of the same capacity and policies (nothing is written).
         background_writes: write back into the store of record on a second thread.
 
     Raises:
@@ -59,6 +60,11 @@ def build_chain(spec: TableSpec, default_tiers: Sequence[TierSpec], root: Path |
                     f"table {spec.name!r}: backend {ts.backend!r} needs a directory; open the "
                     "store with a path, or use only 'dram' tiers for an in-memory store"
                 )
+            options = ts.options
+            if read_only and not is_bottom and path is not None:
+                # a read-only store writes no file, and the writer may be using the cache
+                # directory: its caches are DRAM stand-ins of the same capacity and policies
+                cls, path, options = registry.load_backend("dram"), None, {}
             if path is not None and root is not None:
                 check_inside(root, path)
             capacity = ts.capacity_rows(row_bytes)
@@ -66,7 +72,7 @@ def build_chain(spec: TableSpec, default_tiers: Sequence[TierSpec], root: Path |
                                 read_only=read_only and is_bottom,
                                 capacity_bytes=None if capacity is None
                                 else capacity * row_bytes)
-            backend = cls.open(bspec, **ts.options)
+            backend = cls.open(bspec, **options)
             if not is_bottom and len(backend):
                 backend.delete(backend.ids())  # a cache medium that kept rows: start empty
             eviction = make_policy(ts.eviction, ts.eviction_options, EvictionPolicy)

@@ -27,7 +27,7 @@ import shutil
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -54,8 +54,14 @@ def _fresh(dest: Path) -> Path:
     make_dirs(dest.parent)  # new parents' entries must survive with what is published
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp.mkdir(mode=0o700)  # an export holds every row: as private as the store
     return tmp
+
+
+def _private(file: Path) -> BinaryIO:
+    """`file`, created 0600 for writing (never through a link)."""
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    return open(fd, "wb")
 
 
 def _commit(tmp: Path, dest: Path) -> None:
@@ -111,7 +117,7 @@ def _export_table(tmp: Path, i: int, spec: TableSpec,
     _, pages = source(spec)
     n, crc_ids, crc_rows = 0, 0, 0
     dtype = _le(spec.storage_dtype)
-    with open(tmp / f"{i}.ids", "wb") as fi, open(tmp / f"{i}.rows", "wb") as fr:
+    with _private(tmp / f"{i}.ids") as fi, _private(tmp / f"{i}.rows") as fr:
         for ids, rows in pages:
             a = np.ascontiguousarray(ids, dtype="<i8").tobytes()
             b = np.ascontiguousarray(rows, dtype=dtype).tobytes()

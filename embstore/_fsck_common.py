@@ -51,6 +51,9 @@ class Finding:
     """fsck could not check the store (missing, locked, unreadable): e2fsck's exit 8."""
     ids: tuple[int, ...] = ()
     """Ids of rows a repair dropped (at most 1000 listed)."""
+    note: bool = False
+    """An observation, not a problem (exit codes ignore it): e.g. that a writer held the
+    store while fsck read it."""
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON, fields that are unset left out."""
@@ -64,6 +67,9 @@ class TableScan:
 
     rows: int = 0
     dropped: list[np.ndarray] | None = None
+    unreadable: bool = False
+    """Some rows could not be read at all (a RocksDB block failing its checksum): their ids
+    are unknown to the scan."""
 
     def drop(self, ids: np.ndarray) -> None:
         """Record ids of rows that failed their checks."""
@@ -132,16 +138,25 @@ class RowDump:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def append(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         """Add a page of good rows of `table`."""
         if not len(ids):
             return
-        with open(self.directory / f"{table}.ids", "ab") as fh:
-            fh.write(np.ascontiguousarray(ids, dtype="<i8").tobytes())
-        with open(self.directory / f"{table}.rows", "ab") as fh:
-            fh.write(np.ascontiguousarray(rows).tobytes())
+        for name, data in ((f"{table}.ids", np.ascontiguousarray(ids, dtype="<i8")),
+                           (f"{table}.rows", np.ascontiguousarray(rows))):
+            fd = os.open(self.directory / name,
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            with open(fd, "ab") as fh:
+                fh.write(data.tobytes())
+
+    def ids(self, table: str) -> np.ndarray:
+        """Every id dumped for `table`, sorted."""
+        file = self.directory / f"{table}.ids"
+        if not file.exists():
+            return np.zeros(0, dtype=np.int64)
+        return np.sort(np.fromfile(file, dtype="<i8").astype(np.int64))
 
     def pages(self, spec: TableSpec, batch_rows: int = 16384
               ) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:

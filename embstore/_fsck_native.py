@@ -3,8 +3,9 @@
 The native libraries read damaged files without checks of their own in places (an LMDB page
 number pointing anywhere), so fsck runs these scanners in a child: a crash there becomes a
 finding of the parent, not a dead fsck. The child reads one JSON request on stdin
-(`backend`, `dir`, `tables` as manifest entries, `options`, `dump`, `clean`) and writes one
-JSON answer on stdout (`findings`, and per table `rows`, `dropped` ids and their count).
+(`backend`, `dir`, `tables` as manifest entries, `options`, `dump`, `clean`, `live`: a
+writer has the tier open) and writes one JSON answer on stdout (`findings`, and per table
+`rows`, `dropped` ids and their count).
 
 LMDB: both meta pages by hand (`_fileinfo`), the main database's names, each table's metadata
 record, then every row in key order: key length and order, value length, CRC-32C (which
@@ -30,12 +31,14 @@ import numpy as np
 
 from ._fileinfo import lmdb_map_size_ok, lmdb_metas, read_at
 from ._fsck_common import MAX_DETAILED, Finding, RowDump, TableScan, check_rows, original_ids
+from ._lmdb_walk import walk as walk_lmdb
 from .checksum import crc32c, row_checksums
 from .spec import TableSpec
 
 __all__ = ["check_log", "main", "scan"]
 
 PAGE = 65536
+_LIVE_TRIES = 8
 _SIGN = np.uint64(1 << 63)
 
 
@@ -133,15 +136,79 @@ class _Rows:
 
 
 def _scan_lmdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
-               dump: RowDump | None) -> tuple[list[Finding], dict[str, TableScan]]:
+               dump: RowDump | None, live: bool) -> tuple[list[Finding], dict[str, TableScan]]:
+    """Check an LMDB tier: meta pages, then every table's rows in one read transaction.
+
+    `live`: a writer has the environment open. The scan registers as a reader (LMDB's lock
+    file: the writer then reuses none of its pages) and checks the snapshot it pins: the meta
+    page of that transaction, the B-trees walked from it (`_lmdb_walk`), and its rows. The
+    other meta page may be the writer's next commit, half written: it is not judged.
+    """
     import lmdb
 
     file = d / "data.mdb"
     where = str(file)
-    findings: list[Finding] = []
-    scans: dict[str, TableScan] = {}
-    size = os.stat(file, follow_symlinks=False).st_size
-    metas = lmdb_metas(file, size)
+    env = None
+    try:
+        if live:
+            env = lmdb.open(str(d), readonly=True, lock=True, subdir=True,
+                            max_dbs=int(options.get("max_tables", 64)), readahead=False)
+            for _ in range(_LIVE_TRIES):
+                txn = env.begin()
+                metas = lmdb_metas(file, os.stat(file, follow_symlinks=False).st_size)
+                ours = [m for m in metas if m.txnid == txn.id()]
+                raw = read_at_path(file, ours[0].page * ours[0].page_size, 152) if ours \
+                    else b""
+                if ours and _META_TXNID.unpack_from(raw, 144)[0] == txn.id():
+                    break
+                txn.abort()  # the writer committed twice meanwhile: pin a newer snapshot
+            else:
+                return [Finding(None, "the writer committed faster than fsck could pin a "
+                                "snapshot; run fsck again", file=where)], {}
+            findings = _lmdb_metas_findings(ours, options, where)
+            if ours[0].problems:
+                txn.abort()
+                return findings, {}
+            findings += [Finding(None, f"LMDB structure: {problem}", file=where, offset=offset)
+                         for offset, problem in walk_lmdb(file, ours[0], raw)]
+        else:
+            size = os.stat(file, follow_symlinks=False).st_size
+            metas = lmdb_metas(file, size)
+            findings = _lmdb_metas_findings(metas, options, where)
+            if size % metas[0].page_size:
+                findings.append(Finding(None, "the LMDB data file ends inside a page",
+                                        file=where, expected=f"a multiple of "
+                                        f"{metas[0].page_size} bytes", found=f"{size} bytes"))
+            if max(metas, key=lambda m: m.txnid).problems:
+                return findings, {}  # LMDB would read through a damaged meta page
+            env = lmdb.open(str(d), readonly=True, lock=False, subdir=True,
+                            max_dbs=int(options.get("max_tables", 64)), readahead=False)
+            txn = env.begin()
+        try:
+            scans = _lmdb_tables(env, txn, specs, where, findings, dump)
+        finally:
+            txn.abort()
+    finally:
+        if env is not None:
+            env.close()
+    return findings, scans
+
+
+_META_TXNID = struct.Struct("<Q")
+
+
+def read_at_path(file: Path, offset: int, size: int) -> bytes:
+    """Up to `size` bytes of `file` at `offset`."""
+    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return read_at(fd, offset, size)
+    finally:
+        os.close(fd)
+
+
+def _lmdb_metas_findings(metas: list[Any], options: dict[str, Any], where: str
+                         ) -> list[Finding]:
+    findings = []
     for m in metas:
         for p in m.problems:
             findings.append(Finding(None, f"LMDB {p}", file=where, offset=m.page * m.page_size))
@@ -151,69 +218,60 @@ def _scan_lmdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
                                     offset=m.page * m.page_size + 32,
                                     expected="map_size_bytes doubled up to max_map_size_bytes",
                                     found=str(m.map_size)))
-    psize = metas[0].page_size
-    if size % psize:
-        findings.append(Finding(None, "the LMDB data file ends inside a page", file=where,
-                                expected=f"a multiple of {psize} bytes", found=f"{size} bytes"))
-    current = max(metas, key=lambda m: m.txnid)
-    if current.problems:
-        return findings, scans  # LMDB would read through a damaged meta page
-    env = lmdb.open(str(d), readonly=True, lock=False, subdir=True,
-                    max_dbs=int(options.get("max_tables", 64)), readahead=False)
-    try:
-        with env.begin() as txn:
-            names = [k for k, _ in txn.cursor()]
-        expected = {b"embstore:meta"} | {b"t:" + s.name.encode() for s in specs}
-        for name in names:
-            if name not in expected:
-                findings.append(Finding(None, f"unknown LMDB database {name!r} (damaged or "
-                                        "foreign)", file=where))
-        if b"embstore:meta" not in names:
-            findings.append(Finding(None, "the LMDB metadata database is missing", file=where))
-            meta_db = None
-        else:
-            meta_db = env.open_db(b"embstore:meta", create=False)
-        for spec in specs:
-            rows = _Rows(spec, where, findings, dump)
-            scans[spec.name] = rows.scan
-            if meta_db is not None:
-                with env.begin(db=meta_db) as txn:
-                    raw = txn.get(spec.name.encode())
-                _check_meta(spec, raw, where, findings)
-            if b"t:" + spec.name.encode() not in names:
-                findings.append(Finding(spec.name, "the table's LMDB database is missing",
-                                        file=where))
-                continue
-            db = env.open_db(b"t:" + spec.name.encode(), create=False)
-            with env.begin(db=db) as txn:
-                entries = txn.stat(db)["entries"]
-                seen = 0
-                cur = txn.cursor()
-                ok = cur.first()
-                while ok:
-                    keys: list[bytes] = []
-                    vals: list[bytes] = []
-                    while ok and len(keys) < PAGE:
-                        keys.append(cur.key())
-                        vals.append(cur.value())
-                        ok = cur.next()
-                    seen += len(keys)
-                    rows.page(keys, vals)
-                    for k, v in zip(keys, vals, strict=True):  # a lookup finds each row
-                        if txn.get(k) != v:
-                            kid = _decode([k])[0] if len(k) == 8 else None
-                            rows._note("reach", Finding(
-                                spec.name, "a row the scan finds is not found by a lookup "
-                                "of its key (the B-tree order is damaged)", file=where,
-                                id=None if kid is None else int(kid)))
-                if seen != entries:
-                    findings.append(Finding(spec.name, "LMDB's entry count disagrees with a "
-                                            "scan", file=where, expected=f"{entries} rows "
-                                            "(recorded)", found=f"{seen} rows (scanned)"))
-            rows.finish()
-    finally:
-        env.close()
-    return findings, scans
+    return findings
+
+
+def _lmdb_tables(env: Any, txn: Any, specs: list[TableSpec], where: str,
+                 findings: list[Finding], dump: RowDump | None) -> dict[str, TableScan]:
+    """Every table's metadata record and rows, read in the one transaction `txn`."""
+    scans: dict[str, TableScan] = {}
+    names = [k for k, _ in txn.cursor()]
+    expected = {b"embstore:meta"} | {b"t:" + s.name.encode() for s in specs}
+    for name in names:
+        if name not in expected:
+            findings.append(Finding(None, f"unknown LMDB database {name!r} (damaged or "
+                                    "foreign)", file=where))
+    if b"embstore:meta" not in names:
+        findings.append(Finding(None, "the LMDB metadata database is missing", file=where))
+        meta_db = None
+    else:
+        meta_db = env.open_db(b"embstore:meta", txn=txn, create=False)
+    for spec in specs:
+        rows = _Rows(spec, where, findings, dump)
+        scans[spec.name] = rows.scan
+        if meta_db is not None:
+            _check_meta(spec, txn.get(spec.name.encode(), db=meta_db), where, findings)
+        if b"t:" + spec.name.encode() not in names:
+            findings.append(Finding(spec.name, "the table's LMDB database is missing",
+                                    file=where))
+            continue
+        db = env.open_db(b"t:" + spec.name.encode(), txn=txn, create=False)
+        entries = txn.stat(db)["entries"]
+        seen = 0
+        cur = txn.cursor(db=db)
+        ok = cur.first()
+        while ok:
+            keys: list[bytes] = []
+            vals: list[bytes] = []
+            while ok and len(keys) < PAGE:
+                keys.append(cur.key())
+                vals.append(cur.value())
+                ok = cur.next()
+            seen += len(keys)
+            rows.page(keys, vals)
+            for k, v in zip(keys, vals, strict=True):  # a lookup finds each row
+                if txn.get(k, db=db) != v:
+                    kid = _decode([k])[0] if len(k) == 8 else None
+                    rows._note("reach", Finding(
+                        spec.name, "a row the scan finds is not found by a lookup "
+                        "of its key (the B-tree order is damaged)", file=where,
+                        id=None if kid is None else int(kid)))
+        if seen != entries:
+            findings.append(Finding(spec.name, "LMDB's entry count disagrees with a "
+                                    "scan", file=where, expected=f"{entries} rows "
+                                    "(recorded)", found=f"{seen} rows (scanned)"))
+        rows.finish()
+    return scans
 
 
 def _check_meta(spec: TableSpec, raw: bytes | None, where: str,
@@ -277,11 +335,20 @@ def check_log(file: Path, *, allow_torn_tail: bool) -> list[tuple[int, str]]:
 
 
 def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
-                  dump: RowDump | None, clean: bool) -> tuple[list[Finding],
-                                                              dict[str, TableScan]]:
-    import rocksdict
+                  dump: RowDump | None, clean: bool, live: bool
+                  ) -> tuple[list[Finding], dict[str, TableScan]]:
+    """Check a RocksDB tier: its log and MANIFEST records, then every table's rows.
 
-    from .backends.rocksdb import RocksDBBackend, _make_options  # type: ignore[import-not-found]
+    The database is opened read-only (`open_read_only`: nothing is written in the tier
+    directory). `live`: a writer has it open; the newest log and the MANIFEST may end in a
+    record it is writing, and a log it deletes meanwhile is skipped; the rows are those of
+    the snapshot the read-only open took.
+    """
+    from .backends.rocksdb import (  # type: ignore[import-not-found]
+        RocksDBBackend,
+        _make_options,
+        open_read_only,
+    )
 
     findings: list[Finding] = []
     scans: dict[str, TableScan] = {}
@@ -296,8 +363,15 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
                         expected="MANIFEST-<number>", found=repr(name))], scans
     logs = sorted(d.glob("*.log"))
     for log in [d / name] + logs:
-        torn_ok = not clean and log in (logs[-1:] or [d / name])
-        for off, problem in check_log(log, allow_torn_tail=torn_ok):
+        torn_ok = not clean and (log in (logs[-1:] or [d / name])
+                                 or (live and log == d / name))
+        try:
+            problems = check_log(log, allow_torn_tail=torn_ok)
+        except FileNotFoundError:
+            if not live:
+                raise
+            continue  # the writer deleted it (a log whose memtable it flushed)
+        for off, problem in problems:
             findings.append(Finding(None, f"RocksDB log {problem}; the rows it holds are "
                                     "lost to RocksDB's recovery", file=str(log), offset=off))
     # even past a damaged log record: RocksDB's recovery reads the rows before it, which is
@@ -309,14 +383,13 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
     settings = tuple((k, options.get(k, v)) for k, v in defaults.items()
                      if k != "sync_writes")
+    import rocksdict
+
     cache = rocksdict.Cache(8 << 20)
     opts = _make_options(settings, cache, db=True)
     opts.create_if_missing(False)
     opts.set_paranoid_checks(True)
-    cfs = rocksdict.Rdict.list_cf(str(d), rocksdict.Options(raw_mode=True))
-    db = rocksdict.Rdict(str(d), opts, column_families={
-        n: _make_options(settings, cache) for n in cfs if n != "default"} or None,
-        access_type=rocksdict.AccessType.read_only(False))
+    db, cfs = open_read_only(d, opts, lambda: _make_options(settings, cache))
     try:
         expected = {"default"} | {"t:" + s.name for s in specs}
         for cf_name in cfs:
@@ -334,8 +407,8 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
                                         file=str(d)))
                 continue
             cf = db.get_column_family("t:" + spec.name)
-            for keys, vals in _rocks_pages(cf, rows, where):
-                again: Any = cf[keys]  # type: ignore[index]
+            for keys, vals in _rocks_pages(cf, rows, where, d):
+                again: Any = cf[keys]
                 if list(again) != vals:
                     rows._note("reach", Finding(spec.name, "a multi-get of scanned keys "
                                                 "returns other values", file=where))
@@ -345,9 +418,17 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     return findings, scans
 
 
-def _rocks_pages(cf: Any, rows: _Rows, where: str) -> Iterator[tuple[list[bytes], list[bytes]]]:
-    """Every page of a column family, forward; after a damaged block, the rest backward."""
+def _rocks_pages(cf: Any, rows: _Rows, where: str, d: Path
+                 ) -> Iterator[tuple[list[bytes], list[bytes]]]:
+    """Every page of a column family, forward; after a damaged block, the rest backward.
+
+    The rows in between, in the damaged block(s), are unread: their keys lie strictly
+    between the last key read forward and the first key read backward, which
+    `rows.scan.lost_range` records.
+    """
     import rocksdict
+
+    from .backends.rocksdb import error_text
 
     ro = rocksdict.ReadOptions()
     ro.set_verify_checksums(True)
@@ -370,21 +451,23 @@ def _rocks_pages(cf: Any, rows: _Rows, where: str) -> Iterator[tuple[list[bytes]
         it.status()
         return
     except Exception as exc:
+        rows.scan.unreadable = True
         rows.findings.append(Finding(rows.spec.name, f"RocksDB reports damaged data while "
-                                     f"scanning ({' '.join(str(exc).split())})", file=where))
+                                     f"scanning ({' '.join(error_text(exc, d).split())})",
+                                     file=where))
+    keys, vals = [], []
     try:  # read what lies past the damaged block from the other end
         it = cf.iter(ro)
         it.seek_to_last()
-        keys, vals = [], []
         while it.valid() and (last is None or it.key() > last):
             keys.append(it.key())
             vals.append(it.value())
             it.prev()
-        if keys:
-            rows.last = None
-            rows.page(keys[::-1], vals[::-1])
     except Exception:
-        pass
+        pass  # a second damaged block: keep what was read up to it
+    if keys:
+        rows.last = None
+        rows.page(keys[::-1], vals[::-1])
 
 
 def _cross_tiers(request: dict[str, Any]) -> list[Finding]:
@@ -448,11 +531,12 @@ def scan(request: dict[str, Any]) -> dict[str, Any]:
     specs = [TableSpec.from_json(t) for t in request["tables"]]
     dump = RowDump(Path(request["dump"])) if request.get("dump") else None
     try:
+        live = bool(request.get("live"))
         if request["backend"] == "lmdb":
-            findings, scans = _scan_lmdb(d, specs, request.get("options") or {}, dump)
+            findings, scans = _scan_lmdb(d, specs, request.get("options") or {}, dump, live)
         else:
             findings, scans = _scan_rocksdb(d, specs, request.get("options") or {}, dump,
-                                            bool(request.get("clean")))
+                                            bool(request.get("clean")), live)
     except Exception as exc:
         findings = [Finding(None, f"the {request['backend']} reader failed: "
                             f"{type(exc).__name__}: {' '.join(str(exc).split())}",
@@ -462,7 +546,7 @@ def scan(request: dict[str, Any]) -> dict[str, Any]:
     for name, s in scans.items():
         dropped = s.dropped_ids()
         out_tables[name] = {"rows": s.rows, "dropped": dropped[:1000].tolist(),
-                            "dropped_count": len(dropped)}
+                            "dropped_count": len(dropped), "unreadable": s.unreadable}
     return {"findings": [f.to_json() for f in findings], "tables": out_tables}
 
 

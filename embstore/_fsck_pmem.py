@@ -77,48 +77,69 @@ def _header(fmt: Any, head: bytes, spec: TableSpec, rec: int, file: str
     return out, best
 
 
-def scan_pmem(file: Path, spec: TableSpec, dump: RowDump | None) -> tuple[list[Finding],
-                                                                          TableScan]:
-    """Check the pmem table file `file` of `spec`; dump its good rows when repairing."""
+def scan_pmem(file: Path, spec: TableSpec, dump: RowDump | None, *, live: bool = False
+              ) -> tuple[list[Finding], TableScan]:
+    """Check the pmem table file `file` of `spec`; dump its good rows when repairing.
+
+    `live`: a writer has the file open. The file is scanned until its header page (the state
+    blocks) reads the same before and after a scan: the writer retires flushed records only
+    after writing a new state (`PmemBackend._flush`), so such a scan saw the file as of its
+    last flush, and records it was writing meanwhile were cut-short writes (ignored).
+    """
     fmt = _fmt()
     t, where = spec.name, str(file)
-    scan = TableScan()
-    row_bytes = spec.storage_width * spec.storage_dtype.itemsize
-    rec = fmt.record_size(row_bytes)
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        return [Finding(t, f"cannot open the table file: {exc.strerror}", file=where)], scan
-    findings: list[Finding] = []
+        return [Finding(t, f"cannot open the table file: {exc.strerror}", file=where)], \
+            TableScan()
     try:
-        st = os.fstat(fd)
-        size = st.st_size
-        if size < fmt.DATA_OFFSET:
-            return [Finding(t, "the file is shorter than its header page", file=where,
-                            expected=f">= {fmt.DATA_OFFSET} bytes", found=f"{size} bytes")], scan
-        head = read_at(fd, 0, fmt.DATA_OFFSET)
-        found, state = _header(fmt, head, spec, rec, where)
-        findings += found
-        if any(f.offset in (0, fmt.HEADER_CRC_OFFSET, 12, 16, 24, 28) for f in found) \
-                or state is None:
-            return findings, scan  # records cannot be read with a header like this
-        _, watermark, reserve = state
-        extra = (size - fmt.DATA_OFFSET) % rec
-        if extra:
-            findings.append(Finding(t, "the file ends inside a record (cut short or grown "
-                                    "by hand)", file=where, offset=size - extra,
-                                    expected=f"{fmt.DATA_OFFSET} + k * {rec} bytes",
-                                    found=f"{size} bytes"))
-        if st.st_blocks * 512 < size - extra:
-            findings.append(Finding(t, "the file is sparse: its slots are not preallocated, "
-                                    "and a write into a hole can kill the process (SIGBUS)",
-                                    file=where, expected=f">= {size - extra} bytes allocated",
-                                    found=f"{st.st_blocks * 512} bytes allocated"))
-        _records(fd, fmt, spec, rec, row_bytes, (size - fmt.DATA_OFFSET) // rec, watermark,
-                 reserve, where, findings, scan, dump)
+        for _ in range(fmt.READER_SCANS if live else 1):
+            findings, scan, head = _scan_fd(fd, fmt, spec, where, dump)
+            if not live or head == read_at(fd, 0, fmt.DATA_OFFSET):
+                return findings, scan
+        return [Finding(t, f"its writer changed the file during each of {fmt.READER_SCANS} "
+                        "scans; run fsck again when it flushes less often", file=where)], \
+            TableScan()
     finally:
         os.close(fd)
-    return findings, scan
+
+
+def _scan_fd(fd: int, fmt: Any, spec: TableSpec, where: str, dump: RowDump | None
+             ) -> tuple[list[Finding], TableScan, bytes]:
+    """One scan of the open table file: findings, rows, and the header page it went by."""
+    t = spec.name
+    scan = TableScan()
+    row_bytes = spec.storage_width * spec.storage_dtype.itemsize
+    rec = fmt.record_size(row_bytes)
+    findings: list[Finding] = []
+    st = os.fstat(fd)
+    size = st.st_size
+    if size < fmt.DATA_OFFSET:
+        return [Finding(t, "the file is shorter than its header page", file=where,
+                        expected=f">= {fmt.DATA_OFFSET} bytes", found=f"{size} bytes")], \
+            scan, b""
+    head = read_at(fd, 0, fmt.DATA_OFFSET)
+    found, state = _header(fmt, head, spec, rec, where)
+    findings += found
+    if any(f.offset in (0, fmt.HEADER_CRC_OFFSET, 12, 16, 24, 28) for f in found) \
+            or state is None:
+        return findings, scan, head  # records cannot be read with a header like this
+    _, watermark, reserve = state
+    extra = (size - fmt.DATA_OFFSET) % rec
+    if extra:
+        findings.append(Finding(t, "the file ends inside a record (cut short or grown "
+                                "by hand)", file=where, offset=size - extra,
+                                expected=f"{fmt.DATA_OFFSET} + k * {rec} bytes",
+                                found=f"{size} bytes"))
+    if st.st_blocks * 512 < size - extra:
+        findings.append(Finding(t, "the file is sparse: its slots are not preallocated, "
+                                "and a write into a hole can kill the process (SIGBUS)",
+                                file=where, expected=f">= {size - extra} bytes allocated",
+                                found=f"{st.st_blocks * 512} bytes allocated"))
+    _records(fd, fmt, spec, rec, row_bytes, (size - fmt.DATA_OFFSET) // rec, watermark,
+             reserve, where, findings, scan, dump)
+    return findings, scan, head
 
 
 def _records(fd: int, fmt: Any, spec: TableSpec, rec: int, row_bytes: int, slots: int,

@@ -141,12 +141,16 @@ class _Walker:
         return pages
 
 
-def walk(file: Path, meta: LMDBMeta) -> list[tuple[int, str]]:
-    """(offset, problem) of the LMDB data file `file` walked from its current meta page."""
+def walk(file: Path, meta: LMDBMeta, raw_meta: bytes | None = None) -> list[tuple[int, str]]:
+    """(offset, problem) of the LMDB data file `file` walked from its current meta page.
+
+    `raw_meta`: the meta page's first 152 bytes as read when a reader pinned its snapshot
+    (beside a writer, which may have rewritten the page since); read from the file if None.
+    """
     fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         w = _Walker(fd, meta.page_size, meta.last_page)
-        raw = read_at(fd, meta.page * meta.page_size, 152)
+        raw = raw_meta if raw_meta is not None else read_at(fd, meta.page * meta.page_size, 152)
         free = _DB.unpack_from(raw, 40)
         main = _DB.unpack_from(raw, 88)
         freed: list[int] = []

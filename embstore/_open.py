@@ -66,7 +66,9 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         tables: table specs. Required to create a store; on reopen, tables already in the
             manifest must be given exactly as stored, and new ones are added.
         tiers: the default tier chain, top first (default: one DRAM tier). Fixed at creation.
-        read_only: open without write access (a shared lock; writes raise ReadOnlyError).
+        read_only: open without write access and without the store's lock, beside a writer
+            in another process if one holds the store: writes raise ReadOnlyError, and the
+            store reads what that writer's last flush left (see `EmbeddingStore`).
         placement: a placement (path or dict, from `embstore plan`) giving tables their tier
             chains; see `embstore.placement.apply_placement`.
         record_accesses: a directory to log each table's batches of ids to (an access log,
@@ -80,8 +82,9 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
     Raises:
         StoreNotFoundError: no store at `path` and no tables to create one, or `path` is a file
             or a directory of other files.
-        StoreLockedError: another process or handle holds the store, or another store is
-            recording to `record_accesses`.
+        StoreLockedError: (writers only) another process or handle holds the store for
+            writing; the error names its pid. Or another store is recording to
+            `record_accesses`.
         ConfigError: invalid specs, or specs that contradict the manifest; a bad
             `record_sample` or a `record_accesses` path that is no access log or directory.
         CorruptStoreError: the manifest or a tier's files are damaged.
@@ -137,7 +140,8 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
                               lock_fd=None)
 
     directory = Path(path)
-    layout.recover_swap(directory)  # a compact or migrate killed between its two renames
+    if not read_only:  # a compact or migrate killed between its two renames; readers write nothing
+        layout.recover_swap(directory)
     if directory.exists() and not directory.is_dir():
         raise StoreNotFoundError(f"{directory} is a file, not a store directory")
     exists = (directory / MANIFEST_NAME).exists()
@@ -153,7 +157,8 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
             )
         before = set(directory.iterdir()) - leftovers if directory.exists() else None
         make_dirs(directory, 0o700)
-    lock_fd = layout.lock(directory, read_only)
+    # a reader takes no lock: it reads beside a writer (see EmbeddingStore's docstring)
+    lock_fd = None if read_only else layout.lock(directory, read_only=False)
     try:
         if not exists:
             # what a creation cut short by a crash left: its manifest, written last, is
@@ -197,7 +202,8 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
                     (shutil.rmtree if entry.is_dir() else os.unlink)(entry)
             if before is None:
                 directory.rmdir()
-        os.close(lock_fd)
+        if lock_fd is not None:
+            layout.release(lock_fd)
         raise
     if added:
         write_manifest(directory, layout.manifest_body(chain, all_specs))

@@ -37,6 +37,7 @@ from .layout import (
     parked_store,
     read_manifest,
     recover_swap,
+    release,
     table_chain,
     write_manifest,
     written_file,
@@ -270,7 +271,7 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
         for stale in root.parent.glob(f".{root.name}.rebuild-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = root.parent / f".{root.name}.rebuild-{os.getpid()}-{int(time.time())}"
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)
         try:
             counts = write_store(tmp, default_tiers or old_tiers, specs or old_specs,
                                  source or store_rows(root, old_tiers, old_specs), extras=doc,
@@ -283,7 +284,7 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
             raise
     finally:
         if lock_fd is None:
-            os.close(fd)
+            release(fd)
     if keep_old is not None:
         os.replace(old, keep_old)
         fsync_dir(keep_old.parent)

@@ -173,6 +173,10 @@ class DrainedBackend(Backend):
         self._writer.drain()
         return self.wrapped.contains(ids)
 
+    def _refresh(self) -> None:
+        self._writer.drain()
+        self.wrapped.refresh()
+
     def _ids(self) -> np.ndarray:
         self._writer.drain()
         return self.wrapped.ids()

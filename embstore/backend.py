@@ -328,6 +328,36 @@ class Backend(ABC):
             self._closed = True
             self._close()
 
+    def refresh(self) -> None:
+        """Catch a read-only handle up with its writer: see what it flushed since the open.
+
+        A read-only handle reads beside a writer in another process (it takes no lock). Some
+        media show that writer's flushed writes at once (LMDB: each read is a transaction),
+        others as of the open or the last `refresh` (a RocksDB snapshot, a pmem scan). A
+        no-op for writable handles and in-memory media.
+
+        Raises:
+            StoreClosedError: after close().
+            CorruptStoreError: the medium's files are damaged.
+        """
+        self._check_open()
+        if not self.spec.read_only:
+            return
+        try:
+            self._refresh()
+        except _OURS:
+            raise
+        except Exception as exc:
+            raise self._foreign(exc, "reopening") from exc
+
+    def _refresh(self) -> None:
+        """Re-read what a writer flushed (read-only handles only).
+
+        Note for implementers: the default does nothing, right for media whose reads see
+        the writer's durable state at each call.
+        """
+        return
+
     def _foreign(self, exc: Exception, what: str) -> Exception:
         """The embstore error for `exc`, raised by the medium while `what` this table."""
         return foreign_error(exc, f"{what} {self.name} table {self.spec.table!r} in "

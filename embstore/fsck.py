@@ -14,9 +14,18 @@ What is checked, from the top:
 `repair=True` never edits in place: the rows that pass their checks are written into a new
 store beside the old one, which is swapped in with one atomic rename (`_rebuild`); the old
 store is kept as `.<name>.fsck-backup-<time>` beside it. Only rows failing their checks are
-dropped, and the findings list their ids. A damaged manifest is not repaired (restore it from
-a checkpoint). Exit codes of `exit_code` follow e2fsck: 0 clean, 1 repaired, 4 problems left,
-8 fsck could not run.
+dropped, and the findings list their ids: those the scanners dropped, and those the old
+written-id record held that the new store lacks (rows in RocksDB blocks that could not be
+read, rows the medium had lost before). Where no record names them, the finding says that an
+unknown number more were lost. The new store's record holds the rows it kept, so a dropped
+row reads as never written from then on (the backup keeps what was there). A damaged
+manifest is not repaired (restore it from a checkpoint). Exit codes of `exit_code` follow
+e2fsck: 0 clean, 1 repaired, 4 problems left, 8 fsck could not run.
+
+Beside a writer (another process holds the store open for writing) a check takes no lock and
+changes nothing: it reads the state the writer's last flush left (see `_check_path`) and adds
+a note saying so (`Finding.note`, which no exit code counts). A repair needs the writer gone:
+it fails at once naming the writer's pid.
 """
 
 from __future__ import annotations
@@ -38,15 +47,18 @@ from . import _counters, registry
 from ._fileinfo import lmdb_metas
 from ._fsck_common import Finding, RowDump, TableScan
 from ._fsck_pmem import scan_pmem
+from ._fsck_repair import closed_cleanly, dropped_finding, record_ids
 from ._lmdb_walk import walk as walk_lmdb
-from ._rebuild import read_store, replace_store
+from ._rebuild import read_store, replace_store, store_rows
 from .errors import EmbstoreError, StoreLockedError
 from .layout import (
     MANIFEST_NAME,
     bottom_dir,
     lock,
+    lock_for_reading,
     parked_store,
     recover_swap,
+    release,
     table_chain,
     written_file,
 )
@@ -56,24 +68,31 @@ from .store import EmbeddingStore
 __all__ = ["Finding", "check", "exit_code"]
 
 CHILD_TIMEOUT_S = 3600
+_LIVE_TRIES = 3
+"""Reads of a table beside a writer before what it lacks counts as lost or damaged."""
 _MANIFEST_MAX = 16 << 20
 
 
 def exit_code(findings: list[Finding]) -> int:
-    """e2fsck's exit code for `findings`: 0 clean, 1 all repaired, 4 problems left, 8 no check."""
-    if any(f.fatal for f in findings):
+    """e2fsck's exit code for `findings`: 0 clean, 1 all repaired, 4 problems left, 8 no check.
+
+    Notes (`Finding.note`) are no problems and count for nothing.
+    """
+    problems = [f for f in findings if not f.note]
+    if any(f.fatal for f in problems):
         return 8
-    if any(not f.repaired for f in findings):
+    if any(not f.repaired for f in problems):
         return 4
-    return 1 if findings else 0
+    return 1 if problems else 0
 
 
 def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = False,
           progress: Callable[[str], None] | None = None) -> list[Finding]:
     """Every problem found in `store` (an open store, or the path of one).
 
-    A path is checked file by file under the store's shared lock (exclusive to repair); an
-    open store only row by row through its API. Returns an empty list for a healthy store.
+    A path is checked file by file under the store's shared lock (exclusive to repair), or
+    beside the writer that holds it (see the module doc); an open store only row by row
+    through its API. Returns an empty list for a healthy store.
 
     Args:
         store: the store's path, or an open store.
@@ -95,39 +114,54 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
             return [parked]
         recover_swap(root)
         moved = [_repaired(parked)]
+    writer: StoreLockedError | None = None
     try:
         if not root.is_dir():
             raise FileNotFoundError(f"{root} is not a directory")
         if not os.path.lexists(root / MANIFEST_NAME):
             raise FileNotFoundError(f"{root} holds no embstore store (no {MANIFEST_NAME})")
-        fd = lock(root, read_only=not repair)
+        if repair:
+            fd: int | None = lock(root, read_only=False)
+        else:
+            try:
+                fd = lock_for_reading(root)
+            except StoreLockedError as exc:  # a writer holds it: check beside the writer
+                fd, writer = None, exc
     except (OSError, StoreLockedError) as exc:
         return moved + [Finding(None, f"cannot open {root}: {exc}", fatal=True)]
     dump_dir = Path(tempfile.mkdtemp(prefix=f".{root.name}.fsck-rows-", dir=root.parent)) \
         if repair else None
     try:
-        findings, parsed, scans = _check_path(root, dump_dir, progress)
+        findings, parsed, scans = _check_path(root, dump_dir, progress, live=writer is not None)
         if not findings and parsed is not None:
-            findings += _lost_rows(root, parsed)
+            findings += _lost_rows(root, parsed, live=writer is not None)
+        if writer is not None:
+            who = (f"process {writer.holder_pid}" if writer.holder_pid is not None
+                   else "another process")
+            findings.append(Finding(None, f"{who} held the store open for writing: checked "
+                                    "what its last flush left (rows it wrote since are not "
+                                    "checked, and nothing was changed); run fsck again once "
+                                    "it has closed the store for a check of everything",
+                                    note=True))
         if not repair or not findings or parsed is None or any(f.fatal for f in findings):
             return moved + findings
-        assert dump_dir is not None
+        assert dump_dir is not None and fd is not None
         return moved + _repair(root, fd, findings, parsed, scans, dump_dir, progress)
     finally:
-        os.close(fd)
+        if fd is not None:
+            (release if repair else os.close)(fd)
         if dump_dir is not None:
             shutil.rmtree(dump_dir, ignore_errors=True)
 
 
-def _lost_rows(root: Path, parsed: _Parsed) -> list[Finding]:
+def _lost_rows(root: Path, parsed: _Parsed, *, live: bool) -> list[Finding]:
     """Rows a table's written-id record holds that its store of record lacks: lost rows.
 
     Runs on files that passed every other check (so their native readers are safe to run
-    here); reads the record and the store of record only, changing neither.
+    here); reads the record and the store of record only, changing neither. Beside a writer
+    (`live`) a row may be deleted between the two reads, so the record is read again after
+    the store of record and only ids it still holds count, over a few tries.
     """
-    from ._rebuild import open_bottom
-    from ._written import WrittenIds
-
     specs, tiers = parsed
     out = []
     for spec in specs:
@@ -135,13 +169,7 @@ def _lost_rows(root: Path, parsed: _Parsed) -> list[Finding]:
         if not file.is_file():
             continue
         try:
-            record = WrittenIds(file, spec.num_embeddings, lambda: np.zeros(0, np.int64),
-                                read_only=True)
-            ids = np.ascontiguousarray(record.ids())
-            if not len(ids):
-                continue
-            with open_bottom(root, spec, tiers, read_only=True) as bottom:
-                lost = ids[~bottom.contains(ids)]
+            lost = _lost_ids(root, spec, tiers, file, tries=_LIVE_TRIES if live else 1)
         except EmbstoreError as exc:
             out.append(Finding(spec.name, f"cannot compare the written-id record: {exc}",
                                file=str(file)))
@@ -151,6 +179,30 @@ def _lost_rows(root: Path, parsed: _Parsed) -> list[Finding]:
                                f"e.g. id {int(lost[0])}: restore them from a checkpoint",
                                file=str(file), id=int(lost[0])))
     return out
+
+
+def _lost_ids(root: Path, spec: TableSpec, tiers: tuple[TierSpec, ...], file: Path, *,
+              tries: int) -> np.ndarray:
+    """Ids the record `file` holds, before and after a read of the store of record lacking them."""
+    from ._rebuild import open_bottom
+    from ._written import WrittenIds
+
+    def record() -> WrittenIds:
+        return WrittenIds(file, spec.num_embeddings, lambda: np.zeros(0, np.int64),
+                          read_only=True)
+
+    lost = np.zeros(0, np.int64)
+    for _ in range(tries):
+        ids = np.ascontiguousarray(record().ids())
+        if not len(ids):
+            return ids
+        with open_bottom(root, spec, tiers, read_only=True) as bottom:
+            lost = ids[~bottom.contains(ids)]
+        if len(lost):
+            lost = lost[record().holds(lost)]
+        if not len(lost):
+            break
+    return lost
 
 
 def _check_open_table(store: EmbeddingStore, name: str) -> list[Finding]:
@@ -238,8 +290,15 @@ def _table_file(root: Path, spec: TableSpec, tiers: tuple[TierSpec, ...]) -> Pat
         backend, "")
 
 
-def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], None] | None
-                ) -> tuple[list[Finding], _Parsed | None, dict[str, TableScan]]:
+def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], None] | None,
+                *, live: bool = False) -> tuple[list[Finding], _Parsed | None,
+                                                dict[str, TableScan]]:
+    """Check the manifest and every store of record's files and rows.
+
+    `live`: a writer holds the store. Its files are read as of its last flush (every reader
+    pins a consistent state, records and log tails it is writing are not damage), the row
+    counts of the last close and the cache tiers (the writer's, in use) are not compared.
+    """
     if progress:
         progress("manifest")
     findings, parsed = _check_manifest(root)
@@ -259,7 +318,7 @@ def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], Non
     for d, group in groups.items():
         ts = table_chain(group[0], tiers)[-1]
         rel = str(d.relative_to(root))
-        clean = rel in recorded and recorded[rel] == now.get(rel)
+        clean = not live and rel in recorded and recorded[rel] == now.get(rel)
         if progress:
             progress(rel)
         if ts.backend == "dram":
@@ -279,12 +338,13 @@ def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], Non
             continue
         if ts.backend == "pmem":
             for spec in group:
-                found, scans[spec.name] = scan_pmem(_table_file(root, spec, tiers), spec, dump)
+                found, scans[spec.name] = scan_pmem(_table_file(root, spec, tiers), spec, dump,
+                                                    live=live)
                 findings += found
         elif ts.backend in ("lmdb", "rocksdb"):
-            if ts.backend == "lmdb":
+            if ts.backend == "lmdb" and not live:  # live: walked by the child, in its snapshot
                 findings += _lmdb_structure(d / "data.mdb")
-            found, got = _native(ts.backend, d, group, ts.options, dump_dir, clean)
+            found, got = _native(ts.backend, d, group, ts.options, dump_dir, clean, live=live)
             findings += found
             scans.update(got)
         if clean:
@@ -301,7 +361,7 @@ def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], Non
     cached = any(registry.load_backend(ts.backend).supports_persistence
                  for spec in specs for ts in table_chain(spec, tiers)[:-1]
                  if ts.backend in known_backends)
-    if cached and recorded and not findings and all(
+    if cached and recorded and not findings and not live and all(
             recorded.get(k) == v for k, v in now.items()):
         # a clean close wrote every dirty cached row back: cached copies equal the bottom's
         found, _ = _native("cross-tier", root, specs, {}, None, True, tiers=tiers)
@@ -324,12 +384,12 @@ def _lmdb_structure(file: Path) -> list[Finding]:
 
 
 def _native(backend: str, d: Path, specs: list[TableSpec], options: dict[str, Any],
-            dump_dir: Path | None, clean: bool, tiers: tuple[TierSpec, ...] = ()
-            ) -> tuple[list[Finding], dict[str, TableScan]]:
+            dump_dir: Path | None, clean: bool, tiers: tuple[TierSpec, ...] = (), *,
+            live: bool = False) -> tuple[list[Finding], dict[str, TableScan]]:
     """Run `_fsck_native` on one tier in a child process; a crash or hang there is a finding."""
     request = {"backend": backend, "dir": str(d), "tables": [s.to_json() for s in specs],
                "options": options, "dump": None if dump_dir is None else str(dump_dir),
-               "clean": clean, "tiers": [t.to_json() for t in tiers]}
+               "clean": clean, "live": live, "tiers": [t.to_json() for t in tiers]}
     answer = _run_child(request)
     if isinstance(answer, str):
         return [Finding(None, f"the {backend} reader {answer} reading this tier: its files "
@@ -337,7 +397,7 @@ def _native(backend: str, d: Path, specs: list[TableSpec], options: dict[str, An
     findings = [Finding(**{**f, "ids": tuple(f.get("ids", ()))}) for f in answer["findings"]]
     scans = {}
     for name, t in answer["tables"].items():
-        s = TableScan(rows=t["rows"])
+        s = TableScan(rows=t["rows"], unreadable=bool(t.get("unreadable")))
         s.drop(np.asarray(t["dropped"], dtype=np.int64))
         if t["dropped_count"] > len(t["dropped"]):  # the count is what matters beyond 1000
             s.drop(np.full(t["dropped_count"] - len(t["dropped"]), -1, dtype=np.int64))
@@ -379,11 +439,16 @@ def _repair(root: Path, fd: int, findings: list[Finding], parsed: _Parsed,
     if progress:
         progress("repair")
 
+    stored = store_rows(root, tiers, specs)
+
     def source(spec: TableSpec) -> Any:
         if table_chain(spec, tiers)[-1].backend == "dram":
-            return 0, iter(())
+            return stored(spec)  # a snapshot that loads passed its checksums: every row
         return dump.pages(spec)
 
+    # what the written-id records held: the ids of rows no scan could read come from there
+    held = {spec.name: record_ids(root, spec) for spec in specs}
+    complete = closed_cleanly(root, specs, tiers)
     try:
         replace_store(root, source=source, keep_old=backup, lock_fd=fd)
     except (EmbstoreError, OSError) as exc:
@@ -391,12 +456,12 @@ def _repair(root: Path, fd: int, findings: list[Finding], parsed: _Parsed,
     out = [_repaired(f) for f in findings]
     for spec in specs:
         s = scans.get(spec.name)
-        dropped = s.dropped_ids() if s is not None else np.zeros(0, np.int64)
-        if len(dropped):
-            listed = tuple(int(i) for i in dropped[dropped != -1][:1000])
-            out.append(Finding(spec.name, f"dropped {len(dropped)} row(s) that failed their "
-                               f"checks; the old store is kept at {backup}", ids=listed,
-                               repaired=True))
+        if s is None:
+            continue
+        found = dropped_finding(spec.name, s, held[spec.name], dump.ids(spec.name),
+                                spec.name in complete, backup)
+        if found is not None:
+            out.append(found)
     after, _, _ = _check_path(root, None, progress)
     return out + after
 

@@ -204,6 +204,14 @@ class TableChain:
         """The thread writing back into the store of record, if it has one."""
         return self._writer
 
+    def forget_absent(self) -> None:
+        """Forget which ids the latest read found in no tier.
+
+        For a read-only store that re-reads its store of record: a writer in another
+        process may have stored them since.
+        """
+        self._absent = None
+
     def note_bottom_write(self, ids: np.ndarray) -> None:
         """Tell unlocked reads in flight that `ids` change in the store of record."""
         for job in self.watchers:

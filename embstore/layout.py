@@ -6,7 +6,9 @@ checkpoints, restore), so the names below are written in one place:
     <store>/
         MANIFEST.json                 format, version, default tiers, tables, gradient steps
                                       of half-precision tables (`manifest_body`)
-        LOCK                          flock: exclusive for a writer, shared for readers (`lock`)
+        LOCK                          flock: exclusive for a writer (`lock`), which writes its
+                                      pid into it; shared for export and fsck; read-only
+                                      opens take none
         tier<level>-<backend>/        the store of record of every table whose chain ends there
         cache/tier<level>-<backend>/  cache tiers that need files; emptied on open
         written/<table>.ids           the written-id record of a table (`embstore._written`)
@@ -18,6 +20,7 @@ A checkpoint adds `checkpoint` to the manifest (and `<table>.deleted` files when
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -29,8 +32,9 @@ from .errors import CorruptStoreError, StoreLockedError
 from .manifest import MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
-__all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "lock", "manifest_body",
-           "parked_store", "read_manifest", "recover_swap", "table_chain", "tier_dir",
+__all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "lock", "lock_for_reading",
+           "manifest_body", "parked_store", "read_manifest", "recover_swap", "release",
+           "table_chain", "tier_dir",
            "write_manifest", "written_file"]
 
 LOCK_NAME = "LOCK"
@@ -137,23 +141,18 @@ def manifest_body(default_tiers: Sequence[TierSpec], specs: Sequence[TableSpec],
 def lock(root: Path, read_only: bool) -> int:
     """Take the store's lock (shared when `read_only`); returns the descriptor that holds it.
 
-    Closing the descriptor releases the lock.
+    Closing the descriptor releases the lock; a writer calls `release` instead, which also
+    takes its pid out of the file. `embstore.open(path, read_only=True)` takes no lock at
+    all (it reads beside a writer); a shared lock here is for the tools that need the store
+    to hold still (export, fsck).
 
     Raises:
-        StoreLockedError: another process or handle holds the store.
+        StoreLockedError: another process or handle holds the store, named by its pid when
+            a live writer holds it.
     """
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if read_only else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        who = ("a handle of this process" if holder == os.getpid()
-               else f"process {holder}" if holder is not None else "its writer")
-        raise StoreLockedError(
-            f"{root} is open in another process or handle ({who} holds it for writing); close "
-            "that store first", holder_pid=holder
-        ) from None
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    _take(root, fd, read_only)
     if not read_only:
         # the holder's pid, for the error of the next one to try (not synced: only a hint)
         os.ftruncate(fd, 0)
@@ -161,10 +160,66 @@ def lock(root: Path, read_only: bool) -> int:
     return fd
 
 
+def lock_for_reading(root: Path) -> int | None:
+    """The store's shared lock, for a reader that wants the store to hold still.
+
+    Returns None where the store has no lock file (no writer ever opened it): nothing is
+    created.
+
+    Raises:
+        StoreLockedError: a writer holds the store (named by its pid where known).
+    """
+    try:
+        fd = os.open(root / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    _take(root, fd, True)
+    return fd
+
+
+def release(fd: int) -> None:
+    """Release a writer's lock taken with `lock(root, read_only=False)`, clearing its pid."""
+    try:
+        with contextlib.suppress(OSError):  # only a hint: closing releases the lock anyway
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def _take(root: Path, fd: int, read_only: bool) -> None:
+    """Flock `fd` without waiting; on failure close it and raise naming the holder."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if read_only else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        if holder == os.getpid():
+            who = "a handle of this process holds it for writing"
+        elif holder is not None:
+            who = f"process {holder} holds it for writing"
+        elif read_only:
+            who = "its writer holds it"
+        else:
+            who = ("a reader that needs it to hold still, such as embstore export or fsck, "
+                   "or a writer still starting holds it")
+        raise StoreLockedError(
+            f"{root} is open in another process or handle ({who}); close that store first",
+            holder_pid=holder) from None
+
+
 def _holder(fd: int) -> int | None:
-    """The pid written in the lock file by its writer, if any."""
+    """The pid written in the lock file by its writer, if that process is alive."""
     try:
         text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    if not text.isdigit():
+        return None
+    pid = int(text)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # a writer that died: whoever holds the lock now is no writer of ours
+    except PermissionError:
+        pass  # alive, under another user
+    return pid

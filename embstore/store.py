@@ -4,6 +4,19 @@ A store holds named tables; each table's rows live in a chain of tiers (embstore
 Every public method validates its input completely before it changes anything, so a call
 that raises an `InvalidIdsError`, `InvalidValuesError` or `UnknownTableError` leaves the store
 as it was. Calls are serialised by a lock, so one store may be shared between threads.
+
+Readers beside a writer: a store opened with `read_only=True` takes no lock and writes
+nothing (no manifest rewrite, no recovery, no written-id record, no cache files: its caches
+are DRAM), so it opens and reads while another process holds the store open for writing.
+It reads the state as of that writer's last flush or later: every row the flush made durable,
+and maybe writes made since (RocksDB: what the writer had written when the reader opened, its
+log included; LMDB: what the writer had committed when each batch began; pmem: what each scan
+found, records cut short skipped); rows its own DRAM cache holds stay as it first read them,
+so a reader that must follow a writer opens anew. A crashed writer's files are read around
+the same way. Where a lookup meets an id that the written-id record holds and no tier has,
+the reader reads the record and the store of record again (`Backend.refresh`) before it
+raises `CorruptStoreError`: the row may only have been flushed, or deleted, after it read
+them.
 """
 
 from __future__ import annotations
@@ -46,6 +59,8 @@ from .spec import TableSpec, TierSpec
 __all__ = ["EmbeddingStore"]
 
 DEFAULT_TIERS = (TierSpec("dram"),)
+_CATCH_UPS = 3
+"""Times a read-only store re-reads a table before a row its record holds counts as lost."""
 
 
 @dataclass
@@ -170,8 +185,30 @@ class EmbeddingStore:
 
     def _get(self, t: _Table, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Full rows [N, row_width] of the table dtype (decoded from half precision)."""
-        rows, found = t.chain.get(ids)
+        rows, found = self._read(t, ids)
         return (rows if t.codec is None else t.codec.decode(rows)), found
+
+    def _read(self, t: _Table, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stored rows of `ids` as the chain returns them, and which were found.
+
+        A read-only store reads beside a writer that may have flushed since this handle
+        read the written-id record and the medium: where the record holds an id that no tier
+        found, both are read again (the record first) before the row counts as lost.
+        """
+        rows, found = t.chain.get(ids)
+        if self._read_only and t.written is not None:
+            for _ in range(_CATCH_UPS):
+                if found.all() or not t.written.holds(ids[~found]).any():
+                    break
+                self._catch_up(t)
+                rows, found = t.chain.get(ids)
+        return rows, found
+
+    def _catch_up(self, t: _Table) -> None:
+        """Re-read a read-only table's written-id record, then its store of record."""
+        t.written = self._open_written(t.spec, t.chain)
+        t.chain.tiers[-1].backend.refresh()
+        t.chain.forget_absent()
 
     def _put(self, name: str, t: _Table, ids: np.ndarray, full: np.ndarray, *,
              step: int | None = None) -> None:
@@ -276,14 +313,14 @@ class EmbeddingStore:
             if self._recorder is not None:
                 self._recorder.lookup(table, ids)
             if t.codec is not None:
-                raw, found = t.chain.get(ids)
+                raw, found = self._read(t, ids)
                 weights = t.codec.decode_weights(raw)
                 self._fill_absent(t.spec, ids, weights, found, with_state=False)
                 if not stored:
                     return weights
                 bits = t.codec.round_nearest(weights)  # exact: the values are stored ones
                 return bits.view(np.float16) if t.codec.precision == "fp16" else bits
-            rows, found = t.chain.get(ids)
+            rows, found = self._read(t, ids)
             self._fill_absent(t.spec, ids, rows, found, with_state=False)
             # with optimizer state stored beside the weights this is a strided view of a fresh
             # buffer (no copy: the copy cost more than the lookup itself)
@@ -743,8 +780,13 @@ class EmbeddingStore:
             t = self._table(table)
             if t.written is None:
                 return np.zeros(0, dtype=np.int64)
-            ids = np.ascontiguousarray(t.written.ids())
-            return ids[~t.chain.contains(ids)] if len(ids) else ids
+            for attempt in range(_CATCH_UPS + 1):
+                ids = np.ascontiguousarray(t.written.ids())
+                lost = ids[~t.chain.contains(ids)] if len(ids) else ids
+                if not len(lost) or not self._read_only or attempt == _CATCH_UPS:
+                    break
+                self._catch_up(t)  # beside a writer: maybe only flushed since this handle read
+            return lost
 
     def tier_statistics(self, table: str) -> list[TierStatistics]:
         """One `TierStatistics` per tier of `table`, top first."""
@@ -808,7 +850,7 @@ class EmbeddingStore:
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            layout.release(self._lock_fd)
             self._lock_fd = None
 
     @property

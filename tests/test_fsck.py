@@ -28,7 +28,7 @@ def _store(path, bottom, n=100, cache=10):
     return path
 
 
-def _live_value_offset(path, bottom, row_id=50):
+def _live_value_offset(path, bottom, row_id=50, tier=None):
     """Offset in the table file of the stored bytes of `row_id`'s row in table t."""
     if bottom == "pmem":
         from embstore.backends.pmem import DATA_OFFSET, REC_ID, record_size
@@ -42,7 +42,7 @@ def _live_value_offset(path, bottom, row_id=50):
                 return file, at + 24
         raise AssertionError("row not found")
     import lmdb
-    file = path / "tier1-lmdb" / "data.mdb"
+    file = path / (tier or "tier1-lmdb") / "data.mdb"
     env = lmdb.open(str(file.parent), readonly=True, lock=False, max_dbs=64)
     key = np.array([(1 << 63) | row_id], dtype=">u8").tobytes()
     with env.begin(db=env.open_db(b"t:t", create=False)) as txn:
@@ -133,6 +133,21 @@ def test_a_damaged_row_is_found_repaired_and_the_next_fsck_is_clean(tmp_path, bo
     assert len(backups) == 1 and (backups[0] / "MANIFEST.json").exists()
 
 
+def test_repair_keeps_every_row_of_a_dram_table_beside_a_damaged_one(tmp_path):
+    path = tmp_path / "s"
+    tables = [TableSpec("t", dim=4, num_embeddings=1000),
+              TableSpec("d", dim=2, tiers=(TierSpec("dram"),))]
+    with embstore.open(path, tables=tables, tiers=[TierSpec("lmdb")]) as store:
+        store.update("t", np.arange(100), np.full((100, 4), 1.25, np.float32))
+        store.update("d", np.arange(10), np.full((10, 2), 3.0, np.float32))
+    file, at = _live_value_offset(path, "lmdb", tier="tier0-lmdb")
+    _flip(file, at + 6)
+    assert fsck.exit_code(fsck.check(path, repair=True)) == 1
+    with embstore.open(path, read_only=True) as store:
+        assert store.num_rows("t") == 99 and store.num_rows("d") == 10
+        assert (store.lookup("d", np.arange(10)) == 3.0).all()
+
+
 def test_a_damaged_lmdb_key_is_found_and_named_with_the_id_it_belongs_to(tmp_path):
     path = _store(tmp_path / "s", "lmdb")
     file, at = _live_value_offset(path, "lmdb")
@@ -143,6 +158,44 @@ def test_a_damaged_lmdb_key_is_found_and_named_with_the_id_it_belongs_to(tmp_pat
     assert fsck.check(path) == []
     with embstore.open(path, read_only=True) as store:  # put back under its own id
         assert store.num_rows("t") == 100 and (store.lookup("t", np.array([50])) == 1.25).all()
+
+
+def _rocksdb_store_with_a_damaged_block(path, n=3000, damaged_id=1500):
+    spec = TableSpec("t", dim=4, num_embeddings=10_000)
+    with embstore.open(path, tables=[spec], tiers=[TierSpec("rocksdb")]) as store:
+        store.update("t", np.arange(n), np.repeat(np.arange(n, dtype=np.float32)[:, None], 4, 1))
+    sst = max((path / "tier0-rocksdb").glob("*.sst"), key=lambda p: p.stat().st_size)
+    at = sst.read_bytes().find(np.full(4, damaged_id, np.float32).tobytes())
+    assert at > 0
+    _flip(sst, at + 2)  # a value of one data block in the middle of the table
+    return spec
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["record", "no-record"])
+def test_repair_of_a_damaged_rocksdb_block_lists_exactly_the_ids_it_lost(tmp_path, record):
+    path, n = tmp_path / "s", 3000
+    spec = _rocksdb_store_with_a_damaged_block(path, n)
+    if not record:
+        (path / "written" / "t.ids").unlink()
+    findings = fsck.check(path, repair=True)
+    assert fsck.exit_code(findings) == 1
+    (dropped,) = [f for f in findings if f.message.startswith("dropped")]
+    with embstore.open(path, read_only=True) as store:
+        ids = np.arange(n)
+        stored = np.concatenate([page[0] for page in store.items("t")])
+        lost = np.setdiff1d(ids, stored)
+        assert 0 < len(lost) < n / 10 and 1500 in lost  # one block's rows
+        if record:
+            assert dropped.ids == tuple(lost.tolist())
+            assert dropped.message.startswith(f"dropped {len(lost)} row(s)")
+        else:
+            assert dropped.ids == () and "an unknown number more" in dropped.message
+        # kept rows are intact; lost ones read as never written, as after any repair
+        kept = ids[~np.isin(ids, lost)]
+        np.testing.assert_array_equal(store.lookup("t", kept)[:, 0], kept.astype(np.float32))
+        np.testing.assert_array_equal(store.lookup("t", lost),
+                                      spec.init(lost, 4, np.dtype(np.float32)))
+    assert fsck.check(path) == []
 
 
 def test_a_damaged_rocksdb_block_is_found_and_repair_leaves_a_clean_store(tmp_path):
@@ -225,10 +278,14 @@ def test_a_missing_store_cannot_be_checked(tmp_path, capsys):
     assert main(["fsck", str(tmp_path / "none")]) == 8
 
 
-def test_a_store_locked_by_a_writer_cannot_be_checked(tmp_path):
+def test_beside_a_writer_fsck_checks_with_a_note_and_repair_is_refused(tmp_path, capsys):
     path = _store(tmp_path / "s", "lmdb")
     with embstore.open(path):
-        assert main(["fsck", str(path)]) == 8
+        assert main(["fsck", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert f"note: (store): process {os.getpid()} held the store open for writing" in out
+        assert main(["fsck", "--repair", str(path)]) == 8
+        assert "holds it for writing" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("how", ["outside", "missing", "symlink", "garbage", "version"])

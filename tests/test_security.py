@@ -1,7 +1,8 @@
 """Files a store writes are private, nothing is unpickled, and links are never followed.
 
-Every file of a store, its checkpoints and restores is 0600 and every directory 0700 (the
-store's parent excepted); a symbolic link planted where the manifest points (a tier
+Every file of a store, its checkpoints and restores, exports and imports, and of the store
+after compact, migrate and fsck --repair (its backup too) is 0600 and every directory 0700
+(the store's parent excepted); a symbolic link planted where the manifest points (a tier
 directory, a table's file, the written-id record, the manifest itself) is refused with
 CorruptStoreError and the file it points to is left untouched.
 """
@@ -18,6 +19,8 @@ import pytest
 
 import embstore
 from embstore.errors import CorruptStoreError
+from embstore.layout import read_manifest, write_manifest
+from embstore.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ["rocksdb", "lmdb", "pmem", "dram"]
@@ -47,19 +50,61 @@ def test_no_pickle_anywhere_in_the_package():
     assert hits == []
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_every_file_is_0600_and_every_directory_0700(tmp_path, backend):
-    os.umask(0o022)  # the usual umask: the modes must not come from it
-    _store(tmp_path / "s", backend)
+def _loose(root: Path) -> list[str]:
+    """Every file under `root` not 0600 and directory not 0700 (`root` itself excepted)."""
     loose = []
-    for top in ("s", "ckpt", "inc", "restored"):
-        for dirpath, dirnames, filenames in os.walk(tmp_path / top):
-            for name in [*dirnames, *filenames, ""]:
-                p = Path(dirpath, name)
-                mode = stat.S_IMODE(p.lstat().st_mode)
-                if mode & 0o077:
-                    loose.append(f"{p.relative_to(tmp_path)} {oct(mode)}")
-    assert sorted(set(loose)) == []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            p = Path(dirpath, name)
+            mode = stat.S_IMODE(p.lstat().st_mode)
+            if mode & 0o077 or (p.is_dir() and mode != 0o700) or \
+                    (p.is_file() and mode != 0o600):
+                loose.append(f"{p.relative_to(root)} {oct(mode)}")
+    return sorted(loose)
+
+
+@pytest.fixture
+def usual_umask():
+    old = os.umask(0o022)  # the usual umask: the modes must not come from it
+    yield
+    os.umask(old)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_file_is_0600_and_every_directory_0700(tmp_path, backend, usual_umask):
+    _store(tmp_path / "s", backend)
+    assert _loose(tmp_path) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_operation_on_a_store_leaves_only_private_files(tmp_path, backend, usual_umask,
+                                                               capsys):
+    """Export, import, compact, migrate and fsck --repair, each followed by a walk of all."""
+    path = tmp_path / "s"
+    tiers = [embstore.TierSpec("dram", capacity=10), embstore.TierSpec(backend)]
+    # a table fsck will find fault with (NaN rows, once its spec forbids them): a repair
+    # then rewrites the whole store, the table under test too
+    tables = [embstore.TableSpec("t", dim=4),
+              embstore.TableSpec("n", dim=2, allow_nonfinite=True,
+                                 tiers=(embstore.TierSpec("lmdb"),))]
+    with embstore.open(path, tables=tables, tiers=tiers) as store:
+        store.update("t", np.arange(50), np.ones((50, 4), np.float32))
+        store.update("n", np.arange(5), np.full((5, 2), np.nan, np.float32))
+    doc = read_manifest(path)
+    doc["tables"][1]["allow_nonfinite"] = False
+    write_manifest(path, {k: v for k, v in doc.items() if k not in ("format", "version")})
+    other = "lmdb" if backend != "lmdb" else "rocksdb"
+    steps = [["export", str(path), str(tmp_path / "exported")],
+             ["import", str(tmp_path / "exported"), str(tmp_path / "imported")],
+             ["compact", str(path)],
+             ["migrate", str(path), "--tiers", f"dram:10,{other}"],
+             ["migrate", str(path), "--tiers", f"dram:10,{backend}"],
+             ["fsck", "--repair", str(path)]]
+    for argv in steps:
+        assert main(argv) in (0, 1), argv
+        assert _loose(tmp_path) == [], argv
+    assert "dropped 5 row(s)" in capsys.readouterr().out  # the repair did rewrite the store
+    assert len(list(tmp_path.glob(".s.fsck-backup-*"))) == 1
 
 
 def _plant(link: Path, target: Path) -> None:

@@ -3,7 +3,8 @@
 For every registered backend with a raw baseline (rocksdb: rocksdict; lmdb: the lmdb package;
 pmem: a numpy memmap), the table is loaded into the backend and, separately, into the raw
 library opened with the same options. Reads are batches of Zipf ids (duplicates included),
-writes the distinct ids of such batches. The raw side runs every way its library offers to do
+through the writing handle and through a read-only one, writes the distinct ids of such
+batches. The raw side runs every way its library offers to do
 the same work (e.g. multi-get and a per-key get loop, with and without first removing
 duplicate ids) and the fastest one is the baseline, timed again head to head with the backend;
 the backend also verifies and writes its per-row checksums. Contenders run interleaved, each on
@@ -275,11 +276,12 @@ RAW: dict[str, Callable[[Path, argparse.Namespace], _Raw]] = {
 # --- the run ------------------------------------------------------------------------------
 
 
-def _open_backend(name: str, path: Path, args: argparse.Namespace) -> Backend:
+def _open_backend(name: str, path: Path, args: argparse.Namespace, *,
+                  read_only: bool = False) -> Backend:
     cls = registry.load_backend(name)
     capacity = 2 * args.rows * (args.dim * 4 + 64)
-    return cls.open(BackendSpec(path=path, dim=args.dim, table="bench",
-                                capacity_bytes=capacity))  # type: ignore[no-any-return]
+    return cls.open(BackendSpec(path=path, dim=args.dim, table="bench", capacity_bytes=capacity,
+                                read_only=read_only))  # type: ignore[no-any-return]
 
 
 def _load(backend: Backend, raw: _Raw, zipf: ZipfIds, args: argparse.Namespace) -> float:
@@ -345,6 +347,20 @@ def _bench_one(name: str, root: Path, zipf: ZipfIds,
         med = interleaved_medians({"backend": readers["backend"], best: readers[best]},
                                   args.repeats)
         out = [(name, "read", args.batch / med["backend"], args.batch / med[best], best)]
+
+        # A read-only handle, as a reader beside a writer opens one (in this process it
+        # shares the writer's database where the library allows only one per process;
+        # a pmem reader maps the file itself and checks each record in a copy of it)
+        backend.flush()
+        with _open_backend(name, root / name, args, read_only=True) as reader:
+            for c in ("backend", best):
+                read_ranks[c] = [zipf.ranks(args.batch) for _ in range(args.repeats)]
+                read_ids[c] = [zipf.ids[r] for r in read_ranks[c]]
+            med = interleaved_medians(
+                {"backend": lambda i: reader.get(read_ids["backend"][i])[0],
+                 best: readers[best]}, args.repeats)
+        out.append((name, "read (read-only handle)", args.batch / med["backend"],
+                    args.batch / med[best], best))
 
         def put(i: int) -> None:
             backend.put(zipf.ids[write_ranks[i]], write_rows[i])

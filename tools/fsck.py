@@ -5,6 +5,10 @@ log and block checksums), every row's checksum, id and values against the table 
 row counts against the store's record. `--repair` writes the rows that pass into a new copy,
 swaps it in atomically and keeps the old store beside it (`.NAME.fsck-backup-TIME`).
 
+Beside a writer (another process holds the store open for writing) fsck checks what the
+writer's last flush left, changes nothing and says so in a note; --repair is refused until the
+writer closes the store.
+
 Exit codes (as e2fsck): 0 clean, 1 problems repaired, 4 problems left, 8 fsck could not run.
 """
 
@@ -37,7 +41,7 @@ def _line(f: fsck.Finding) -> str:
     where = ", ".join(x for x in (f.file, None if f.offset is None else f"offset {f.offset}",
                                   None if f.id is None else f"id {f.id}") if x)
     what = f"; expected {f.expected}, found {f.found}" if f.expected or f.found else ""
-    tag = "repaired: " if f.repaired else ""
+    tag = "note: " if f.note else "repaired: " if f.repaired else ""
     ids = f" (ids {', '.join(map(str, f.ids[:20]))}{', ...' if len(f.ids) > 20 else ''})" \
         if f.ids else ""
     return f"{tag}{f.table or '(store)'}: {f.message}{what}{ids}" + (f" [{where}]" if where
@@ -64,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     for f in findings:
         print(_line(f))
     print({0: f"{args.path}: clean", 1: f"{args.path}: every problem repaired",
-           4: f"{args.path}: {sum(not f.repaired for f in findings)} problem(s) left",
+           4: f"{args.path}: {sum(not f.repaired and not f.note for f in findings)} "
+              "problem(s) left",
            8: f"{args.path}: fsck could not run"}[code])
     return code

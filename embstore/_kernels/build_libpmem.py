@@ -39,7 +39,7 @@ RECORDS_CDEF = """
 int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset,
                    int64_t row_bytes, const int64_t *keys, const int32_t *vals, uint64_t mask,
                    const int64_t *ids, int64_t n, char *out, uint8_t *found,
-                   int64_t *first_bad);
+                   int64_t *first_bad, char *scratch);
 int64_t rec_index_upsert(int64_t *keys, int32_t *vals, uint64_t mask, const int64_t *ids,
                          const int32_t *slots, int64_t n, int32_t *old_slots);
 void rec_write(char *base, int64_t record_size, int64_t payload_offset, int64_t row_bytes,

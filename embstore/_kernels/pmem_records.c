@@ -101,6 +101,10 @@ static int64_t finish_group(crc_fn f, const unsigned char *const *rec, const int
  * record holds ids[j] and that its CRC matches. Returns the number of bad records, the index
  * of the first one in *first_bad (-1 if none); bad records are never copied out.
  *
+ * scratch (GROUP * (payload_offset + row_bytes) bytes, or NULL): copy each record there first
+ * and check the copy, for a reader whose mapping a writer in another process may change
+ * meanwhile; a record changed while it was copied fails its check, never comes out torn.
+ *
  * Each id costs two dependent cache misses (hash bucket, then record). The loop is a software
  * pipeline: at step t it prefetches the bucket of id t, probes id t-STAGE (its bucket is in
  * cache by now) and prefetches that record, and verifies and copies id t-2*STAGE, so the
@@ -124,7 +128,7 @@ static void remember(int64_t *verified, const unsigned char *const *rec, const i
 int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset,
                    int64_t row_bytes, const int64_t *keys, const int32_t *vals, uint64_t mask,
                    const int64_t *ids, int64_t n, char *out, uint8_t *found,
-                   int64_t *first_bad) {
+                   int64_t *first_bad, char *scratch) {
     crc_fn f = pick();
     int64_t bad = 0;
     int64_t slot[RING];
@@ -154,7 +158,7 @@ int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset
             found[j] = 0;
             continue;
         }
-        if (verified[s & (VERIFIED - 1)] == s &&
+        if (!scratch && verified[s & (VERIFIED - 1)] == s &&
             memcmp(base + s * record_size, &ids[j], 8) == 0) {
             /* this record passed its check earlier in this call and nothing can have
              * changed it since (the caller holds the table); copy it again */
@@ -163,12 +167,20 @@ int64_t rec_gather(const char *base, int64_t record_size, int64_t payload_offset
             found[j] = 1;
             continue;
         }
-        rec[count] = (const unsigned char *)(base + s * record_size);
+        if (scratch) {
+            /* one copy of the record, then every check and the payload from the copy: a
+             * writer in another process may change the mapping between two reads of it */
+            char *copy = scratch + count * (payload_offset + row_bytes);
+            memcpy(copy, base + s * record_size, (size_t)(payload_offset + row_bytes));
+            rec[count] = (const unsigned char *)copy;
+        } else {
+            rec[count] = (const unsigned char *)(base + s * record_size);
+        }
         pos[count++] = j;
         if (count == GROUP) {
             bad += finish_group(f, rec, pos, count, payload_offset, row_bytes, ids, out, found,
                                 first_bad);
-            remember(verified, rec, pos, count, found, base, record_size);
+            if (!scratch) remember(verified, rec, pos, count, found, base, record_size);
             count = 0;
         }
     }

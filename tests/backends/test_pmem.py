@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -457,15 +458,68 @@ def test_rows_from_get_are_copies_that_outlive_the_mapping(tmp_path, mapping):
     got[:] = 0.0
 
 
-def test_a_second_writer_of_the_same_table_is_refused(tmp_path, mapping):
+def test_a_second_writer_of_the_same_table_is_refused_and_readers_join_it(tmp_path, mapping):
     with _open(tmp_path) as b:
         b.put(_ids(1), _rows(1))
         with pytest.raises(StoreLockedError):
             _open(tmp_path)
-        with pytest.raises(StoreLockedError):
-            _open(tmp_path, read_only=True)
+        b.flush()
+        with _open(tmp_path, read_only=True) as r:
+            assert len(r) == 1
     with _open(tmp_path, read_only=True) as r1, _open(tmp_path, read_only=True) as r2:
         assert len(r1) == len(r2) == 1
+
+
+def test_a_reader_beside_a_writer_rewriting_rows_never_returns_a_torn_row(tmp_path, mapping):
+    ids = np.arange(64, dtype=np.int64)
+    stop = threading.Event()
+    with _open(tmp_path) as w:
+        w.put(ids, np.zeros((64, DIM), np.float32))
+        w.flush()
+
+        def write() -> None:  # rows rewritten in place (unflushed) and, now and then, moved
+            v = 0
+            while not stop.is_set():
+                v += 1
+                w.put(ids, np.full((64, DIM), v, np.float32))
+                if v % 50 == 0:
+                    w.flush()
+
+        with _open(tmp_path, read_only=True) as r:
+            thread = threading.Thread(target=write)
+            thread.start()
+            try:
+                reads, deadline = 0, time.monotonic() + 0.5
+                while time.monotonic() < deadline:
+                    got, found = r.get(ids)
+                    assert found.all()
+                    assert (got == got[:, :1]).all(), "a row mixes two writes"
+                    reads += 1
+            finally:
+                stop.set()
+                thread.join()
+    assert reads > 10
+
+
+def test_a_reader_beside_the_writer_follows_retired_and_reused_slots(tmp_path, mapping):
+    ids = np.arange(100, dtype=np.int64)
+    with _open(tmp_path) as w:
+        w.put(ids, _rows(100, seed=1))
+        w.flush()
+        with _open(tmp_path, read_only=True) as r:
+            np.testing.assert_array_equal(r.get(ids)[0], _rows(100, seed=1))
+            for seed in (2, 3):  # 2: the reader's slots retired; 3: retired ones reused
+                w.put(ids, _rows(100, seed=seed))
+                w.flush()
+                got, found = r.get(ids)
+                assert found.all()
+                np.testing.assert_array_equal(got, _rows(100, seed=seed))
+            w.delete(ids[:10])
+            w.put(np.arange(1000, 5000, dtype=np.int64), _rows(4000, seed=4))  # the file grows
+            w.flush()
+            r.refresh()
+            assert len(r) == 4090 and not r.contains(ids[:10]).any()
+            np.testing.assert_array_equal(r.get(np.arange(1000, 5000))[0], _rows(4000, seed=4))
 
 
 # --- flush cost --------------------------------------------------------------------------------

@@ -4,6 +4,9 @@ edit to this file; tests that need a capability skip on the capability, never on
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -271,6 +274,30 @@ def test_read_only_backend_rejects_every_write(backend_name, tmp_path):
         got, found = b.get(ids)
         assert found.all()
         np.testing.assert_array_equal(got, _rows(3))
+
+
+def test_a_read_only_handle_refreshed_sees_what_a_writer_in_another_process_flushed(
+        backend_name, tmp_path):
+    _require_persistence(backend_name)
+    path = tmp_path / "tier"
+    with _open(backend_name, path) as b:
+        b.put(np.arange(3, dtype=np.int64), _rows(3))
+    code = (f"import numpy as np\nfrom embstore import registry\n"
+            f"from embstore.backend import BackendSpec\n"
+            f"b = registry.load_backend({backend_name!r}).open(BackendSpec(path={str(path)!r}, "
+            f"dim={DIM}, table='t'))\n"
+            f"b.put(np.arange(3, 10), np.random.default_rng(5).standard_normal((7, {DIM}))"
+            f".astype(np.float32))\nb.delete(np.array([0]))\nb.flush()\nb.close()\n")
+    with _open(backend_name, path, read_only=True) as r:
+        assert r.contains(np.arange(3, dtype=np.int64)).all()
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+        r.refresh()
+        got, found = r.get(np.arange(10, dtype=np.int64))
+        assert found.tolist() == [False] + [True] * 9
+        np.testing.assert_array_equal(got[3:], np.random.default_rng(5).standard_normal(
+            (7, DIM)).astype(np.float32))
+    with pytest.raises(StoreClosedError):
+        r.refresh()
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])

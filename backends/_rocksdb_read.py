@@ -1,0 +1,114 @@
+"""Opening a RocksDB database read-only without writing anything in its directory.
+
+rocksdict writes its own config file (``rocksdict-config.json``) into the directory it opens,
+read-only or not. A reader beside a writer, and fsck, must change nothing in a store: so a
+read-only database is opened through a private directory of symbolic links to its files,
+removed as soon as the database is open.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+import rocksdict
+
+from embstore.errors import StoreNotFoundError
+
+__all__ = ["db_files", "error_text", "open_read_only"]
+
+_VIEW_PREFIX: Final = "embstore-rocksdb-read-"
+_DB_FILE: Final = re.compile(r"^(CURRENT|IDENTITY|MANIFEST-\d+|OPTIONS-\d+|\d+\.(sst|log|blob))$")
+_OPEN_TRIES: Final = 8
+
+
+def open_read_only(directory: Path, db_options: Any,
+                   cf_options: Callable[[], Any] | None) -> tuple[Any, list[str]]:
+    """Open the RocksDB database in `directory` read-only, writing nothing there.
+
+    rocksdict writes its own config file into the directory it opens, read-only or not; so
+    the database is opened through a private directory of symbolic links to its files,
+    removed once open (every table file is opened then: max_open_files -1). RocksDB's
+    read-only open takes no lock and replays the write-ahead log in memory: it reads beside
+    a writer, as of the open. That writer may delete or add a file between the listing and
+    the open (a log after a memtable flush, SSTs in a compaction, a new MANIFEST): the open
+    is then tried again with a fresh listing.
+
+    Args:
+        directory: the tier directory.
+        db_options: the database's options (rocksdict.Options).
+        cf_options: options of each table's column family, or None to open only the
+            default column family.
+
+    Returns:
+        The database (rocksdict.Rdict) and the names of its column families.
+
+    Raises:
+        StoreNotFoundError: no RocksDB database in `directory`.
+        Exception: what rocksdict raised on the last try.
+    """
+    db_options.set_max_open_files(-1)
+    last: Exception | None = None
+    for _ in range(_OPEN_TRIES):
+        view = Path(tempfile.mkdtemp(prefix=_VIEW_PREFIX))
+        try:
+            if not directory.is_dir():
+                raise StoreNotFoundError(
+                    f"no RocksDB database in {directory}; open it for writing first to create it")
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if _DB_FILE.match(entry.name) and entry.is_file(follow_symlinks=False):
+                        os.symlink(os.path.abspath(entry.path), view / entry.name)
+            if not (view / "CURRENT").exists():
+                raise StoreNotFoundError(
+                    f"no RocksDB database in {directory}; open it for writing first to create it")
+            cfs = rocksdict.Rdict.list_cf(str(view), rocksdict.Options(raw_mode=True))
+            families = ({n: cf_options() for n in cfs if n != "default"} or None
+                        if cf_options is not None else None)
+            db = rocksdict.Rdict(str(view), db_options, column_families=families,
+                                 access_type=rocksdict.AccessType.read_only(False))
+            return db, cfs
+        except StoreNotFoundError:
+            raise
+        except Exception as exc:
+            if "No such file" not in str(exc) and "NotFound" not in str(exc):
+                raise
+            last = exc  # a file the writer removed or added meanwhile: list again
+        finally:
+            shutil.rmtree(view, ignore_errors=True)
+    assert last is not None
+    raise last
+
+
+def db_files(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime ns) of the database files in `directory`: changes with any write."""
+    out = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if _DB_FILE.match(entry.name):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    out.append((entry.name, st.st_size, st.st_mtime_ns))
+    except FileNotFoundError:
+        pass  # the open that follows says what is missing
+    return tuple(sorted(out))
+
+
+_VIEW: Final = re.compile(r"\S*/" + _VIEW_PREFIX + r"[A-Za-z0-9_]+")
+
+
+def error_text(exc: Exception, directory: Path) -> str:
+    """The message of a rocksdict error, naming `directory` where it names a reader's links.
+
+    A read-only database is opened through a private directory of links (`open_read_only`):
+    RocksDB's messages name that directory, which is gone by the time anyone reads them.
+    """
+    return _VIEW.sub(str(directory), str(exc))
