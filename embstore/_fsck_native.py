@@ -310,10 +310,10 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     settings = tuple((k, options.get(k, v)) for k, v in defaults.items()
                      if k != "sync_writes")
     cache = rocksdict.Cache(8 << 20)
-    opts = _make_options(settings, cache, db=True)
+    cfs = rocksdict.Rdict.list_cf(str(d), rocksdict.Options(raw_mode=True))
+    opts = _make_options(settings, cache, db=True, column_families=len(cfs))
     opts.create_if_missing(False)
     opts.set_paranoid_checks(True)
-    cfs = rocksdict.Rdict.list_cf(str(d), rocksdict.Options(raw_mode=True))
     db = rocksdict.Rdict(str(d), opts, column_families={
         n: _make_options(settings, cache) for n in cfs if n != "default"} or None,
         access_type=rocksdict.AccessType.read_only(False))

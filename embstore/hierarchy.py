@@ -524,6 +524,10 @@ class TableChain:
     def flush(self) -> None:
         """Write back every dirty row, then make the store of record durable."""
         self.write_back_all()
+        self.sync()
+
+    def sync(self) -> None:
+        """Make every tier durable as it stands (`flush` without the write-back)."""
         for tier in self.tiers:
             tier.backend.flush()
 
