@@ -159,7 +159,8 @@ def _scan_lmdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     if current.problems:
         return findings, scans  # LMDB would read through a damaged meta page
     env = lmdb.open(str(d), readonly=True, lock=False, subdir=True,
-                    max_dbs=int(options.get("max_tables", 64)), readahead=False)
+                    max_dbs=max(int(options.get("max_tables", 64)), len(specs) + 1),
+                    readahead=False)
     try:
         with env.begin() as txn:
             names = [k for k, _ in txn.cursor()]
