@@ -65,6 +65,8 @@ DB_PREFIX: Final = b"t:"
 META_DB: Final = b"embstore:meta"
 
 _HANDLES: SharedHandles[lmdb.Environment] = SharedHandles("lmdb")
+_SYNCED: dict[str, int] = {}
+"""Per open environment (by directory), the last transaction a flush synced."""
 T = TypeVar("T")
 
 
@@ -324,15 +326,27 @@ class LMDBBackend(KeyValueBackend):
         return stats
 
     def _flush(self) -> None:
+        # the tables of a directory share its environment: a store's flush flushes each of
+        # them, and only the first after a commit has anything to sync
+        txnid = self._env.info()["last_txnid"]
+        if _SYNCED.get(self._key) == txnid:
+            return
         try:
             self._env.sync(True)
         except lmdb.Error as exc:
             _fail(exc, f"syncing LMDB environment {self._dir}")
+        _SYNCED[self._key] = txnid
 
     def _close(self) -> None:
         self._db = None
         self._env = None
-        _HANDLES.release(self._key, _close_env)
+        key = self._key
+
+        def close(env: Any) -> None:  # the directory's last table
+            _SYNCED.pop(key, None)
+            _close_env(env)
+
+        _HANDLES.release(key, close)
 
 
 # LMDB's meta pages (pages 0 and 1, 64-bit build): offsets within a page.

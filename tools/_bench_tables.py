@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=positive_int, default=256,
                         help="samples per batch (256): lookups per table per batch are this "
                              "times the statistics' lookups per sample per table")
-    parser.add_argument("--batches", type=positive_int, default=3,
-                        help="timed batches per contender (3), after one cold batch")
+    parser.add_argument("--batches", type=positive_int, default=5,
+                        help="timed batches per contender (5), after one cold batch")
     parser.add_argument("--stats", type=Path, default=DEFAULT_STATS,
                         help="a dlrm_datasets locality_stats.txt (default: the 2021 one in "
                              "shared/traces; its built-in figure where absent)")
@@ -258,12 +258,13 @@ def run(args: argparse.Namespace) -> int:
                     total = _timed(lambda: step_batched(store, batch))[0]
                 shares.append((total - clock.seconds) / total)
 
-            contenders = [timed_batched, timed_per_table, timed_work]
             for k in range(args.batches):
-                # in turn, each on batches of its own; the first place rotates, as later
-                # batches find more of their rows stored and cost less
-                for j in range(3):
-                    contenders[(k + j) % 3](todo[1 + 3 * k + j])
+                # in turn, each on batches of its own; the two compared swap places every
+                # round, as later batches find more of their rows stored and cost less
+                pair = [timed_batched, timed_per_table]
+                for j, contender in enumerate(pair if k % 2 == 0 else pair[::-1]):
+                    contender(todo[1 + 3 * k + j])
+                timed_work(todo[3 + 3 * k])
             b, p = float(np.median(batched)), float(np.median(per_table_s))
             share = float(np.median(shares))
             rows.append(("batch, lookup_many + apply_gradients_many", b,
