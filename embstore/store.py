@@ -753,8 +753,8 @@ class EmbeddingStore:
             self._save_steps()
 
     def _flush_tables(self) -> None:
-        # every table's write-backs first: their writers run meanwhile, and the tables of a
-        # tier directory that share one log (RocksDB) find it synced by the first table's sync
+        # every table's write-backs first, then the syncs: the tables of a tier directory that
+        # share one log (RocksDB) or environment (LMDB) find it synced by the first one's sync
         for t in self._tables.values():
             t.chain.write_back_all()
         for t in self._tables.values():
