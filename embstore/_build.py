@@ -58,12 +58,18 @@ def _levels(spec: TableSpec, default_tiers: Sequence[TierSpec], root: Path | Non
 
 @contextlib.contextmanager
 def opening_tables(specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec],
-                   root: Path | None, *, read_only: bool) -> Iterator[None]:
+                   root: Path | None, *, read_only: bool,
+                   checked: set[Path] | None = None) -> Iterator[None]:
     """Open the chains of `specs` inside this block: each tier directory gets ready for all.
 
     Calls `Backend.opening` once per backend class, directory and options with every table
-    that opens there (see it for why); errors of the specs themselves are left to
-    `build_chain`, which reports them table by table.
+    that opens there (see it for why), each directory checked for links first (`checked`:
+    as `build_chain` takes it); errors of the specs themselves are left to `build_chain`,
+    which reports them table by table.
+
+    Raises:
+        CorruptStoreError: a tier directory is or holds a link.
+        What `Backend.opening` raises.
     """
     groups: dict[tuple[type[Backend], Path, str], tuple[dict[str, Any], list[BackendSpec]]] = {}
     if root is not None:
@@ -77,8 +83,13 @@ def opening_tables(specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec]
                     key = (cls, bspec.path, repr(sorted(ts.options.items())))
                     groups.setdefault(key, (ts.options, []))[1].append(bspec)
     with contextlib.ExitStack() as stack:
-        for (cls, _, _), (options, bspecs) in groups.items():
+        for (cls, path, _), (options, bspecs) in groups.items():
             if len(bspecs) > 1:
+                assert root is not None
+                if checked is None or path not in checked:
+                    check_inside(root, path)
+                    if checked is not None:
+                        checked.add(path)
                 stack.enter_context(cls.opening(bspecs, **options))
         yield
 

@@ -96,7 +96,8 @@ class EmbeddingStore:
         # directories this open checked for links: the tables of a tier share theirs
         self._checked: set[Path] = set()
         try:
-            with opening_tables(specs, tiers, path, read_only=read_only):
+            with opening_tables(specs, tiers, path, read_only=read_only,
+                                checked=self._checked):
                 for spec in specs:
                     codec = None if spec.precision == "fp32" else RowCodec(
                         spec.name, spec.precision, spec.dim, spec.row_width - spec.dim)

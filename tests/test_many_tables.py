@@ -266,3 +266,19 @@ def test_write_atomic_many_replaces_every_file_on_its_own(tmp_path):
     assert [f.read_bytes() for f, _ in files] == [d for _, d in files]
     assert all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f, _ in files)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for f, _ in files)
+
+
+@pytest.mark.parametrize("bottom", ["rocksdb", "lmdb"])
+def test_a_linked_tier_directory_of_many_tables_is_refused_before_it_is_opened(tmp_path,
+                                                                             bottom):
+    _available(bottom)
+    specs = [TableSpec(f"t{i}", dim=2) for i in range(3)]
+    embstore.open(tmp_path / "s", tables=specs, tiers=[TierSpec(bottom)]).close()
+    tier = tmp_path / "s" / f"tier0-{bottom}"
+    target = tmp_path / "elsewhere"
+    os.rename(tier, target)
+    tier.symlink_to(target)
+    before = {p.name: p.stat().st_mtime_ns for p in target.iterdir()}
+    with pytest.raises(embstore.errors.CorruptStoreError, match="symbolic link"):
+        embstore.open(tmp_path / "s")
+    assert {p.name: p.stat().st_mtime_ns for p in target.iterdir()} == before
