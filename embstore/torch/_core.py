@@ -120,7 +120,8 @@ def fetch(store: Any, plan: ForwardPlan, device: torch.device) -> None:
     """Look up the distinct rows of every table of `plan` not staged yet; onto `device`."""
     todo = [tp for tp in plan.tables if tp.rows is None]
     many = None
-    if len(todo) > 1 or (todo and getattr(store, "collective", False)):
+    collective = getattr(store, "collective", False)
+    if (len(todo) > 1 and hasattr(store, "lookup_many")) or (todo and collective):
         # one call for all tables: one exchange for a sharded store, one lock and one
         # check of the inputs for a local one
         many = store.lookup_many({tp.table: tp.groups.unique for tp in todo})
@@ -416,7 +417,8 @@ def run(store: EmbeddingStore, plan: ForwardPlan, mode: str, *, train: bool
             tp.rows.record_stream(stream)
             tp.inverse.record_stream(stream)
             tp.ready = None
-    if train and (len(plan.tables) > 1 or getattr(store, "collective", False)):
+    if train and ((len(plan.tables) > 1 and hasattr(store, "apply_gradients_many"))
+                  or getattr(store, "collective", False)):
         weights = [fp.bags.per_sample_weights for tp in plan.tables for fp in tp.features
                    if fp.bags.per_sample_weights is not None]
         results = _TablesFunction.apply(  # type: ignore[no-untyped-call]

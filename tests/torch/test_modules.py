@@ -409,3 +409,32 @@ def test_collection_fetches_and_updates_all_its_tables_in_one_call_each(monkeypa
         np.testing.assert_array_equal(store.lookup_state(t, np.arange(8)),
                                       reference.lookup_state(t, np.arange(8)))
 
+
+
+class _PerTableStore:
+    """A store with only the per-table calls the modules need (no `*_many`)."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def lookup(self, table, ids):
+        return self._store.lookup(table, ids)
+
+    def apply_gradients(self, table, ids, grads):
+        self._store.apply_gradients(table, ids, grads)
+
+    def table_spec(self, table):
+        return self._store.table_spec(table)
+
+
+def test_collection_works_over_a_store_without_the_calls_over_many_tables():
+    tables, features, feats = _collection_of_tables(3)
+    store, reference = embstore.open(None, tables=tables), embstore.open(None, tables=tables)
+    for target in (_PerTableStore(store), reference):
+        ebc = et.EmbeddingBagCollection(target, features, mode="sum")
+        (ebc(feats).values() ** 2).sum().backward()
+    for t in reference.tables:
+        np.testing.assert_array_equal(store.lookup(t, np.arange(8)),
+                                      reference.lookup(t, np.arange(8)))
+    assert not np.array_equal(store.lookup("t0", np.arange(8)),
+                              embstore.open(None, tables=tables).lookup("t0", np.arange(8)))
