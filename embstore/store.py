@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ from .spec import TableSpec, TierSpec
 __all__ = ["EmbeddingStore"]
 
 DEFAULT_TIERS = (TierSpec("dram"),)
+_PARALLEL_SYNCS = 8
+"""Tables from which a flush syncs them on several threads."""
 
 
 @dataclass
@@ -756,13 +759,26 @@ class EmbeddingStore:
     def _flush_tables(self) -> None:
         # every table's write-backs first, then the syncs: the tables of a tier directory that
         # share one log (RocksDB) or environment (LMDB) find it synced by the first one's sync
-        for t in self._tables.values():
+        tables = list(self._tables.values())
+        for t in tables:
             t.chain.write_back_all()
-        for t in self._tables.values():
+        for t in tables:
             if t.written is not None:
                 t.written.before_sync()
             _crash.point("flush.before_sync")
-            t.chain.sync()
+        if tables:
+            tables[0].chain.sync()
+        if len(tables) <= _PARALLEL_SYNCS:
+            for t in tables[1:]:
+                t.chain.sync()
+        else:
+            # tables with files of their own (pmem, DRAM snapshots) sync each: on several
+            # threads the file system commits them together (see `write_atomic_many`)
+            with ThreadPoolExecutor(16, "embstore-sync") as pool:
+                done = [pool.submit(t.chain.sync) for t in tables[1:]]
+            failed = next((f.exception() for f in done if f.exception() is not None), None)
+            if failed is not None:
+                raise failed
         # each record only once its own table is synced: they are written together
         _written.after_sync([t.written for t in self._tables.values() if t.written is not None])
 

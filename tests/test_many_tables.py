@@ -24,6 +24,7 @@ from embstore.errors import (
     InvalidValuesError,
     NonFiniteValueError,
     ReadOnlyError,
+    StorageIOError,
     StoreClosedError,
     UnknownTableError,
 )
@@ -189,7 +190,7 @@ def _available(bottom: str) -> None:
         pytest.skip(str(exc))
 
 
-@pytest.mark.parametrize("bottom", ["rocksdb", "lmdb", "pmem"])
+@pytest.mark.parametrize("bottom", ["rocksdb", "lmdb", "pmem", "dram"])
 def test_forty_tables_open_train_flush_and_reopen_as_trained(tmp_path, bottom):
     _available(bottom)
     specs = _forty_tables()
@@ -282,3 +283,21 @@ def test_a_linked_tier_directory_of_many_tables_is_refused_before_it_is_opened(t
     with pytest.raises(embstore.errors.CorruptStoreError, match="symbolic link"):
         embstore.open(tmp_path / "s")
     assert {p.name: p.stat().st_mtime_ns for p in target.iterdir()} == before
+
+
+def test_a_sync_that_fails_in_a_flush_of_many_tables_is_raised(tmp_path, monkeypatch):
+    specs = [TableSpec(f"t{i}", dim=2) for i in range(12)]  # synced on several threads
+    with embstore.open(tmp_path / "s", tables=specs, tiers=[TierSpec("pmem")]) as store:
+        store.update_many({s.name: (np.array([1]), np.ones((1, 2), np.float32))
+                           for s in specs})
+
+        def broken() -> None:
+            raise StorageIOError("t7's device went away")
+
+        monkeypatch.setattr(store._tables["t7"].chain, "sync", broken)
+        with pytest.raises(StorageIOError, match="went away"):
+            store.flush()
+        monkeypatch.undo()
+        store.flush()
+    with embstore.open(tmp_path / "s") as store:
+        assert all(store.num_rows(s.name) == 1 for s in specs)
