@@ -34,7 +34,7 @@ from embstore._kernels._dram_index import ffi, lib
 from embstore._parallel import run_ranges
 from embstore.backend import BackendSpec, SlottedBackend
 from embstore.errors import ConfigError, CorruptStoreError
-from embstore.index import BucketIdIndex, IdIndex, RowSlabs
+from embstore.index import BucketIdIndex, IdIndex, RowSlabs, c_pointer
 
 __all__ = ["DRAMBackend"]
 
@@ -65,10 +65,13 @@ class DRAMBackend(SlottedBackend):
             raise ConfigError(f"chunk_rows_log2 must be in [4, 24], got {chunk_rows_log2}")
         # a cache tier (one with a capacity) moves a batch of ids into and out of its index
         # every batch, and probes and removals slow down as clusters grow with the load:
-        # it starts with room for four times its capacity (load <= 0.25 at capacity; removal
-        # ran 2.1x faster at load 0.33 than at 0.66), about 51 bytes of index per cached row
+        # it works with room for four times its capacity (load <= 0.25 at capacity; removal
+        # ran 2.1x faster at load 0.33 than at 0.66), about 51 bytes of index per cached row.
+        # It takes that room when its first rows outgrow a small start: a store of many
+        # tables pays nothing for the caches of tables it has not used yet
         rows_hint = spec.capacity_bytes // spec.row_bytes if spec.capacity_bytes else 0
-        self._index: IdIndex = BucketIdIndex(4 * rows_hint if rows_hint else 1024)
+        self._index: IdIndex = BucketIdIndex(min(1024, 4 * rows_hint) if rows_hint else 1024,
+                                             working_capacity=4 * rows_hint)
         self._slabs = RowSlabs(spec.dim, spec.dtype, shift=chunk_rows_log2)
         self._dirty_since_flush = False
         self._file = (spec.path / f"{spec.table}.dram") if spec.path is not None else None
@@ -154,10 +157,10 @@ class DRAMBackend(SlottedBackend):
             table, nb = self._index.buckets()
             slabs, shift = self._slabs.pointer(), self._slabs.shift
             row_bytes = self._slabs.row_bytes
-            ids_p = ffi.cast("int64_t *", ids.ctypes.data)
-            out_p = ffi.cast("char *", out.ctypes.data)
-            found_p = ffi.cast("uint8_t *", found.ctypes.data)
-            slots_p = ffi.NULL if slots is None else ffi.cast("int32_t *", slots.ctypes.data)
+            ids_p = c_pointer("int64_t *", ids)
+            out_p = c_pointer("char *", out)
+            found_p = c_pointer("uint8_t *", found)
+            slots_p = ffi.NULL if slots is None else c_pointer("int32_t *", slots)
 
             def gather(start: int, stop: int) -> None:
                 lib.bk_gather(table, nb, slabs, shift, row_bytes, ids_p + start, stop - start,

@@ -31,8 +31,9 @@ damage the environment (A, C and D), as LMDB documents for MDB_NOSYNC.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Final, NoReturn, TypeVar, final
 
@@ -69,6 +70,8 @@ DB_PREFIX: Final = b"t:"
 META_DB: Final = b"embstore:meta"
 
 _HANDLES: SharedHandles[lmdb.Environment] = SharedHandles("lmdb")
+_SYNCED: dict[str, int] = {}
+"""Per open environment (by directory), the last transaction a flush synced."""
 T = TypeVar("T")
 
 
@@ -103,18 +106,10 @@ class LMDBBackend(KeyValueBackend):
         super().__init__(spec)
         if spec.path is None:
             raise ConfigError("the lmdb backend stores rows on disk: give its tier a path")
-        for opt, value, low in (("map_size_bytes", map_size_bytes, 1 << 16),
-                                ("max_map_size_bytes", max_map_size_bytes, map_size_bytes),
-                                ("max_tables", max_tables, 2),
-                                ("max_readers", max_readers, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"lmdb option {opt} must be an int >= {low}, got {value!r}")
-        self._settings = (("map_size_bytes", map_size_bytes),
-                          ("max_map_size_bytes", max_map_size_bytes),
-                          ("sync_commits", bool(sync_commits)),
-                          ("max_tables", max_tables),
-                          ("max_readers", max_readers),
-                          ("readahead", bool(readahead)))
+        self._settings = self._check_options(
+            map_size_bytes=map_size_bytes, max_map_size_bytes=max_map_size_bytes,
+            sync_commits=sync_commits, max_tables=max_tables, max_readers=max_readers,
+            readahead=readahead)
         self._dir: Path = spec.path
         self._file = self._dir / "data.mdb"
         self._max_map = max_map_size_bytes
@@ -123,43 +118,75 @@ class LMDBBackend(KeyValueBackend):
             # Made here, not by lmdb.open: LMDB would give the directory FILE_MODE, no x bit.
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._key = _HANDLES.key(self._dir)
-        self._stale_readers_cleared = 0  # set by _open_env when this instance opens the env
-        self._env: Any = _HANDLES.acquire(self._key, self._settings, spec.read_only,
-                                          self._open_env)
+        self._stale_readers_cleared = 0  # set when this instance opens the env
+
+        def open_env() -> Any:
+            env, self._stale_readers_cleared = _open_env(self._dir, self._settings,
+                                                         spec.read_only, max_tables)
+            return env
+
+        self._env: Any = _HANDLES.acquire(self._key, self._settings, spec.read_only, open_env)
         try:
             self._db = self._open_table()
         except BaseException:
             _HANDLES.release(self._key, _close_env)
             raise
 
+    @staticmethod
+    def _check_options(*, map_size_bytes: int = 1 << 30,
+                       max_map_size_bytes: int = 1 << 40, sync_commits: bool = True,
+                       max_tables: int = 64, max_readers: int = 126,
+                       readahead: bool = False) -> tuple[tuple[str, Any], ...]:
+        """The settings of an environment from the options (see the class), checked.
+
+        Raises:
+            ConfigError: an invalid option.
+        """
+        for opt, value, low in (("map_size_bytes", map_size_bytes, 1 << 16),
+                                ("max_map_size_bytes", max_map_size_bytes, map_size_bytes),
+                                ("max_tables", max_tables, 2),
+                                ("max_readers", max_readers, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"lmdb option {opt} must be an int >= {low}, got {value!r}")
+        return (("map_size_bytes", map_size_bytes),
+                ("max_map_size_bytes", max_map_size_bytes),
+                ("sync_commits", bool(sync_commits)),
+                ("max_tables", max_tables),
+                ("max_readers", max_readers),
+                ("readahead", bool(readahead)))
+
     # --- opening --------------------------------------------------------------------------
 
-    def _open_env(self) -> Any:
-        # Called once per directory and process, by the first table opened there.
-        s = dict(self._settings)
-        if self.spec.read_only and not self._file.exists():
-            raise StoreNotFoundError(
-                f"no LMDB environment in {self._dir}; open it for writing first to create it"
-            )
-        created_before = self._file.exists()
-        if created_before:
-            check_data_file(self._file)
+    @classmethod
+    @contextlib.contextmanager
+    def opening(cls, specs: Sequence[BackendSpec], **options: Any) -> Iterator[None]:
+        # docstring inherited
+        # LMDB's max_dbs bounds the named databases a process opens in an environment, fixed
+        # when it opens it: the environment is opened here with room for every table, so
+        # that a store of more tables than `max_tables` opens as well
+        key = None
+        paths = {s.path for s in specs}
+        if len(specs) > 1 and len(paths) == 1 and None not in paths:
+            directory = Path(specs[0].path)  # type: ignore[arg-type]
+            try:
+                settings = cls._check_options(**options)
+            except (ConfigError, TypeError):
+                settings = None  # `open` reports it, table by table
+            read_only = specs[0].read_only
+            if len({s.read_only for s in specs}) > 1:
+                settings = None
+            if settings is not None and (not read_only or (directory / "data.mdb").exists()):
+                max_dbs = max(dict(settings)["max_tables"], len(specs) + 1)
+                if not read_only:
+                    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                key = _HANDLES.key(directory)
+                _HANDLES.acquire(key, settings, read_only,
+                                 lambda: _open_env(directory, settings, read_only, max_dbs)[0])
         try:
-            env = lmdb.open(str(self._dir), map_size=s["map_size_bytes"], subdir=True,
-                            readonly=self.spec.read_only, create=not self.spec.read_only,
-                            mode=FILE_MODE, sync=s["sync_commits"], metasync=False,
-                            max_dbs=s["max_tables"], max_readers=s["max_readers"],
-                            readahead=s["readahead"], lock=True)
-        except lmdb.Error as exc:
-            _fail(exc, f"opening LMDB environment {self._dir}")
-        if not self.spec.read_only and not created_before:
-            # the new data file's directory entry must survive a power cut like its pages
-            fsync_dir(self._dir)
-        if not self.spec.read_only:
-            # Reader slots of dead processes pin old pages and would stop the file from
-            # reusing them; a reader leaves them to the writer.
-            self._stale_readers_cleared = env.reader_check()
-        return env
+            yield
+        finally:
+            if key is not None:
+                _HANDLES.release(key, _close_env)
 
     def _open_table(self) -> Any:
         name = DB_PREFIX + self.spec.table.encode()
@@ -304,15 +331,27 @@ class LMDBBackend(KeyValueBackend):
         return stats
 
     def _flush(self) -> None:
+        # the tables of a directory share its environment: a store's flush flushes each of
+        # them, and only the first after a commit has anything to sync
+        txnid = self._env.info()["last_txnid"]
+        if _SYNCED.get(self._key) == txnid:
+            return
         try:
             self._env.sync(True)
         except lmdb.Error as exc:
             _fail(exc, f"syncing LMDB environment {self._dir}")
+        _SYNCED[self._key] = txnid
 
     def _close(self) -> None:
         self._db = None
         self._env = None
-        _HANDLES.release(self._key, _close_env)
+        key = self._key
+
+        def close(env: Any) -> None:  # the directory's last table
+            _SYNCED.pop(key, None)
+            _close_env(env)
+
+        _HANDLES.release(key, close)
 
 
 # LMDB's meta pages (pages 0 and 1, 64-bit build): offsets within a page.
@@ -358,6 +397,41 @@ def check_data_file(file: Path) -> None:
                 f"{psize} bytes: the file was truncated; restore the tier from a checkpoint")
 
 
+def _open_env(directory: Path, settings: tuple[tuple[str, Any], ...], read_only: bool,
+              max_dbs: int) -> tuple[Any, int]:
+    """Open the environment of `directory` (once per directory and process).
+
+    Returns it and the count of reader slots of dead processes it cleared.
+
+    Raises:
+        StoreNotFoundError: read-only, and there is none.
+        CorruptStoreError, StoreLockedError: from LMDB.
+    """
+    s = dict(settings)
+    file = directory / "data.mdb"
+    if read_only and not file.exists():
+        raise StoreNotFoundError(
+            f"no LMDB environment in {directory}; open it for writing first to create it"
+        )
+    created_before = file.exists()
+    if created_before:
+        check_data_file(file)
+    try:
+        env = lmdb.open(str(directory), map_size=s["map_size_bytes"], subdir=True,
+                        readonly=read_only, create=not read_only,
+                        mode=FILE_MODE, sync=s["sync_commits"], metasync=False,
+                        max_dbs=max_dbs, max_readers=s["max_readers"],
+                        readahead=s["readahead"], lock=True)
+    except lmdb.Error as exc:
+        _fail(exc, f"opening LMDB environment {directory}")
+    if not read_only and not created_before:
+        # the new data file's directory entry must survive a power cut like its pages
+        fsync_dir(directory)
+    # Reader slots of dead processes pin old pages and would stop the file from reusing
+    # them; a reader leaves them to the writer.
+    return env, 0 if read_only else env.reader_check()
+
+
 def _close_env(env: Any) -> None:
     env.close()
 
@@ -372,6 +446,10 @@ def _fail(exc: lmdb.Error, what: str) -> NoReturn:
     if isinstance(exc, lmdb.LockError | lmdb.ReadersFullError):
         raise StoreLockedError(f"{what}: {exc}; close the other users of the environment") \
             from exc
+    if isinstance(exc, lmdb.DbsFullError):
+        raise ConfigError(
+            f"{what}: the LMDB environment holds more tables than its max_tables option "
+            f"allows ({exc}); raise the lmdb tier's max_tables option") from exc
     if isinstance(exc, lmdb.MapFullError):
         raise CapacityError(f"{what}: {exc}", hint="raise the tier's max_map_size_bytes option") \
             from exc

@@ -159,11 +159,12 @@ class PmemBackend(Backend):
     # --- files and mapping ----------------------------------------------------------------
 
     def _open_file(self) -> None:
+        created = False
         if not self._file.exists():
             if self.spec.read_only:
                 return  # nothing written yet: an empty, unmapped table
             self._file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._create()
+            created = self._create()
         flags = os.O_RDONLY if self.spec.read_only else os.O_RDWR
         self._fd = os.open(self._file, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
         if not self.spec.read_only:
@@ -183,18 +184,21 @@ class PmemBackend(Backend):
         if self.spec.read_only:
             self._scan_beside_writer()
         else:
-            self._scan()
+            self._scan(empty=created)
 
-    def _create(self) -> None:
+    def _create(self) -> bool:
         """Write a new file under a temporary name and link it into place.
 
-        A crash during creation leaves no half-written table behind.
+        A crash during creation leaves no half-written table behind. Returns False where
+        another process created the file first.
         """
         hint = self.spec.capacity_bytes
         if hint is not None:
             slots = max(64, (hint - DATA_OFFSET) // self._rec)
         else:
-            slots = max(1024, (1 << 20) // self._rec)  # 1 MiB; it grows geometrically
+            # 64 KiB; it grows geometrically. Small, so that a store of many tables does not
+            # hold a megabyte of file per table it has not written yet
+            slots = max(64, (64 << 10) // self._rec)
         head = bytearray(DATA_OFFSET)
         HEADER.pack_into(head, 0, MAGIC, VERSION, self.spec.dim, self.spec.dtype.str.encode(),
                          self._rec, REC_PAYLOAD, 0)
@@ -207,8 +211,11 @@ class PmemBackend(Backend):
             os.pwrite(fd, bytes(head), 0)
             self._fallocate(fd, DATA_OFFSET + slots * self._rec, DATA_OFFSET, tmp)
             os.fsync(fd)
-            with contextlib.suppress(FileExistsError):  # another process created it first
+            created = True
+            try:
                 os.link(tmp, self._file)
+            except FileExistsError:  # another process created it first
+                created = False
         finally:
             os.close(fd)
             tmp.unlink(missing_ok=True)
@@ -217,6 +224,7 @@ class PmemBackend(Backend):
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+        return created
 
     def _fallocate(self, fd: int, size: int, old_size: int, file: Path) -> None:
         """Reserve disk blocks for `size` bytes, or raise CapacityError leaving `old_size`.
@@ -331,23 +339,27 @@ class PmemBackend(Backend):
 
     # --- open-time scan -------------------------------------------------------------------
 
-    def _scan(self) -> None:
+    def _scan(self, *, empty: bool = False) -> None:
         """Rebuild the index from every record.
 
         Numpy over the mapped record array, in chunks of SCAN_SLOTS slots so the temporaries stay
-        bounded whatever the file's size.
+        bounded whatever the file's size. A file this handle just created (`empty`) holds no
+        record: its pages are left untouched.
         """
         assert self._map is not None
         n = self._capacity
         self._state = np.zeros(n, dtype=np.uint8)
         if n == 0:
             return
-        lib.rec_madvise(ffi.cast("void *", self._map.address), self._map.length,
-                        mmap.MADV_WILLNEED)  # readahead in small pages for the scan
-        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        torn_parts: list[np.ndarray] = []
+        if not empty:
+            lib.rec_madvise(ffi.cast("void *", self._map.address), self._map.length,
+                            mmap.MADV_WILLNEED)  # readahead in small pages for the scan
+        none = np.zeros(0, dtype=np.int64)
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [
+            (none, none, np.zeros(0, dtype=np.uint64))]
+        torn_parts: list[np.ndarray] = [none]
         step = READER_SCAN_SLOTS if self.spec.read_only else SCAN_SLOTS  # readers copy
-        for lo in range(0, n, step):
+        for lo in range(0, 0 if empty else n, step):
             live, live_ids, live_seq, torn = self._scan_chunk(lo, min(n, lo + step))
             parts.append((live, live_ids, live_seq))
             torn_parts.append(torn)

@@ -24,15 +24,17 @@ recovery replays the log up to its first damaged record. `sync_writes=True` sync
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Final, NoReturn, final
 
 import numpy as np
 import rocksdict
 
-from embstore.backend import BackendSpec
+from embstore.backend import BackendSpec, foreign_error
 from embstore.errors import (
     ConfigError,
     CorruptStoreError,
@@ -68,10 +70,19 @@ _COMPRESSION: Final = {
 }
 
 _HANDLES: SharedHandles[_Shared] = SharedHandles("rocksdb")
+# RocksDB starts this many threads per column family to open its table files when it opens a
+# database, even for empty ones: a thousand thread starts for a few hundred tables, most of the
+# time the open takes. Spread over the column families, it keeps one large table's parallel
+# open and starts at most this many in all.
+_FILE_OPENING_THREADS: Final = 16
 
 
-def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool = False) -> Any:
-    """Rocksdict options of a column family (or, with `db`, of the database) from settings."""
+def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool = False,
+                  column_families: int = 1) -> Any:
+    """Rocksdict options of a column family (or, with `db`, of the database) from settings.
+
+    `column_families` (with `db`): how many the database is opened with.
+    """
     s = dict(settings)
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)
@@ -85,9 +96,40 @@ def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool
     opts.set_block_based_table_factory(table)
     if db:
         opts.set_max_background_jobs(s["max_background_jobs"])
+        opts.set_max_file_opening_threads(max(1, _FILE_OPENING_THREADS // column_families))
         if s["row_cache_bytes"]:
             opts.set_row_cache(rocksdict.Cache(s["row_cache_bytes"]))
     return opts
+
+
+def _settings(block_cache_bytes: int = 128 << 20, row_cache_bytes: int = 64 << 20,
+              bloom_bits_per_key: int = 10, compression: str = "none",
+              write_buffer_bytes: int = 64 << 20, block_size_bytes: int = 4096,
+              max_background_jobs: int = 2) -> tuple[tuple[str, Any], ...]:
+    """The checked settings of a tier directory (`RocksDBBackend`'s options but sync_writes).
+
+    Raises:
+        ConfigError: an invalid option.
+    """
+    if compression not in _COMPRESSION:
+        raise ConfigError(
+            f"rocksdb compression must be one of {sorted(_COMPRESSION)}, got {compression!r}"
+        )
+    for opt, value, low in (("block_cache_bytes", block_cache_bytes, 1 << 20),
+                            ("row_cache_bytes", row_cache_bytes, 0),
+                            ("bloom_bits_per_key", bloom_bits_per_key, 0),
+                            ("write_buffer_bytes", write_buffer_bytes, 1 << 16),
+                            ("block_size_bytes", block_size_bytes, 512),
+                            ("max_background_jobs", max_background_jobs, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"rocksdb option {opt} must be an int >= {low}, got {value!r}")
+    return (("block_cache_bytes", block_cache_bytes),
+            ("row_cache_bytes", row_cache_bytes),
+            ("bloom_bits_per_key", bloom_bits_per_key),
+            ("compression", compression),
+            ("write_buffer_bytes", write_buffer_bytes),
+            ("block_size_bytes", block_size_bytes),
+            ("max_background_jobs", max_background_jobs))
 
 
 def restrict_modes(directory: Path) -> None:
@@ -164,25 +206,9 @@ class RocksDBBackend(KeyValueBackend):
         super().__init__(spec)
         if spec.path is None:
             raise ConfigError("the rocksdb backend stores rows on disk: give its tier a path")
-        if compression not in _COMPRESSION:
-            raise ConfigError(
-                f"rocksdb compression must be one of {sorted(_COMPRESSION)}, got {compression!r}"
-            )
-        for opt, value, low in (("block_cache_bytes", block_cache_bytes, 1 << 20),
-                                ("row_cache_bytes", row_cache_bytes, 0),
-                                ("bloom_bits_per_key", bloom_bits_per_key, 0),
-                                ("write_buffer_bytes", write_buffer_bytes, 1 << 16),
-                                ("block_size_bytes", block_size_bytes, 512),
-                                ("max_background_jobs", max_background_jobs, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"rocksdb option {opt} must be an int >= {low}, got {value!r}")
-        self._settings = (("block_cache_bytes", block_cache_bytes),
-                          ("row_cache_bytes", row_cache_bytes),
-                          ("bloom_bits_per_key", bloom_bits_per_key),
-                          ("compression", compression),
-                          ("write_buffer_bytes", write_buffer_bytes),
-                          ("block_size_bytes", block_size_bytes),
-                          ("max_background_jobs", max_background_jobs))
+        self._settings = _settings(block_cache_bytes, row_cache_bytes, bloom_bits_per_key,
+                                   compression, write_buffer_bytes, block_size_bytes,
+                                   max_background_jobs)
         self._dir: Path = spec.path
         self._rec = record_dtype(spec.dtype, spec.dim)
         self._cf_name = CF_PREFIX + spec.table
@@ -192,9 +218,10 @@ class RocksDBBackend(KeyValueBackend):
         if not spec.read_only:
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._key = _HANDLES.key(self._dir)
-        shared = _HANDLES.acquire(self._key, self._settings, spec.read_only, self._open_db)
-        self._shared = shared
+        shared = _HANDLES.acquire(self._key, self._settings, spec.read_only,
+                                  lambda: _open_db(self._dir, self._settings, spec.read_only))
         try:
+            self._shared = shared
             self._db: Any = shared.db
             self._generation = shared.generation
             if shared.read_only and shared.files != db_files(self._dir):
@@ -208,43 +235,36 @@ class RocksDBBackend(KeyValueBackend):
 
     # --- opening --------------------------------------------------------------------------
 
-    def _open_db(self) -> _Shared:
-        # Called once per directory and process, by the first table opened there.
-        cache = rocksdict.Cache(dict(self._settings)["block_cache_bytes"])
-        settings = self._settings
-        if self.spec.read_only:
-            files = db_files(self._dir)
+    @classmethod
+    @contextlib.contextmanager
+    def opening(cls, specs: Sequence[BackendSpec], **options: Any) -> Iterator[None]:
+        # docstring inherited
+        # opens the database with every column family the tables need, created at once (one
+        # options file), and holds it until the tables have borrowed it
+        names = {CF_PREFIX + s.table for s in specs}
+        paths = {s.path for s in specs}
+        key = None
+        if len(names) > 1 and len(paths) == 1 and not any(s.read_only for s in specs):
+            directory = Path(specs[0].path)  # type: ignore[arg-type]
             try:
-                db, cfs = open_read_only(self._dir, _make_options(settings, cache, db=True),
-                                         lambda: _make_options(settings, cache))
-            except EmbstoreError:
-                raise
-            except Exception as exc:
-                _fail(exc, f"opening RocksDB directory {self._dir} read-only", self._dir)
-            shared = _Shared(db, lambda: _make_options(settings, cache), set(cfs),
-                             read_only=True)
-            shared.files = files
-            return shared
-        path = str(self._dir)
-        exists = (self._dir / "CURRENT").exists()
-        cfs = rocksdict.Rdict.list_cf(path, rocksdict.Options(raw_mode=True)) if exists else []
+                options.pop("sync_writes", None)
+                settings = _settings(**options)
+            except (ConfigError, TypeError):
+                settings = None  # `open` reports it, table by table
+            if settings is not None:
+                with _as_ours(directory):
+                    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    shared = _HANDLES.acquire(_HANDLES.key(directory), settings, False,
+                                              lambda: _open_db(directory, settings, False, names))
+                    key = _HANDLES.key(directory)
         try:
-            # RocksDB must open every existing column family; each gets the tier's options.
-            db = rocksdict.Rdict(path, _make_options(self._settings, cache, db=True),
-                                 column_families={n: _make_options(self._settings, cache)
-                                                  for n in cfs if n != "default"} or None,
-                                 access_type=rocksdict.AccessType.read_write())
-        except Exception as exc:
-            # "While lock file: .../LOCK: Resource temporarily unavailable" (not any message
-            # that merely contains "block")
-            if "lock file" in str(exc).lower():
-                raise StoreLockedError(
-                    f"RocksDB directory {self._dir} is open in another process ({exc}); "
-                    "close the store that uses it first"
-                ) from exc
-            _fail(exc, f"opening RocksDB directory {self._dir}", self._dir)
-        restrict_modes(self._dir)
-        return _Shared(db, lambda: _make_options(settings, cache), set(cfs), read_only=False)
+            if key is not None:
+                with _as_ours(directory):
+                    _write_metas(shared.db, specs, directory)
+            yield
+        finally:
+            if key is not None:
+                _HANDLES.release(key, _Shared.close)
 
     def _open_table(self, shared: _Shared) -> tuple[Any, Any]:
         meta_key = META_PREFIX + self.spec.table.encode()
@@ -427,10 +447,16 @@ class RocksDBBackend(KeyValueBackend):
             _fail(exc, f"compacting table {self.spec.table!r} in {self._where()}", self._dir)
 
     def _flush(self) -> None:
+        # one log serves every table of the directory: a flush of the store flushes each
+        # table, and only the first of them after a write has anything to sync
+        seq = self._db.latest_sequence_number()
+        if seq == self._shared.synced_seq:
+            return
         try:
             self._db.flush_wal(True)
         except Exception as exc:
             _fail(exc, f"syncing the write-ahead log of {self._dir}", self._dir)
+        self._shared.synced_seq = seq
         restrict_modes(self._dir)
 
     def _refresh(self) -> None:
@@ -473,22 +499,107 @@ class RocksDBBackend(KeyValueBackend):
         # Drop every reference to the column family first: rocksdict closes the database only
         # when no object refers to it.
         self._cf.close()
-        del self._cf, self._cf_handle
+        del self._cf, self._cf_handle, self._shared
         self._db = None
         _HANDLES.release(self._key, _Shared.close)
-        if not self.spec.read_only and self._dir.exists():
-            restrict_modes(self._dir)  # closing may have written a new log or manifest
+
+
+@contextlib.contextmanager
+def _as_ours(directory: Path) -> Iterator[None]:
+    """Raise an error of rocksdict as an embstore error (as `Backend.open` does)."""
+    try:
+        yield
+    except (EmbstoreError, MemoryError):
+        raise
+    except Exception as exc:
+        raise foreign_error(exc, f"opening RocksDB directory {directory}", directory) from exc
+
+
+def _write_metas(db: Any, specs: Sequence[BackendSpec], directory: Path) -> None:
+    """Record the spec of every table of `specs` that has none, in one synced write.
+
+    What each table's open would write, synced once for all; tables with a record keep it,
+    and their open checks it.
+    """
+    keys = [META_PREFIX + s.table.encode() for s in specs]
+    try:
+        stored = db[keys]
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for key, spec, value in zip(keys, specs, stored, strict=True):
+            if value is None:
+                batch.put(key, json.dumps(table_meta(spec)).encode())
+        if len(batch):
+            sync = rocksdict.WriteOptions()
+            sync.sync = True
+            db.write(batch, sync)
+    except Exception as exc:
+        _fail(exc, f"recording the tables of RocksDB directory {directory}", directory)
+
+
+def _open_db(directory: Path, settings: tuple[tuple[str, Any], ...], read_only: bool,
+             create: Collection[str] = ()) -> _Shared:
+    """Open the database of `directory`, creating the column families `create` it lacks.
+
+    Called once per directory and process, by the first table opened there (or by `opening`).
+    """
+    cache = rocksdict.Cache(dict(settings)["block_cache_bytes"])
+    path = str(directory)
+    exists = (directory / "CURRENT").exists()
+    if read_only and not exists:
+        raise StoreNotFoundError(
+            f"no RocksDB database in {directory}; open it for writing first to create it"
+        )
+    if read_only:  # beside a writer, through a private directory of links (_rocksdb_read)
+        files = db_files(directory)
+        try:
+            db, cfs = open_read_only(directory, _make_options(settings, cache, db=True),
+                                     lambda: _make_options(settings, cache))
+        except EmbstoreError:
+            raise
+        except Exception as exc:
+            _fail(exc, f"opening RocksDB directory {directory} read-only", directory)
+        shared = _Shared(db, lambda: _make_options(settings, cache), set(cfs), None,
+                         read_only=True)
+        shared.files = files
+        return shared
+    cfs = rocksdict.Rdict.list_cf(path, rocksdict.Options(raw_mode=True)) if exists else []
+    names = (set(cfs) | set(create)) - {"default"}
+    access = rocksdict.AccessType.read_write()  # (read-only opens returned above)
+    opts = _make_options(settings, cache, db=True, column_families=max(1, len(names)))
+    if create:
+        opts.create_missing_column_families(True)
+    try:
+        # RocksDB must open every existing column family; each gets the tier's options.
+        db = rocksdict.Rdict(path, opts,
+                             column_families={n: _make_options(settings, cache)
+                                              for n in sorted(names)} or None,
+                             access_type=access)
+    except Exception as exc:
+        # "While lock file: .../LOCK: Resource temporarily unavailable" (not any message
+        # that merely contains "block")
+        if "lock file" in str(exc).lower():
+            raise StoreLockedError(
+                f"RocksDB directory {directory} is open in another process ({exc}); "
+                "close the store that uses it first"
+            ) from exc
+        _fail(exc, f"opening RocksDB directory {directory}", directory)
+    restrict_modes(directory)
+    return _Shared(db, lambda: _make_options(settings, cache), names | {"default"}, directory)
 
 
 class _Shared:
     """The database of one directory, with what tables opened later need from it."""
 
-    def __init__(self, db: Any, cf_options: Any, column_families: set[str], *,
-                 read_only: bool) -> None:
+    def __init__(self, db: Any, cf_options: Any, column_families: set[str],
+                 writable_dir: Path | None, *, read_only: bool = False) -> None:
         self.db = db
         self.read_only = read_only
         self.cf_options = cf_options
         self.column_families = column_families
+        self.writable_dir = writable_dir
+        """The directory, where the database is open for writing."""
+        self.synced_seq: int | None = None
+        """The sequence number the log was last synced at by a flush (None: not yet)."""
         self.generation = 0  # bumped by each reopen of a read-only database (`_refresh`)
         self.files: object = None  # a read-only database's files as it opened them (`db_files`)
 
@@ -496,3 +607,5 @@ class _Shared:
         """Close the database (the last table of the directory was closed)."""
         self.db.close()
         self.db = None
+        if self.writable_dir is not None and self.writable_dir.exists():
+            restrict_modes(self.writable_dir)  # closing may have written a new log or manifest

@@ -152,7 +152,8 @@ def _scan_lmdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     try:
         if live:
             env = lmdb.open(str(d), readonly=True, lock=True, subdir=True,
-                            max_dbs=int(options.get("max_tables", 64)), readahead=False)
+                            max_dbs=max(int(options.get("max_tables", 64)), len(specs) + 1),
+                            readahead=False)
             for _ in range(_LIVE_TRIES):
                 txn = env.begin()
                 metas = lmdb_metas(file, os.stat(file, follow_symlinks=False).st_size)
@@ -182,7 +183,8 @@ def _scan_lmdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
             if max(metas, key=lambda m: m.txnid).problems:
                 return findings, {}  # LMDB would read through a damaged meta page
             env = lmdb.open(str(d), readonly=True, lock=False, subdir=True,
-                            max_dbs=int(options.get("max_tables", 64)), readahead=False)
+                            max_dbs=max(int(options.get("max_tables", 64)), len(specs) + 1),
+                            readahead=False)
             txn = env.begin()
         try:
             scans = _lmdb_tables(env, txn, specs, where, findings, dump)
@@ -386,7 +388,8 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     import rocksdict
 
     cache = rocksdict.Cache(8 << 20)
-    opts = _make_options(settings, cache, db=True)
+    cfs = rocksdict.Rdict.list_cf(str(d), rocksdict.Options(raw_mode=True))
+    opts = _make_options(settings, cache, db=True, column_families=len(cfs))
     opts.create_if_missing(False)
     opts.set_paranoid_checks(True)
     db, cfs = open_read_only(d, opts, lambda: _make_options(settings, cache))

@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -54,9 +54,10 @@ import numpy as np
 from . import _crash
 from .errors import CorruptStoreError
 from .index import IdIndex
-from .manifest import fsync_dir, read_bytes_nofollow, write_atomic
+from .manifest import fsync_dir, read_bytes_nofollow, write_atomic, write_atomic_many
 
-__all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds", "write_record"]
+__all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds", "after_sync", "write_missing",
+           "write_record"]
 
 MAGIC: Final = b"EMBWRIT1"
 HEADER: Final = struct.Struct("<8sII Q")
@@ -76,6 +77,8 @@ class WrittenIds:
         stored_ids: called for the ids of the store of record when no file exists yet.
         read_only: never write the file.
         must_exist: the manifest lists the table as having a record: a missing file is damage.
+        defer_write: write a missing file at `write_missing`, not here (a store opening many
+            tables writes their records together).
 
     Raises:
         CorruptStoreError: the file is damaged, or missing where it must exist.
@@ -83,7 +86,7 @@ class WrittenIds:
 
     def __init__(self, file: Path, num_embeddings: int | None,
                  stored_ids: Callable[[], np.ndarray], *, read_only: bool,
-                 must_exist: bool = False) -> None:
+                 must_exist: bool = False, defer_write: bool = False) -> None:
         self.file = file
         self._n = num_embeddings
         self._read_only = read_only
@@ -91,6 +94,8 @@ class WrittenIds:
         self._index: IdIndex | None = None
         self.journal = file.with_suffix(".del")
         self._changed = False  # ids added or removed since the last flush
+        self.missing = False
+        """The file does not exist yet (`defer_write`): `write_missing` writes it."""
         try:
             raw: bytes | None = read_bytes_nofollow(file, 16 + (1 << 40))
         except FileNotFoundError:
@@ -106,8 +111,9 @@ class WrittenIds:
             ids = stored_ids()
             self._load(np.ascontiguousarray(ids, dtype=np.int64))
             if not read_only:
-                self._write(self.ids())
-                self._empty_journal()
+                self.missing = True
+                if not defer_write:
+                    write_missing([self])
         else:
             self._load(self._parse(raw))
             deleted = self._read_journal()
@@ -186,9 +192,6 @@ class WrittenIds:
         finally:
             os.close(fd)
 
-    def _write(self, ids: np.ndarray) -> None:
-        _write_file(self.file, self._n, ids)
-
     # --- in memory ------------------------------------------------------------------------
 
     def _load(self, ids: np.ndarray) -> None:
@@ -257,16 +260,48 @@ class WrittenIds:
 
     def after_sync(self) -> None:
         """Called once the store of record is synced: the record may hold every id now."""
+        after_sync([self])
+
+    def _pending(self) -> tuple[Path, bytes] | None:
+        """The file and content to write once the store of record is synced, if changed."""
         _crash.point("flush.after_sync")
-        if self._read_only or not self._changed:
-            return
-        self._write(self.ids())
+        if self._read_only or not (self._changed or self.missing):
+            return None
+        return self.file, _record_bytes(self.file, self._n, self.ids())
+
+    def _written(self) -> None:
         self._empty_journal()
-        self._changed = False
+        self._changed = self.missing = False
+
+
+def write_missing(records: Sequence[WrittenIds]) -> None:
+    """Write the files of `records` that do not exist yet (`defer_write`), together."""
+    todo = [r for r in records if r.missing]
+    write_atomic_many([(r.file, _record_bytes(r.file, r._n, r.ids())) for r in todo])
+    for r in todo:
+        r._written()
+
+
+def after_sync(records: Sequence[WrittenIds]) -> None:
+    """`WrittenIds.after_sync` of several tables, their files written together.
+
+    Each record is replaced atomically on its own, as one would be; the directory is synced
+    once for all (see `write_atomic_many`).
+    """
+    pending = [(r, r._pending()) for r in records]
+    changed = [(r, item) for r, item in pending if item is not None]
+    write_atomic_many([item for _, item in changed])
+    for r, _ in changed:
+        r._written()
 
 
 def _write_file(file: Path, num_embeddings: int | None, ids: np.ndarray) -> None:
     """Write the record file of sorted distinct `ids` atomically (layout: module docstring)."""
+    write_atomic(file, _record_bytes(file, num_embeddings, ids))
+
+
+def _record_bytes(file: Path, num_embeddings: int | None, ids: np.ndarray) -> bytes:
+    """The record file of sorted distinct `ids`; makes `file`'s directory if it is missing."""
     if num_embeddings is not None:
         bits = np.zeros(num_embeddings, dtype=np.uint8)
         bits[ids] = 1
@@ -279,7 +314,7 @@ def _write_file(file: Path, num_embeddings: int | None, ids: np.ndarray) -> None
     if not file.parent.exists():
         file.parent.mkdir(mode=0o700)
         fsync_dir(file.parent.parent)
-    write_atomic(file, HEADER.pack(MAGIC, kind, zlib.crc32(rest), n) + body)
+    return HEADER.pack(MAGIC, kind, zlib.crc32(rest), n) + body
 
 
 def write_record(file: Path, num_embeddings: int | None, ids: np.ndarray) -> None:

@@ -9,9 +9,10 @@ name equals the class's `name`; the registry finds it and the contract suite tes
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -125,6 +126,18 @@ class Backend(ABC):
         except Exception as exc:
             raise foreign_error(exc, f"opening {cls.name} table {spec.table!r} in {spec.path}",
                                 spec.path) from exc
+
+    @classmethod
+    def opening(cls, specs: Sequence[BackendSpec],
+                **options: Any) -> contextlib.AbstractContextManager[None]:
+        """Get ready to `open` the tables `specs` (one directory, these options) in the block.
+
+        A store opens a tier's tables inside it, so that a medium with a cost per table and
+        directory (RocksDB writes its options file anew for every column family it adds) pays
+        it once for all of them. Note for implementers: the default does nothing; errors are
+        those `open` would raise, and nothing may stay open after the block.
+        """
+        return contextlib.nullcontext()
 
     # --- guards -------------------------------------------------------------------------
 

@@ -446,8 +446,12 @@ class TableChain:
         tier.counters["evictions"] += len(victims)
 
     def _write_back(self, tier: Tier, ids: np.ndarray, slots: np.ndarray | None,
-                    now: int) -> None:
-        """Copy the dirty rows `ids` (at `slots` of a slotted tier) into the tier below."""
+                    now: int, *, in_line: bool = False) -> None:
+        """Copy the dirty rows `ids` (at `slots` of a slotted tier) into the tier below.
+
+        Into the store of record on the writer's thread, unless `in_line`: then on this one,
+        after the writes queued before (the order is the same).
+        """
         assert tier.dirty is not None, "only cache tiers write back"
         rows = (tier.slot_backend.rows_at(slots) if slots is not None
                 else tier.backend.get(ids)[0])
@@ -456,7 +460,10 @@ class TableChain:
             # `ids` and `rows` are fresh arrays, the writer's from now on
             if self.watchers:
                 self.note_bottom_write(ids)
-            self._writer.submit(np.ascontiguousarray(ids), rows)
+            if in_line:
+                below.backend.put(np.ascontiguousarray(ids), rows)  # drains the queue first
+            else:
+                self._writer.submit(np.ascontiguousarray(ids), rows)
         else:
             self._insert(below, ids, rows, dirty=True, now=now)
         tier.dirty.clear(ids, slots)
@@ -520,18 +527,27 @@ class TableChain:
         return found
 
     def write_back_all(self) -> None:
-        """Write every dirty row down to the store of record, level by level."""
+        """Write every dirty row down to the store of record, level by level.
+
+        On the calling thread: whoever writes everything back waits for it anyway, and a
+        store of many tables would otherwise start a writer thread for each table at its
+        first flush.
+        """
         now = self._tick()
         for tier in self.tiers[:-1]:
             if tier.dirty is None:
                 continue
             dirty, slots = tier.dirty.items()
             if len(dirty):
-                self._write_back(tier, dirty, slots, now)
+                self._write_back(tier, dirty, slots, now, in_line=True)
 
     def flush(self) -> None:
         """Write back every dirty row, then make the store of record durable."""
         self.write_back_all()
+        self.sync()
+
+    def sync(self) -> None:
+        """Make every tier durable as it stands (`flush` without the write-back)."""
         for tier in self.tiers:
             tier.backend.flush()
 

@@ -26,16 +26,17 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import _counters, _crash, _fused, _prefetch, layout
+from . import _counters, _crash, _fused, _prefetch, _written, layout
 from ._access_log import AccessRecorder
-from ._build import build_chain
+from ._build import build_chain, opening_tables
 from ._precision import RowCodec
 from ._validate import as_ids, as_rows
 from ._written import WrittenIds
@@ -61,6 +62,8 @@ __all__ = ["EmbeddingStore"]
 DEFAULT_TIERS = (TierSpec("dram"),)
 _CATCH_UPS = 3
 """Times a read-only store re-reads a table before a row its record holds counts as lost."""
+_PARALLEL_SYNCS = 8
+"""Tables from which a flush syncs them on several threads."""
 
 
 @dataclass
@@ -110,15 +113,21 @@ class EmbeddingStore:
         self._listed: set[str] | None = None  # tables the manifest says have a written record
         self._recorder: AccessRecorder | None = None  # embstore.open(..., record_accesses=)
         steps = gradient_steps or {}
+        # directories this open checked for links: the tables of a tier share theirs
+        self._checked: set[Path] = set()
         try:
-            for spec in specs:
-                codec = None if spec.precision == "fp32" else RowCodec(
-                    spec.name, spec.precision, spec.dim, spec.row_width - spec.dim)
-                chain = self._build_chain(spec)
-                self._tables[spec.name] = _Table(spec, chain, codec=codec,
-                                                 steps=int(steps.get(spec.name, 0)))
-                _crash.point("recovery.opened")
-                self._tables[spec.name].written = self._open_written(spec, chain)
+            with opening_tables(specs, tiers, path, read_only=read_only,
+                                checked=self._checked):
+                for spec in specs:
+                    codec = None if spec.precision == "fp32" else RowCodec(
+                        spec.name, spec.precision, spec.dim, spec.row_width - spec.dim)
+                    chain = self._build_chain(spec)
+                    self._tables[spec.name] = _Table(spec, chain, codec=codec,
+                                                     steps=int(steps.get(spec.name, 0)))
+                    _crash.point("recovery.opened")
+                    self._tables[spec.name].written = self._open_written(spec, chain)
+            _written.write_missing([t.written for t in self._tables.values()
+                                    if t.written is not None])
         except BaseException:
             self._close_tables()  # the lock stays with `open`, which releases it
             raise
@@ -126,7 +135,8 @@ class EmbeddingStore:
     # --- construction -----------------------------------------------------------------------
 
     def _build_chain(self, spec: TableSpec) -> TableChain:
-        return build_chain(spec, self._default_tiers, self._path, read_only=self._read_only)
+        return build_chain(spec, self._default_tiers, self._path, read_only=self._read_only,
+                           checked=self._checked)
 
     def _open_written(self, spec: TableSpec, chain: TableChain) -> WrittenIds | None:
         """The written-id record of a table whose store of record persists and keeps every row.
@@ -146,10 +156,12 @@ class EmbeddingStore:
                 listed = []
             self._listed = set(listed) if isinstance(listed, list) else set()
         file = layout.written_file(self._path, spec.name)
-        layout.check_inside(self._path, file.parent)
+        if file.parent not in self._checked:
+            layout.check_inside(self._path, file.parent)
+            self._checked.add(file.parent)
         return WrittenIds(file, spec.num_embeddings,
                           bottom.backend.ids, read_only=self._read_only,
-                          must_exist=spec.name in self._listed)
+                          must_exist=spec.name in self._listed, defer_write=True)
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -312,19 +324,23 @@ class EmbeddingStore:
             ids = as_ids(ids, t.spec)
             if self._recorder is not None:
                 self._recorder.lookup(table, ids)
-            if t.codec is not None:
-                raw, found = self._read(t, ids)
-                weights = t.codec.decode_weights(raw)
-                self._fill_absent(t.spec, ids, weights, found, with_state=False)
-                if not stored:
-                    return weights
-                bits = t.codec.round_nearest(weights)  # exact: the values are stored ones
-                return bits.view(np.float16) if t.codec.precision == "fp16" else bits
-            rows, found = self._read(t, ids)
-            self._fill_absent(t.spec, ids, rows, found, with_state=False)
-            # with optimizer state stored beside the weights this is a strided view of a fresh
-            # buffer (no copy: the copy cost more than the lookup itself)
-            return rows[:, : t.spec.dim] if t.spec.row_width != t.spec.dim else rows
+            return self._lookup(t, ids, stored=stored)
+
+    def _lookup(self, t: _Table, ids: np.ndarray, *, stored: bool = False) -> np.ndarray:
+        """`lookup` of checked `ids`."""
+        if t.codec is not None:
+            raw, found = self._read(t, ids)
+            weights = t.codec.decode_weights(raw)
+            self._fill_absent(t.spec, ids, weights, found, with_state=False)
+            if not stored:
+                return weights
+            bits = t.codec.round_nearest(weights)  # exact: the values are stored ones
+            return bits.view(np.float16) if t.codec.precision == "fp16" else bits
+        rows, found = self._read(t, ids)
+        self._fill_absent(t.spec, ids, rows, found, with_state=False)
+        # with optimizer state stored beside the weights this is a strided view of a fresh
+        # buffer (no copy: the copy cost more than the lookup itself)
+        return rows[:, : t.spec.dim] if t.spec.row_width != t.spec.dim else rows
 
     def prefetch(self, table: str, ids: Any) -> int:
         """Bring the rows of `ids` into the table's fast tiers ahead of a lookup.
@@ -357,10 +373,13 @@ class EmbeddingStore:
         """Optimizer state of `ids`: array[len(ids), state_width] (width 0 for SGD)."""
         with self._mutex:
             t = self._table(table)
-            ids = as_ids(ids, t.spec)
-            rows, found = self._get(t, ids)
-            self._fill_absent(t.spec, ids, rows, found, with_state=True)
-            return rows[:, t.spec.dim :]
+            return self._lookup_state(t, as_ids(ids, t.spec))
+
+    def _lookup_state(self, t: _Table, ids: np.ndarray) -> np.ndarray:
+        """`lookup_state` of checked `ids`."""
+        rows, found = self._get(t, ids)
+        self._fill_absent(t.spec, ids, rows, found, with_state=True)
+        return rows[:, t.spec.dim :]
 
     def update(self, table: str, ids: Any, rows: Any) -> None:
         """Overwrite the weights of `ids` with `rows` (array[len(ids), dim] of the table dtype).
@@ -379,24 +398,29 @@ class EmbeddingStore:
             self._check_writable()
             if self._recorder is not None:
                 self._recorder.write(table, ids)
-            groups = IdGroups(ids)
-            if t.spec.row_width == t.spec.dim and t.codec is None:
-                # rows the top tier holds are overwritten where they lie, in position order
-                # (the last row of an id wins): no probe beyond one, no copy of the batch
-                slots = t.chain.top_slots(groups.unique, read=False)
-                if slots is not None:
-                    self._before_write(table, t, groups.unique)
-                    t.chain.put_top_slots(groups.unique, slots, rows, row_slots=(
-                        slots[groups.inverse] if groups.has_duplicates else None))
-                    return
-            if groups.has_duplicates:
-                ids, rows = groups.unique, np.ascontiguousarray(rows[groups.last])
-            if t.spec.row_width != t.spec.dim:
-                full, found = self._get(t, ids)
-                self._fill_absent(t.spec, ids, full, found, with_state=True)
-                full[:, : t.spec.dim] = rows
-                rows = full
-            self._put(table, t, ids, rows)
+            self._update(t, ids, rows)
+
+    def _update(self, t: _Table, ids: np.ndarray, rows: np.ndarray) -> None:
+        """`update` of checked `ids` and `rows`."""
+        table = t.spec.name
+        groups = IdGroups(ids)
+        if t.spec.row_width == t.spec.dim and t.codec is None:
+            # rows the top tier holds are overwritten where they lie, in position order
+            # (the last row of an id wins): no probe beyond one, no copy of the batch
+            slots = t.chain.top_slots(groups.unique, read=False)
+            if slots is not None:
+                self._before_write(table, t, groups.unique)
+                t.chain.put_top_slots(groups.unique, slots, rows, row_slots=(
+                    slots[groups.inverse] if groups.has_duplicates else None))
+                return
+        if groups.has_duplicates:
+            ids, rows = groups.unique, np.ascontiguousarray(rows[groups.last])
+        if t.spec.row_width != t.spec.dim:
+            full, found = self._get(t, ids)
+            self._fill_absent(t.spec, ids, full, found, with_state=True)
+            full[:, : t.spec.dim] = rows
+            rows = full
+        self._put(table, t, ids, rows)
 
     def apply_gradients(self, table: str, ids: Any, grads: Any) -> None:
         """Apply the table's fused optimizer to `ids` with `grads` (array[len(ids), dim]).
@@ -412,48 +436,136 @@ class EmbeddingStore:
         """
         with self._mutex:
             t = self._table(table)
-            spec = t.spec
-            ids = as_ids(ids, spec)
-            grads = as_rows(grads, len(ids), spec, what="gradients")
+            ids = as_ids(ids, t.spec)
+            grads = as_rows(grads, len(ids), t.spec, what="gradients")
             self._check_writable()
             if self._recorder is not None:
                 self._recorder.write(table, ids)
-            # where the top tier holds every row in slots, step them there: one probe and one
-            # pass over the rows, no gathered copy, no write back (see embstore/_fused.py).
-            # Distinct ids (what a trainer passes) are told by their slots, without grouping.
-            # Half-precision rows are bytes in every tier: they take the gathered path
-            slots = None if t.codec is not None else t.chain.top_slots(ids, read=False)
-            if slots is None or not _fused.distinct_slots(
-                    slots, t.chain.tiers[0].slot_backend.index.high_water):
-                groups = IdGroups(ids)
-                if groups.has_duplicates:
-                    ids, grads = groups.unique, groups.sum_rows(grads)
-                    slots = None if slots is None else slots[groups.last]
-            if slots is not None:
-                t.chain.count_top_read(ids, slots)
-            full = bad = None
-            if slots is not None:
-                self._before_write(table, t, ids)  # pre-images first: rows change in place
-                bad = _fused.step_in_place(spec.optimizer, spec.dim, t.chain.tiers[0].backend,
-                                           slots, grads, undo=not spec.allow_nonfinite)
-                if bad is None:  # no kernel for this rule: step a gathered copy
-                    full, bad = _fused.gather_step(spec.optimizer, spec.dim,
-                                                   t.chain.tiers[0].backend, slots, grads)
-            else:
-                full, found = self._get(t, ids)
-                self._fill_absent(spec, ids, full, found, with_state=True)
-                bad = _fused.step_rows(spec.optimizer, spec.dim, full, grads)
-            if bad >= 0 and not spec.allow_nonfinite:  # the in-place step was undone
-                raise NonFiniteValueError(
-                    f"table {spec.name!r}: the optimizer step made row {int(ids[bad])} "
-                    "non-finite (exploding gradients or learning rate?); nothing was written"
-                )
-            if slots is not None:
-                t.chain.put_top_slots(ids, slots, full)
-            else:
-                assert full is not None
-                self._put(table, t, ids, full, step=t.steps)
-            t.steps += 1
+            self._apply_gradients(t, ids, grads)
+
+    def _apply_gradients(self, t: _Table, ids: np.ndarray, grads: np.ndarray) -> None:
+        """`apply_gradients` of checked `ids` and `grads`."""
+        spec, table = t.spec, t.spec.name
+        # where the top tier holds every row in slots, step them there: one probe and one
+        # pass over the rows, no gathered copy, no write back (see embstore/_fused.py).
+        # Distinct ids (what a trainer passes) are told by their slots, without grouping.
+        # Half-precision rows are bytes in every tier: they take the gathered path
+        slots = None if t.codec is not None else t.chain.top_slots(ids, read=False)
+        if slots is None or not _fused.distinct_slots(
+                slots, t.chain.tiers[0].slot_backend.index.high_water):
+            groups = IdGroups(ids)
+            if groups.has_duplicates:
+                ids, grads = groups.unique, groups.sum_rows(grads)
+                slots = None if slots is None else slots[groups.last]
+        if slots is not None:
+            t.chain.count_top_read(ids, slots)
+        full = bad = None
+        if slots is not None:
+            self._before_write(table, t, ids)  # pre-images first: rows change in place
+            bad = _fused.step_in_place(spec.optimizer, spec.dim, t.chain.tiers[0].backend,
+                                       slots, grads, undo=not spec.allow_nonfinite)
+            if bad is None:  # no kernel for this rule: step a gathered copy
+                full, bad = _fused.gather_step(spec.optimizer, spec.dim,
+                                               t.chain.tiers[0].backend, slots, grads)
+        else:
+            full, found = self._get(t, ids)
+            self._fill_absent(spec, ids, full, found, with_state=True)
+            bad = _fused.step_rows(spec.optimizer, spec.dim, full, grads)
+        if bad >= 0 and not spec.allow_nonfinite:  # the in-place step was undone
+            raise NonFiniteValueError(
+                f"table {spec.name!r}: the optimizer step made row {int(ids[bad])} "
+                "non-finite (exploding gradients or learning rate?); nothing was written"
+            )
+        if slots is not None:
+            t.chain.put_top_slots(ids, slots, full)
+        else:
+            assert full is not None
+            self._put(table, t, ids, full, step=t.steps)
+        t.steps += 1
+
+    # --- several tables in one call ---------------------------------------------------------
+
+    def lookup_many(self, requests: Mapping[str, Any], *, state: bool = False
+                    ) -> dict[str, np.ndarray]:
+        """Rows of several tables in one call: ``{table: ids}`` -> ``{table: rows}``.
+
+        Each table gets what `lookup` (with `state`, `lookup_state`) returns for its ids. Every
+        table and its ids are checked before any is read, so a call that raises changes
+        nothing (no promotion, no counter); the store is locked once for the whole call.
+
+        Raises:
+            UnknownTableError, InvalidIdsError, StoreClosedError, CorruptStoreError.
+            InvalidValuesError: `requests` is not a mapping.
+        """
+        with self._mutex:
+            checked = [(t, as_ids(ids, t.spec)) for t, ids in self._requests(requests)]
+            if self._recorder is not None and not state:
+                for t, ids in checked:
+                    self._recorder.lookup(t.spec.name, ids)
+            read = self._lookup_state if state else self._lookup
+            return {t.spec.name: read(t, ids) for t, ids in checked}
+
+    def update_many(self, requests: Mapping[str, tuple[Any, Any]]) -> None:
+        """`update` of several tables in one call: ``{table: (ids, rows)}``.
+
+        Every input is checked before any table changes.
+
+        Raises:
+            UnknownTableError, InvalidIdsError, InvalidValuesError (also: `requests` is not a
+            mapping of pairs), DtypeMismatchError, DimensionMismatchError, NonFiniteValueError,
+            ReadOnlyError, StoreClosedError.
+        """
+        with self._mutex:
+            checked = self._pairs(requests, "rows")
+            for t, ids, rows in checked:
+                if self._recorder is not None:
+                    self._recorder.write(t.spec.name, ids)
+                self._update(t, ids, rows)
+
+    def apply_gradients_many(self, requests: Mapping[str, tuple[Any, Any]]) -> None:
+        """`apply_gradients` of several tables in one call: ``{table: (ids, grads)}``.
+
+        Every input is checked before any table changes (gradients included: NaN or infinity
+        anywhere rejects the whole call). Each table then takes its step in the mapping's
+        order, exactly as `apply_gradients` would.
+
+        Caveat: a step whose result would be non-finite, where the table forbids it, is only
+        seen while that table steps: it raises NonFiniteValueError with that table and the
+        tables after it unchanged, and the tables before it stepped.
+
+        Raises:
+            UnknownTableError, InvalidIdsError, InvalidValuesError (also: `requests` is not a
+            mapping of pairs), DtypeMismatchError, DimensionMismatchError, NonFiniteValueError,
+            ReadOnlyError, StoreClosedError.
+        """
+        with self._mutex:
+            checked = self._pairs(requests, "gradients")
+            for t, ids, grads in checked:
+                if self._recorder is not None:
+                    self._recorder.write(t.spec.name, ids)
+                self._apply_gradients(t, ids, grads)
+
+    def _requests(self, requests: Mapping[str, Any]) -> list[tuple[_Table, Any]]:
+        """(table, its request) of each table of `requests`, all of them known."""
+        self._check_open()
+        if not isinstance(requests, Mapping):
+            raise InvalidValuesError(
+                f"requests must be a mapping {{table: ...}}, got {type(requests).__name__}")
+        return [(self._table(name), value) for name, value in requests.items()]
+
+    def _pairs(self, requests: Mapping[str, tuple[Any, Any]], what: str
+               ) -> list[tuple[_Table, np.ndarray, np.ndarray]]:
+        """Checked (table, ids, rows) of each ``{table: (ids, rows)}`` of a write."""
+        checked = []
+        for t, pair in self._requests(requests):
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise InvalidValuesError(
+                    f"table {t.spec.name!r}: give (ids, {what}) for each table, got "
+                    f"{type(pair).__name__}")
+            ids = as_ids(pair[0], t.spec)
+            checked.append((t, ids, as_rows(pair[1], len(ids), t.spec, what=what)))
+        self._check_writable()
+        return checked
 
     def bulk_load(self, table: str, ids: Any, weights: Any, state: Any = None) -> None:
         """Load many rows at once straight into the store of record (durable on return).
@@ -700,13 +812,30 @@ class EmbeddingStore:
             self._save_steps()
 
     def _flush_tables(self) -> None:
-        for t in self._tables.values():
+        # every table's write-backs first, then the syncs: the tables of a tier directory that
+        # share one log (RocksDB) or environment (LMDB) find it synced by the first one's sync
+        tables = list(self._tables.values())
+        for t in tables:
+            t.chain.write_back_all()
+        for t in tables:
             if t.written is not None:
                 t.written.before_sync()
             _crash.point("flush.before_sync")
-            t.chain.flush()
-            if t.written is not None:
-                t.written.after_sync()
+        if tables:
+            tables[0].chain.sync()
+        if len(tables) <= _PARALLEL_SYNCS:
+            for t in tables[1:]:
+                t.chain.sync()
+        else:
+            # tables with files of their own (pmem, DRAM snapshots) sync each: on several
+            # threads the file system commits them together (see `write_atomic_many`)
+            with ThreadPoolExecutor(16, "embstore-sync") as pool:
+                done = [pool.submit(t.chain.sync) for t in tables[1:]]
+            failed = next((f.exception() for f in done if f.exception() is not None), None)
+            if failed is not None:
+                raise failed
+        # each record only once its own table is synced: they are written together
+        _written.after_sync([t.written for t in self._tables.values() if t.written is not None])
 
     def _gradient_steps(self) -> dict[str, int]:
         """Optimizer steps of every half-precision table that has taken one."""

@@ -5,16 +5,18 @@ a background thread:
 
 1. `prepare`: check the inputs and group each table's ids (all features of one table share one
    lookup of their distinct ids, `IdGroups`: first-occurrence order, with the map back);
-2. `fetch`: look up the distinct rows in the store and stage them on the module's device;
+2. `fetch`: look up the distinct rows in the store and stage them on the module's device
+   (several tables in one `lookup_many` call);
 3. `run`: pool the rows with torch (`torch.embedding_bag`, the kernel behind
    torch.nn.EmbeddingBag) and, when training, connect the result to autograd.
 
 The backward pass turns the pooled gradient into one gradient row per input position (scaled
 by its per-sample weight, divided by its bag's size for "mean"; "max" routes each column to
 the row that won it), sums the rows of each distinct id in position order, and hands them to
-the table's fused optimizer with `EmbeddingStore.apply_gradients`. That is bit for bit the
-store's own ``apply_gradients(ids, per_position_grads)``: no dense [num_embeddings, dim]
-gradient exists, and there is nothing for a torch optimizer to step.
+the table's fused optimizer with `EmbeddingStore.apply_gradients` (the tables of a
+multi-table forward all in one `apply_gradients_many`). That is bit for bit the store's own
+``apply_gradients(ids, per_position_grads)``: no dense [num_embeddings, dim] gradient exists,
+and there is nothing for a torch optimizer to step.
 """
 
 from __future__ import annotations
@@ -118,7 +120,10 @@ def fetch(store: Any, plan: ForwardPlan, device: torch.device) -> None:
     """Look up the distinct rows of every table of `plan` not staged yet; onto `device`."""
     todo = [tp for tp in plan.tables if tp.rows is None]
     many = None
-    if todo and getattr(store, "collective", False):  # sharded: one exchange for all tables
+    collective = getattr(store, "collective", False)
+    if (len(todo) > 1 and hasattr(store, "lookup_many")) or (todo and collective):
+        # one call for all tables: one exchange for a sharded store, one lock and one
+        # check of the inputs for a local one
         many = store.lookup_many({tp.table: tp.groups.unique for tp in todo})
     for tp in todo:
         rows = (lookup_rows(store, tp.table, tp.groups.unique) if many is None
@@ -347,10 +352,12 @@ class _TableFunction(torch.autograd.Function):
         return (None, None, None, None, *weight_grads)
 
 
-class _CollectiveFunction(torch.autograd.Function):
-    """All tables of a forward over a collective (sharded) store, with one update call.
+class _TablesFunction(torch.autograd.Function):
+    """All tables of a forward, with one update call (`apply_gradients_many`) in backward.
 
-    So every rank makes the same collective calls in the same order, one exchange a step.
+    A collective (sharded) store updates every table, so that every rank makes the same
+    collective calls in the same order, one exchange a step. A local store updates the tables
+    whose outputs got a gradient, as one `_TableFunction` per table would, in one call.
     """
 
     @staticmethod
@@ -362,19 +369,33 @@ class _CollectiveFunction(torch.autograd.Function):
             outs += o
             saved.append(sv)
         ctx.store, ctx.tps, ctx.mode, ctx.saved = store, tps, mode, saved
-        ctx.set_materialize_grads(True)
+        ctx.collective = bool(getattr(store, "collective", False))
+        ctx.set_materialize_grads(ctx.collective)
+        ctx.outputs = [(o.shape, o.dtype, o.device) for o in outs]
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        updates, weight_grads, at = {}, [], 0
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        updates: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        weight_grads: list[torch.Tensor | None] = []
+        at = 0
         for tp, saved in zip(ctx.tps, ctx.saved, strict=True):
             n = len(tp.features)
-            unique, distinct, wg = _table_update(tp, ctx.mode, grads[at: at + n], saved)
+            mine = grads[at: at + n]
             at += n
+            if all(g is None for g in mine):  # no output of the table reached the loss
+                weight_grads += [None for fp in tp.features
+                                 if fp.bags.per_sample_weights is not None]
+                continue
+            # an output without a gradient counts as zeros, as autograd would give them
+            full = tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                         for g, (shape, dtype, device)
+                         in zip(mine, ctx.outputs[at - n: at], strict=True))
+            unique, distinct, wg = _table_update(tp, ctx.mode, full, saved)
             updates[tp.table] = (unique, distinct)
             weight_grads += wg
-        ctx.store.apply_gradients_many(updates)
+        if updates:
+            ctx.store.apply_gradients_many(updates)
         for table, (unique, _) in updates.items():
             _notify(ctx.store, table, unique)
         return (None, None, None, None, *weight_grads)
@@ -387,15 +408,6 @@ def run(store: EmbeddingStore, plan: ForwardPlan, mode: str, *, train: bool
     With `train`, the outputs are connected to autograd and their backward updates the store.
     """
     outs: dict[str, torch.Tensor] = {}
-    if train and getattr(store, "collective", False):
-        weights = [fp.bags.per_sample_weights for tp in plan.tables for fp in tp.features
-                   if fp.bags.per_sample_weights is not None]
-        results = _CollectiveFunction.apply(  # type: ignore[no-untyped-call]
-            _TRIGGER, store, plan.tables, mode, *weights)
-        for fp, out in zip([fp for tp in plan.tables for fp in tp.features], results,
-                           strict=True):
-            outs[fp.name] = out
-        return [outs[name] for name in plan.order]
     for tp in plan.tables:
         if tp.ready is not None:  # staged on a side stream: wait for the copy, and keep
             # the allocator from reusing the memory while this stream still reads it
@@ -405,6 +417,17 @@ def run(store: EmbeddingStore, plan: ForwardPlan, mode: str, *, train: bool
             tp.rows.record_stream(stream)
             tp.inverse.record_stream(stream)
             tp.ready = None
+    if train and ((len(plan.tables) > 1 and hasattr(store, "apply_gradients_many"))
+                  or getattr(store, "collective", False)):
+        weights = [fp.bags.per_sample_weights for tp in plan.tables for fp in tp.features
+                   if fp.bags.per_sample_weights is not None]
+        results = _TablesFunction.apply(  # type: ignore[no-untyped-call]
+            _TRIGGER, store, plan.tables, mode, *weights)
+        for fp, out in zip([fp for tp in plan.tables for fp in tp.features], results,
+                           strict=True):
+            outs[fp.name] = out
+        return [outs[name] for name in plan.order]
+    for tp in plan.tables:
         if train:
             weights = [fp.bags.per_sample_weights for fp in tp.features
                        if fp.bags.per_sample_weights is not None]

@@ -369,3 +369,72 @@ def test_float64_tables_train_like_torch():
         opt.zero_grad()
     np.testing.assert_allclose(store.lookup("t", np.arange(ROWS)), ref.weight.detach().numpy(),
                                rtol=1e-12, atol=1e-12)
+
+
+def _collection_of_tables(n):
+    tables = [embstore.TableSpec(f"t{i}", dim=4, init=embstore.init.Uniform(-1, 1, seed=i),
+                                 optimizer=embstore.optim.Adam(lr=0.1)) for i in range(n)]
+    features = {f"f{i}": f"t{i}" for i in range(n)}
+    feats = {f"f{i}": (torch.tensor([i, i + 1, 2]), torch.tensor([2, 1])) for i in range(n)}
+    return tables, features, feats
+
+
+def test_collection_fetches_and_updates_all_its_tables_in_one_call_each(monkeypatch):
+    tables, features, feats = _collection_of_tables(6)
+    store = embstore.open(None, tables=tables)
+    calls = {"lookup_many": 0, "apply_gradients_many": 0}
+    for name in calls:
+        real = getattr(store, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(store, name, spy)
+    ebc = et.EmbeddingBagCollection(store, features, mode="mean")
+    for _ in range(2):
+        (ebc(feats).values() ** 2).sum().backward()
+    assert calls == {"lookup_many": 2, "apply_gradients_many": 2}
+    # the same steps as one module per table, each applying its own update
+    reference = embstore.open(None, tables=tables)
+    bags = {f: et.EmbeddingBag(reference, t, mode="mean") for f, t in features.items()}
+    for _ in range(2):
+        for f, bag in bags.items():
+            values, lengths = feats[f]
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+            (bag(values, offsets) ** 2).sum().backward()
+    for t in reference.tables:
+        np.testing.assert_array_equal(store.lookup(t, np.arange(8)),
+                                      reference.lookup(t, np.arange(8)))
+        np.testing.assert_array_equal(store.lookup_state(t, np.arange(8)),
+                                      reference.lookup_state(t, np.arange(8)))
+
+
+
+class _PerTableStore:
+    """A store with only the per-table calls the modules need (no `*_many`)."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def lookup(self, table, ids):
+        return self._store.lookup(table, ids)
+
+    def apply_gradients(self, table, ids, grads):
+        self._store.apply_gradients(table, ids, grads)
+
+    def table_spec(self, table):
+        return self._store.table_spec(table)
+
+
+def test_collection_works_over_a_store_without_the_calls_over_many_tables():
+    tables, features, feats = _collection_of_tables(3)
+    store, reference = embstore.open(None, tables=tables), embstore.open(None, tables=tables)
+    for target in (_PerTableStore(store), reference):
+        ebc = et.EmbeddingBagCollection(target, features, mode="sum")
+        (ebc(feats).values() ** 2).sum().backward()
+    for t in reference.tables:
+        np.testing.assert_array_equal(store.lookup(t, np.arange(8)),
+                                      reference.lookup(t, np.arange(8)))
+    assert not np.array_equal(store.lookup("t0", np.arange(8)),
+                              embstore.open(None, tables=tables).lookup("t0", np.arange(8)))
