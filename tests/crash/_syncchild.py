@@ -146,6 +146,11 @@ def bulk(root: Path, backend: str, point: Points) -> None:
     store = _open(root / "stores" / "b", backend)
     ids = np.arange(5000, dtype=np.int64)
     point("bulk-load", lambda: store.bulk_load("t", ids, _rows(len(ids), 2)))
+    store.close()  # reopened with two new tables: their tier opens them together
+    spec = embstore.TableSpec("t", dim=DIM, optimizer=embstore.optim.RowWiseAdagrad(lr=0.1))
+    more = [embstore.TableSpec(n, dim=DIM) for n in ("u", "v")]
+    store = embstore.open(root / "stores" / "b", tables=[spec, *more])
+    point("bulk-load-new-tables", lambda: store.bulk_load("u", ids, _rows(len(ids), 3)))
 
 
 def checkpoint(root: Path, backend: str, point: Points) -> None:

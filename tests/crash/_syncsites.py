@@ -56,6 +56,9 @@ SITES: tuple[Site, ...] = (
     Site("rocksdb.table_meta_put", _B + "rocksdb", "RocksDBBackend._open_table",
          "sync.sync = True", "sync.sync = False", point=("bulk", "rocksdb", "bulk-load"),
          expect=_UNSYNCED),
+    Site("rocksdb.table_metas_put", _B + "rocksdb", "_write_metas",
+         "sync.sync = True", "sync.sync = False",
+         point=("bulk", "rocksdb", "bulk-load-new-tables"), expect=_UNSYNCED),
     Site("rocksdb.bulk_sst_fsync", _B + "rocksdb", "RocksDBBackend.bulk_load", "os.fsync(fd)",
          why="redundant: RocksDB's SstFileWriter::Finish syncs the file, and ingestion with "
              "move_files syncs the file it links in and the database directory (removing "
@@ -63,11 +66,11 @@ SITES: tuple[Site, ...] = (
          clean=("bulk", "rocksdb")),
     Site("lmdb.env_sync", _B + "lmdb", "LMDBBackend._flush", "self._env.sync(True)",
          point=("flush", "lmdb", "flush"), expect=_UNSYNCED),
-    Site("lmdb.commit_sync", _B + "lmdb", "LMDBBackend._open_env", 'sync=s["sync_commits"]',
+    Site("lmdb.commit_sync", _B + "lmdb", "_open_env", 'sync=s["sync_commits"]',
          'sync=False', point=("flush", "lmdb", "flush"),
          expect="LMDB meta page written before the data pages"),
-    Site("lmdb.new_file_dir_sync", _B + "lmdb", "LMDBBackend._open_env",
-         "fsync_dir(self._dir)", point=("flush", "lmdb", "flush"), expect=_NAMES),
+    Site("lmdb.new_file_dir_sync", _B + "lmdb", "_open_env",
+         "fsync_dir(directory)", point=("flush", "lmdb", "flush"), expect=_NAMES),
     Site("pmem.create_fsync", _B + "pmem", "PmemBackend._create", "os.fsync(fd)",
          point=("flush", "pmem", "setup"), expect=_PUBLISHED),
     Site("pmem.create_dir_fsync", _B + "pmem", "PmemBackend._create", "os.fsync(dir_fd)",
@@ -130,10 +133,10 @@ SITES: tuple[Site, ...] = (
     # --- the engine -------------------------------------------------------------------------
     Site("manifest.fsync_dir", "embstore.manifest", "fsync_dir", "os.fsync(fd)",
          point=("flush", "lmdb", "flush"), expect=_NAMES),
-    Site("manifest.write_atomic_fsync", "embstore.manifest", "write_atomic", "os.fsync(fd)",
+    Site("manifest.write_atomic_fsync", "embstore.manifest", "_write_synced", "os.fsync(fd)",
          point=("flush", "lmdb", "flush"), expect=_PUBLISHED),
-    Site("manifest.write_atomic_dir_sync", "embstore.manifest", "write_atomic",
-         "fsync_dir(file.parent)", point=("flush", "lmdb", "flush"), expect=_NAMES),
+    Site("manifest.write_atomic_dir_sync", "embstore.manifest", "write_atomic_many",
+         "fsync_dir(directory)", point=("flush", "lmdb", "flush"), expect=_NAMES),
     Site("manifest.make_dirs", "embstore.manifest", "make_dirs", "fsync_dir(d.parent)",
          point=("flush", "lmdb", "flush"), expect=_NAMES),
     Site("manifest.fsync_tree_files", "embstore.manifest", "fsync_tree", "os.fsync(fd)",
@@ -151,7 +154,7 @@ SITES: tuple[Site, ...] = (
          expect="before the delete journal's directory entry was synced"),
     Site("written.journal_truncate_fsync", _S, "WrittenIds._empty_journal", "os.fsync(fd)",
          point=("flush", "lmdb", "flush-deletes"), expect=_UNSYNCED),
-    Site("written.record_mkdir_sync", _S, "_write_file", "fsync_dir(file.parent.parent)",
+    Site("written.record_mkdir_sync", _S, "_record_bytes", "fsync_dir(file.parent.parent)",
          point=("flush", "lmdb", "flush-reopened"), expect=_NAMES),
     Site("checkpoint.publish_dir_sync", "embstore.checkpoint", "take_checkpoint",
          "fsync_dir(dest.parent)", point=("checkpoint", "rocksdb", "checkpoint"),
@@ -219,6 +222,8 @@ NOT_SITES: tuple[tuple[str, str, str], ...] = (
      "an option (off by default) that syncs every write batch; no acknowledged point needs it"),
     ("tools/_bench_backends.py", "", "the raw-library baselines of `embstore bench backends`"),
     ("tools/_bench_hierarchy.py", "os.sync()", "a benchmark settling the disk before timing"),
+    ("embstore/hierarchy.py", "self.sync()", "a table chain's flush calling each tier's flush"),
+    ("embstore/store.py", "chain.sync()", "a store flush calling each table chain's sync"),
 )
 """Calls the inventory scan finds that are not syncs of stored data: (file, text, why)."""
 

@@ -20,14 +20,16 @@ rocksdb.flush_wal  backends/rocksdb.py RocksDBBackend._flush: flush_wal(True). T
 rocksdb.table_meta_put  RocksDBBackend._open_table: the synced put of a new table's spec. The
     first write to a new table's log [bulk/rocksdb/bulk-load: bulk_load ingests SSTs and syncs
     no log, so without it the spec's log record is unsynced when bulk_load returns].
+rocksdb.table_metas_put  _write_metas: the same for the tables a tier opens together (one
+    synced batch of their specs) [bulk/rocksdb/bulk-load-new-tables].
 rocksdb.bulk_sst_fsync  RocksDBBackend.bulk_load: os.fsync of the SST before ingestion.
     Redundant: SstFileWriter::Finish fdatasyncs it, and ingestion (move_files) fdatasyncs the
     file it links in and syncs the directory (stays clean without it: bulk/rocksdb).
 lmdb.env_sync  backends/lmdb.py LMDBBackend._flush: env.sync(True). The meta pages LMDB writes
     unsynced (MDB_NOMETASYNC) [flush/lmdb/flush: data.mdb written, not synced].
-lmdb.commit_sync  LMDBBackend._open_env: lmdb.open(sync=sync_commits). Each commit's data pages
+lmdb.commit_sync  _open_env: lmdb.open(sync=sync_commits). Each commit's data pages
     before its meta page [flush/lmdb/flush: meta page written before its pages were synced].
-lmdb.new_file_dir_sync  LMDBBackend._open_env: fsync_dir of a new environment. data.mdb's name
+lmdb.new_file_dir_sync  _open_env: fsync_dir of a new environment. data.mdb's name
     [flush/lmdb/flush: data.mdb created, directory not synced].
 pmem.create_fsync  backends/pmem.py PmemBackend._create: fsync of the new file before it is
     linked into place [flush/pmem/setup: published before its data was synced].
@@ -69,10 +71,11 @@ dram.snapshot_dir_fsync  DRAMBackend._write_snapshot: fsync of the directory aft
     [flush/dram/flush: t.dram's name not synced].
 manifest.fsync_dir  embstore/manifest.py fsync_dir: the fsync every directory sync below goes
     through [flush/lmdb/flush: the new store's directory not synced].
-manifest.write_atomic_fsync  write_atomic: fsync of the temporary file (the manifest, the
+manifest.write_atomic_fsync  _write_synced (write_atomic, write_atomic_many): fsync of the
+    temporary file (the manifest, the
     written-id record, tombstones, STATS.json, export headers, sharded.json)
     [flush/lmdb/flush: written/t.ids published before its data was synced].
-manifest.write_atomic_dir_sync  write_atomic: fsync_dir after the rename
+manifest.write_atomic_dir_sync  write_atomic_many: fsync_dir after the renames, once per directory
     [flush/lmdb/flush: MANIFEST.json's name not synced].
 manifest.make_dirs  make_dirs: fsync_dir of each new directory's parent (open, checkpoint,
     restore, export, import, sharded stores) [flush/lmdb/flush: `stores` not synced].
@@ -87,7 +90,7 @@ written.journal_mkdir_sync  _append_journal: fsync_dir after making the record's
     [flush/lmdb/journal-new-dir: `written` unsynced when the store wrote].
 written.journal_truncate_fsync  WrittenIds._empty_journal: fsync after emptying the journal
     [flush/lmdb/flush-deletes: t.del truncated, not synced].
-written.record_mkdir_sync  _write_file: fsync_dir after making the record's directory
+written.record_mkdir_sync  _record_bytes: fsync_dir after making the record's directory
     [flush/lmdb/flush-reopened: a store from before written-id records, whose open makes them].
 checkpoint.publish_dir_sync  embstore/checkpoint.py take_checkpoint: fsync_dir after the
     rename [checkpoint/rocksdb/checkpoint: the checkpoint's name not synced].
@@ -162,7 +165,7 @@ CHILD = Path(__file__).parent / "_syncchild.py"
 REPO = Path(__file__).parents[2]
 POINTS = {"flush": ["flush", "flush-deletes", "flush-new-rows", "journal-new-dir",
                     "flush-reopened"],
-          "bulk": ["bulk-load"],
+          "bulk": ["bulk-load", "bulk-load-new-tables"],
           "checkpoint": ["checkpoint", "checkpoint-incr", "restore", "restore-incr"],
           "rebuild": ["compact", "migrate"], "rebuild-renames": ["compact", "migrate"],
           "export": ["export", "import"], "demo": ["demo-save"],
