@@ -283,6 +283,11 @@ class EmbeddingStore:
         return self._path
 
     @property
+    def records_accesses(self) -> bool:
+        """Whether the store appends its lookups to an access log (`record_accesses=`)."""
+        return self._recorder is not None
+
+    @property
     def read_only(self) -> bool:
         """Whether the store rejects writes."""
         return self._read_only
@@ -300,7 +305,8 @@ class EmbeddingStore:
         """
         return self._table(table).spec
 
-    def lookup(self, table: str, ids: Any, *, stored: bool = False) -> np.ndarray:
+    def lookup(self, table: str, ids: Any, *, stored: bool = False,
+               accessed: Any = None) -> np.ndarray:
         """Weights of `ids` (1-D integers, duplicates allowed): a new array[len(ids), dim].
 
         The caller owns the array (nothing in the store aliases it); for tables whose
@@ -315,6 +321,9 @@ class EmbeddingStore:
             stored: for a half-precision table, return the weights as stored: float16, or
                 for "bf16" their bit patterns as uint16 (``torch.from_numpy(a).view(
                 torch.bfloat16)`` reads them); the table dtype otherwise.
+            accessed: where `ids` are the distinct ids of a batch that used some of them more
+                than once, the batch's ids as it used them: what an access log records
+                (`open(..., record_accesses=)`); ignored by a store that records none.
 
         Raises:
             UnknownTableError, InvalidIdsError, StoreClosedError, CorruptStoreError.
@@ -323,7 +332,8 @@ class EmbeddingStore:
             t = self._table(table)
             ids = as_ids(ids, t.spec)
             if self._recorder is not None:
-                self._recorder.lookup(table, ids)
+                self._recorder.lookup(table, ids if accessed is None
+                                      else as_ids(accessed, t.spec))
             return self._lookup(t, ids, stored=stored)
 
     def _lookup(self, t: _Table, ids: np.ndarray, *, stored: bool = False) -> np.ndarray:
@@ -485,13 +495,16 @@ class EmbeddingStore:
 
     # --- several tables in one call ---------------------------------------------------------
 
-    def lookup_many(self, requests: Mapping[str, Any], *, state: bool = False
-                    ) -> dict[str, np.ndarray]:
+    def lookup_many(self, requests: Mapping[str, Any], *, state: bool = False,
+                    accessed: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
         """Rows of several tables in one call: ``{table: ids}`` -> ``{table: rows}``.
 
         Each table gets what `lookup` (with `state`, `lookup_state`) returns for its ids. Every
         table and its ids are checked before any is read, so a call that raises changes
         nothing (no promotion, no counter); the store is locked once for the whole call.
+
+        `accessed` gives, per table, the batch's ids as it used them where `requests` holds
+        their distinct values (see `lookup`).
 
         Raises:
             UnknownTableError, InvalidIdsError, StoreClosedError, CorruptStoreError.
@@ -500,8 +513,11 @@ class EmbeddingStore:
         with self._mutex:
             checked = [(t, as_ids(ids, t.spec)) for t, ids in self._requests(requests)]
             if self._recorder is not None and not state:
+                used = accessed or {}
                 for t, ids in checked:
-                    self._recorder.lookup(t.spec.name, ids)
+                    name = t.spec.name
+                    self._recorder.lookup(name, ids if name not in used
+                                          else as_ids(used[name], t.spec))
             read = self._lookup_state if state else self._lookup
             return {t.spec.name: read(t, ids) for t, ids in checked}
 

@@ -64,6 +64,8 @@ class TablePlan:
     groups: IdGroups
     padding: int | None
     """Index into `groups.unique` of the padding id, None when absent or not set."""
+    ids: np.ndarray | None = None
+    """int64[N]: the ids of every position, as the forward used them (`groups` groups them)."""
     rows: torch.Tensor | None = None
     """[U, dim] rows of `groups.unique` on the module's device, once fetched."""
     inverse: torch.Tensor | None = None
@@ -106,13 +108,18 @@ def prepare(args: tuple[Any, ...], features: Sequence[tuple[str, str, BagInput]]
         if padding_idx is not None:
             hit = np.flatnonzero(groups.unique == padding_idx)
             padding = int(hit[0]) if len(hit) else None
-        tables.append(TablePlan(table, plans, groups, padding))
+        tables.append(TablePlan(table, plans, groups, padding, ids=ids))
     return ForwardPlan(args, tables, [name for name, _, _ in features])
 
 
-def lookup_rows(store: EmbeddingStore, table: str, ids: np.ndarray) -> torch.Tensor:
-    """Rows of distinct `ids` from the store as a C-contiguous CPU tensor [len(ids), dim]."""
-    rows = store.lookup(table, ids)
+def lookup_rows(store: EmbeddingStore, table: str, ids: np.ndarray,
+                accessed: np.ndarray | None = None) -> torch.Tensor:
+    """Rows of distinct `ids` from the store as a C-contiguous CPU tensor [len(ids), dim].
+
+    `accessed`: the batch's ids with their repeats, for a store's access log.
+    """
+    rows = (store.lookup(table, ids) if accessed is None
+            else store.lookup(table, ids, accessed=accessed))
     return torch.from_numpy(np.ascontiguousarray(rows))
 
 
@@ -121,12 +128,17 @@ def fetch(store: Any, plan: ForwardPlan, device: torch.device) -> None:
     todo = [tp for tp in plan.tables if tp.rows is None]
     many = None
     collective = getattr(store, "collective", False)
+    # an access log records the batch as the model used it, repeats included
+    recording = getattr(store, "records_accesses", False)
     if (len(todo) > 1 and hasattr(store, "lookup_many")) or (todo and collective):
         # one call for all tables: one exchange for a sharded store, one lock and one
         # check of the inputs for a local one
-        many = store.lookup_many({tp.table: tp.groups.unique for tp in todo})
+        requests = {tp.table: tp.groups.unique for tp in todo}
+        many = (store.lookup_many(requests, accessed={tp.table: tp.ids for tp in todo})
+                if recording else store.lookup_many(requests))
     for tp in todo:
-        rows = (lookup_rows(store, tp.table, tp.groups.unique) if many is None
+        rows = (lookup_rows(store, tp.table, tp.groups.unique,
+                            tp.ids if recording else None) if many is None
                 else torch.from_numpy(np.ascontiguousarray(many[tp.table])))
         inverse = torch.from_numpy(tp.groups.inverse)
         if device.type != "cpu":

@@ -438,3 +438,23 @@ def test_collection_works_over_a_store_without_the_calls_over_many_tables():
                                       reference.lookup(t, np.arange(8)))
     assert not np.array_equal(store.lookup("t0", np.arange(8)),
                               embstore.open(None, tables=tables).lookup("t0", np.arange(8)))
+
+
+@pytest.mark.parametrize("tables", [1, 2])
+def test_a_recording_store_logs_each_batch_as_the_model_used_it(tmp_path, tables):
+    # the modules look up distinct ids; the access log must see the repeats (reuse within a
+    # batch is what a profile's miss-ratio curves and lookups per sample are made of)
+    from embstore._access_log import read_access_log
+
+    names = [f"t{i}" for i in range(tables)]
+    specs = [embstore.TableSpec(n, dim=4) for n in names]
+    log = tmp_path / "log"
+    with embstore.open(None, tables=specs, record_accesses=log) as store:
+        ebc = et.EmbeddingBagCollection(store, {f"f{i}": n for i, n in enumerate(names)})
+        values = torch.tensor([3, 3, 5, 7, 3, 5])
+        lengths = torch.tensor([2, 1, 3])
+        ebc({f"f{i}": (values + i, lengths) for i in range(tables)}).values().sum().backward()
+        store.flush()
+    for i, name in enumerate(names):
+        assert [b.tolist() for b in read_access_log(log).batches(name)] == \
+            [(values + i).tolist()]
