@@ -14,6 +14,7 @@ back if a crash fell between them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import importlib
@@ -128,6 +129,18 @@ def store_rows(root: Path, default_tiers: Sequence[TierSpec],
     return source
 
 
+class _ClosablePages:
+    """An iterator of pages with a `close` (a generator's, where it has one)."""
+
+    def __init__(self, pages: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.pages = pages
+
+    def close(self) -> None:
+        close = getattr(self.pages, "close", None)
+        if close is not None:
+            close()
+
+
 def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[TableSpec],
                 source: RowSource, *, extras: dict[str, Any] | None = None,
                 history: dict[str, Any] | None = None,
@@ -149,8 +162,10 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
         total, pages = source(spec)
         n = 0
         written: list[np.ndarray] = []  # the ids of the table's written-id record
-        with open_bottom(dest, spec, default_tiers, read_only=False,
-                         rows_hint=total) as target:
+        # a failed copy closes the source's reader now: a handle left to the garbage
+        # collector would keep its directory open with the reader's options in this process
+        with contextlib.closing(_ClosablePages(pages)), open_bottom(
+                dest, spec, default_tiers, read_only=False, rows_hint=total) as target:
             for ids, rows in pages:
                 if not len(ids):
                     continue
@@ -168,9 +183,9 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
             if compact is not None:
                 compact()
             target.flush()
-            keeps_record = (target.supports_persistence
-                            and table_chain(spec, default_tiers)[-1].eviction is None
-                            and table_chain(spec, default_tiers)[-1].admission is None)
+            bottom = table_chain(spec, default_tiers)[-1]
+            keeps_record = (registry.load_backend(bottom.backend).supports_persistence
+                            and bottom.eviction is None and bottom.admission is None)
         counts[spec.name] = n
         if keeps_record:  # every row just written counts as written (embstore._written)
             file = written_file(dest, spec.name)

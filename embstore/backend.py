@@ -339,7 +339,12 @@ class Backend(ABC):
             raise self._foreign(exc, "syncing") from exc
         finally:
             self._closed = True
-            self._close()
+            try:
+                self._close()
+            except _OURS:
+                raise
+            except Exception as exc:  # the library's (or the OS's) error, named as ours
+                raise self._foreign(exc, "closing") from exc
 
     def refresh(self) -> None:
         """Catch a read-only handle up with its writer: see what it flushed since the open.

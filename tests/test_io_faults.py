@@ -5,7 +5,9 @@ into the store of record fails, for N = 1, 2, ... until one run meets no fault (
 fault-simulation loop). Each run must succeed or raise a documented embstore error; a failed
 sync must bar every later flush of the handle (SyncFailedError); closing and reopening must
 give a store with a clean fsck that holds every row flushed before the fault, and the
-operation's rows where it succeeded. Compaction (`embstore compact`) is not driven here.
+operation's rows where it succeeded. Compaction (`embstore compact`, which rewrites the store
+beside itself and swaps it in) meets the failing medium in the copy it writes: it must fail
+with an embstore error and leave the old store as it was, or succeed.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import numpy as np
 import pytest
 
 import embstore
-from embstore import fsck
+from embstore import _rebuild, fsck
 from embstore.errors import EmbstoreError, StorageIOError, SyncFailedError
-from embstore.testing import inject
+from embstore.testing import FaultyBackend, inject
 
 DIM = 4
 ERRORS = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC}
@@ -190,3 +192,55 @@ def test_a_really_full_file_system_gives_a_clear_error_and_no_sigbus(small_fs, b
     assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert "ERROR" in proc.stdout and ("space" in proc.stdout or "full" in proc.stdout), \
         proc.stdout
+
+
+def _compact_run(tmp: Path, backend: str, nth: int, code: int, persistent: bool,
+                 monkeypatch: pytest.MonkeyPatch) -> int:
+    """One compaction whose new copy fails at its `nth` I/O; returns the faults that fired."""
+    path = tmp / "s"
+    with _open(path, backend) as store:
+        store.update("t", BEFORE, _rows(BEFORE, 0.0))
+        store.delete("t", BEFORE[::2])
+    kept = BEFORE[1::2]
+    wrappers: list[FaultyBackend] = []
+    real_open = _rebuild.open_bottom
+
+    def open_bottom(root, spec, tiers, *, read_only, **kwargs):
+        medium = real_open(root, spec, tiers, read_only=read_only, **kwargs)
+        if read_only:  # the old store, read: only the copy's medium fails
+            return medium
+        wrappers.append(FaultyBackend(medium, method="any", nth=nth, persistent=persistent,
+                                      error=OSError(code, os.strerror(code))))
+        return wrappers[-1]
+
+    monkeypatch.setattr(_rebuild, "open_bottom", open_bottom)
+    try:
+        _rebuild.replace_store(path)
+    except EmbstoreError as exc:
+        assert isinstance(exc, StorageIOError), repr(exc)
+        assert any(w.faults for w in wrappers)
+    monkeypatch.setattr(_rebuild, "open_bottom", real_open)
+    assert fsck.check(path) == []
+    with embstore.open(path) as store:  # the old store or the compacted one: the same rows
+        assert np.array_equal(store.lookup("t", kept), _rows(kept, 0.0))
+        assert sorted(i for ids, _, _ in store.items("t") for i in ids.tolist()) == kept.tolist()
+    assert not list(tmp.glob(".s.rebuild-*"))  # a failed copy is removed
+    return sum(w.faults for w in wrappers)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["once", "persistent"])
+@pytest.mark.parametrize("code", list(ERRORS.values()), ids=list(ERRORS))
+@pytest.mark.parametrize("backend", ["rocksdb", pytest.param("lmdb", marks=pytest.mark.slow),
+                                     pytest.param("pmem", marks=pytest.mark.slow)])
+def test_a_failure_at_every_io_position_of_a_compaction_leaves_the_old_store(
+        tmp_path, monkeypatch, backend, code, persistent):
+    nth = 0
+    while True:
+        nth += 1
+        trial = tmp_path / f"n{nth}"
+        fired = _compact_run(trial, backend, nth, code, persistent, monkeypatch)
+        shutil.rmtree(trial)
+        if not fired:
+            break
+        assert nth < 100, f"the fault still fires at call {nth}"
+    assert nth > 2  # the copy's puts, flush and close were each made to fail

@@ -115,6 +115,10 @@ def _in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
     On two cores, what one contender leaves behind (a grown heap, RocksDB's threads and caches)
     slowed the next by up to 15%; every timed run starts from the same clean state instead.
     """
+    # a namespace from the command line holds its subcommand's function, which the new
+    # interpreter cannot unpickle: it gets the settings alone
+    args = tuple(argparse.Namespace(**{k: v for k, v in vars(a).items() if not callable(v)})
+                 if isinstance(a, argparse.Namespace) else a for a in args)
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
 

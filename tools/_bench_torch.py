@@ -20,12 +20,15 @@ Two parts, each ratio measured in the same run with interleaved repeats:
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 import warnings
 from typing import Any
 
 import numpy as np
+
+import embstore
 
 from ._benchutil import interleaved_medians, print_table
 
@@ -69,6 +72,10 @@ def _split(text: str, allowed: tuple[str, ...], what: str) -> list[str] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen parts; exit 1 if a check of the results fails."""
+    # The contenders take turns in one process. OpenMP's workers (FBGEMM's, torch's) spin
+    # for a while after each parallel region by default, on the core the next contender's
+    # threads need: passive waits (unless the caller chose) give each its cores back.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         import torch
     except ImportError as exc:
@@ -88,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    print(f"torch threads: {args.threads} (every contender)")
+    print(f"torch threads: {args.threads} (every contender); OpenMP waits: "
+          f"{os.environ['OMP_WAIT_POLICY'].lower()}; embstore threads: "
+          f"{embstore.get_num_threads()}")
     try:
         rc = 0
         if "step" in parts:
