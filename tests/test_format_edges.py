@@ -7,10 +7,12 @@ else changed.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
 import struct
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -25,6 +27,7 @@ from embstore.errors import (
     CorruptStoreError,
     EmbstoreError,
     ReadOnlyError,
+    StoreLockedError,
     StoreNotFoundError,
 )
 from embstore.manifest import read_manifest, write_manifest
@@ -318,3 +321,50 @@ def test_a_malformed_crash_point_setting_is_refused(monkeypatch, value):
     monkeypatch.setenv(_crash.ENV, value)
     with pytest.raises(ValueError, match="expected <point>:<n>"):
         _crash._target()
+
+
+# --- the lock: a second writer is told who holds the store --------------------------------------
+
+def test_a_second_writer_in_this_process_is_told_so(tmp_path):
+    path = _store(tmp_path / "s")
+    with embstore.open(path), pytest.raises(StoreLockedError, match="this process"):
+        embstore.open(path)
+
+
+def test_a_second_writer_is_told_the_pid_of_the_process_holding_the_store(tmp_path):
+    path = _store(tmp_path / "s")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, embstore; s = embstore.open(sys.argv[1]); "
+         "print('open', flush=True); sys.stdin.read()", str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        with pytest.raises(StoreLockedError, match=f"process {holder.pid} holds it") as info:
+            embstore.open(path)
+        assert info.value.holder_pid == holder.pid
+    finally:
+        holder.communicate("", timeout=60)
+
+
+def test_a_lock_whose_recorded_writer_is_dead_names_no_pid(tmp_path):
+    path = _store(tmp_path / "s")
+    fd = os.open(path / "LOCK", os.O_RDWR)
+    try:
+        os.pwrite(fd, b"999999999", 0)  # no such process
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(StoreLockedError, match="still starting") as info:
+            embstore.open(path)
+        assert info.value.holder_pid is None
+    finally:
+        os.close(fd)
+    with embstore.open(path) as store:  # released: the store opens, and is whole
+        assert store.lookup("t", np.arange(3)).tolist() == [[0.5, 0.5]] * 3
+
+
+def test_many_files_written_atomically_at_once_are_whole_and_private(tmp_path):
+    items = [(tmp_path / f"f{i}", bytes([i]) * (100 + i)) for i in range(20)]  # the threaded path
+    manifest.write_atomic_many(items)
+    for file, data in items:
+        assert file.read_bytes() == data
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600
+    assert not list(tmp_path.glob("*.tmp"))
