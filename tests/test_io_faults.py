@@ -101,11 +101,17 @@ def _one_run(tmp: Path, backend: str, op: str, nth: int, code: int, persistent: 
 
 def _loop(tmp_path: Path, backend: str, op: str, code: int, persistent: bool,
           limit: int) -> int:
+    return _every_position(
+        tmp_path, lambda trial, nth: _one_run(trial, backend, op, nth, code, persistent), limit)
+
+
+def _every_position(tmp_path: Path, trial_run, limit: int) -> int:
+    """`trial_run(dir, nth)` for nth = 1, 2, ... until no fault fires; returns that nth."""
     nth = 0
     while True:
         nth += 1
         trial = tmp_path / f"n{nth}"
-        fired = _one_run(trial, backend, op, nth, code, persistent)
+        fired = trial_run(trial, nth)
         shutil.rmtree(trial)
         if not fired:
             return nth
@@ -234,13 +240,6 @@ def _compact_run(tmp: Path, backend: str, nth: int, code: int, persistent: bool,
                                      pytest.param("pmem", marks=pytest.mark.slow)])
 def test_a_failure_at_every_io_position_of_a_compaction_leaves_the_old_store(
         tmp_path, monkeypatch, backend, code, persistent):
-    nth = 0
-    while True:
-        nth += 1
-        trial = tmp_path / f"n{nth}"
-        fired = _compact_run(trial, backend, nth, code, persistent, monkeypatch)
-        shutil.rmtree(trial)
-        if not fired:
-            break
-        assert nth < 100, f"the fault still fires at call {nth}"
-    assert nth > 2  # the copy's puts, flush and close were each made to fail
+    positions = _every_position(tmp_path, lambda trial, nth: _compact_run(
+        trial, backend, nth, code, persistent, monkeypatch), limit=100)
+    assert positions > 2  # the copy's puts, flush and close were each made to fail
