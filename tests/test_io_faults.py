@@ -243,3 +243,5 @@ def test_a_failure_at_every_io_position_of_a_compaction_leaves_the_old_store(
     positions = _every_position(tmp_path, lambda trial, nth: _compact_run(
         trial, backend, nth, code, persistent, monkeypatch), limit=100)
     assert positions > 2  # the copy's puts, flush and close were each made to fail
+    print(f"io faults {backend} compaction {errno.errorcode[code]} persistent={persistent}: "
+          f"{positions} positions")
