@@ -75,7 +75,7 @@ while True:
     backend.delete(delete)
     if step % FLUSH_EVERY == FLUSH_EVERY - 1:
         backend.flush()
-        print("ack", step, flush=True)
+        print(f"ack {step}", flush=True)  # one write: a kill never tears it
     step += 1
 '''
 
@@ -99,7 +99,7 @@ while True:
     store.delete("crash", delete)
     if step % FLUSH_EVERY == FLUSH_EVERY - 1:
         store.flush()
-        print("ack", step, flush=True)
+        print(f"ack {step}", flush=True)  # one write: a kill never tears it
     step += 1
 '''
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,7 +63,7 @@ for step in range(first, first + STEPS):
     store.update("t", put, step_rows(put, step))
     store.delete("t", delete)
     store.flush()
-    print("ack", step, flush=True)
+    print(f"ack {step}", flush=True)  # one write: a kill never tears it
     if step % 2:
         store.checkpoint(cfg["path"] + f"-ckpt{step}", step=step)
 store.close()
@@ -100,8 +101,9 @@ def run_child(path: Path, backend: str, *, first: int = 0, crash_at: str | None 
                           capture_output=True, text=True, timeout=300)
     if proc.returncode not in (0, -signal.SIGKILL):
         raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    acks = [int(line.split()[1]) for line in proc.stdout.splitlines()
-            if line.startswith("ack ")]
+    # a line the kill cut short is no acknowledgement
+    acks = [int(m[1]) for line in proc.stdout.splitlines()
+            if (m := re.fullmatch(r"ack (\d+)", line))]
     return acks, proc.returncode
 
 
