@@ -121,6 +121,7 @@ def test_eight_threads_of_mixed_operations_end_in_a_serial_state(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 80,000 operations with checkpoints: minutes on two busy cores
 def test_eight_threads_of_10000_mixed_operations_end_in_a_serial_state(tmp_path):
     _run(tmp_path, 10_000)
 

@@ -36,5 +36,6 @@ def test_damaged_stores_raise_only_embstore_errors(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2500)  # the child's own limit is 2,400 s; the suite's 600 s is too short
 def test_damaged_stores_raise_only_embstore_errors_3000_examples(tmp_path):
     _fuzz(tmp_path, 3000, seed=2, timeout=2400)

@@ -65,6 +65,7 @@ def test_sampled_flips_of_a_small_store_are_all_detected(tmp_path, bottom):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # thousands of flips, each checked in a child: past the suite's 600 s
 @pytest.mark.parametrize("bottom", PERSISTENT)
 def test_every_byte_of_a_small_store(tmp_path, bottom):
     store = _make(tmp_path / "s", bottom, rows=20)
@@ -75,6 +76,7 @@ def test_every_byte_of_a_small_store(tmp_path, bottom):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("bottom", PERSISTENT)
 def test_a_thousand_random_bytes_of_a_larger_store(tmp_path, bottom):
     store = _make(tmp_path / "s", bottom, rows=5000)
