@@ -531,12 +531,7 @@ class EmbeddingStore:
             mapping of pairs), DtypeMismatchError, DimensionMismatchError, NonFiniteValueError,
             ReadOnlyError, StoreClosedError.
         """
-        with self._mutex:
-            checked = self._pairs(requests, "rows")
-            for t, ids, rows in checked:
-                if self._recorder is not None:
-                    self._recorder.write(t.spec.name, ids)
-                self._update(t, ids, rows)
+        self._write_many(requests, "rows", self._update)
 
     def apply_gradients_many(self, requests: Mapping[str, tuple[Any, Any]]) -> None:
         """`apply_gradients` of several tables in one call: ``{table: (ids, grads)}``.
@@ -554,12 +549,16 @@ class EmbeddingStore:
             mapping of pairs), DtypeMismatchError, DimensionMismatchError, NonFiniteValueError,
             ReadOnlyError, StoreClosedError.
         """
+        self._write_many(requests, "gradients", self._apply_gradients)
+
+    def _write_many(self, requests: Mapping[str, tuple[Any, Any]], what: str,
+                    write: Callable[[_Table, np.ndarray, np.ndarray], None]) -> None:
+        """Check every ``{table: (ids, values)}`` first, then `write` each table in order."""
         with self._mutex:
-            checked = self._pairs(requests, "gradients")
-            for t, ids, grads in checked:
+            for t, ids, values in self._pairs(requests, what):
                 if self._recorder is not None:
                     self._recorder.write(t.spec.name, ids)
-                self._apply_gradients(t, ids, grads)
+                write(t, ids, values)
 
     def _requests(self, requests: Mapping[str, Any]) -> list[tuple[_Table, Any]]:
         """(table, its request) of each table of `requests`, all of them known."""
