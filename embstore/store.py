@@ -181,13 +181,21 @@ class EmbeddingStore:
             raise StoreClosedError("the store is closed; open it again with embstore.open(path)")
 
     def _before_write(self, name: str, t: _Table, ids: np.ndarray, *,
-                      deleting: bool = False) -> None:
+                      deleting: bool = False, held: bool | np.ndarray = False) -> None:
         """Record distinct `ids` as changed and save their pre-images for a running checkpoint.
 
-        The written-id record learns them too (written, or forgotten when `deleting`).
+        The written-id record learns them too (written, or forgotten when `deleting`), except
+        those `held` says (True: all; bool[N]: where True) have a row in a tier now: every
+        row in a tier was recorded when it was first written, or found in the store of
+        record when the record was made.
         """
         if t.written is not None:
-            (t.written.remove if deleting else t.written.add)(ids)
+            if deleting:
+                t.written.remove(ids)
+            elif held is False:
+                t.written.add(ids)
+            elif held is not True and not held.all():
+                t.written.add(ids[~held])
         if self._changes is not None:
             self._changes[name].add(ids)
         if self._copy is not None:
@@ -223,11 +231,12 @@ class EmbeddingStore:
         t.chain.forget_absent()
 
     def _put(self, name: str, t: _Table, ids: np.ndarray, full: np.ndarray, *,
-             step: int | None = None) -> None:
+             step: int | None = None, held: np.ndarray | None = None) -> None:
         """Write full rows of distinct `ids`.
 
         Half-precision weights are rounded to nearest, or for an optimizer step
-        stochastically, seeded by `step`.
+        stochastically, seeded by `step`. `held`: bool[N], True where the id's row was found
+        in a tier (see `_before_write`).
         """
         rows = full
         if t.codec is not None:
@@ -242,7 +251,7 @@ class EmbeddingStore:
                         "float16 (|w| > 65504); nothing was written: scale it down or use "
                         "precision='bf16'")
             rows = t.codec.encode(full, rounded)
-        self._before_write(name, t, ids)
+        self._before_write(name, t, ids, held=False if held is None else held)
         t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, rows)))
 
     def _fill_absent(self, spec: TableSpec, ids: np.ndarray, rows: np.ndarray,
@@ -419,7 +428,7 @@ class EmbeddingStore:
             # (the last row of an id wins): no probe beyond one, no copy of the batch
             slots = t.chain.top_slots(groups.unique, read=False)
             if slots is not None:
-                self._before_write(table, t, groups.unique)
+                self._before_write(table, t, groups.unique, held=True)
                 t.chain.put_top_slots(groups.unique, slots, rows, row_slots=(
                     slots[groups.inverse] if groups.has_duplicates else None))
                 return
@@ -469,9 +478,10 @@ class EmbeddingStore:
                 slots = None if slots is None else slots[groups.last]
         if slots is not None:
             t.chain.count_top_read(ids, slots)
-        full = bad = None
+        full = bad = found = None
         if slots is not None:
-            self._before_write(table, t, ids)  # pre-images first: rows change in place
+            # pre-images first: rows change in place
+            self._before_write(table, t, ids, held=True)
             bad = _fused.step_in_place(spec.optimizer, spec.dim, t.chain.tiers[0].backend,
                                        slots, grads, undo=not spec.allow_nonfinite)
             if bad is None:  # no kernel for this rule: step a gathered copy
@@ -490,7 +500,7 @@ class EmbeddingStore:
             t.chain.put_top_slots(ids, slots, full)
         else:
             assert full is not None
-            self._put(table, t, ids, full, step=t.steps)
+            self._put(table, t, ids, full, step=t.steps, held=found)
         t.steps += 1
 
     # --- several tables in one call ---------------------------------------------------------

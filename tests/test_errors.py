@@ -65,6 +65,8 @@ def test_ids_outside_num_embeddings_are_rejected():
     ([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]], E.InvalidValuesError),
     (np.array([[1, np.nan, 1], [1, 1, 1]], np.float32), E.NonFiniteValueError),
     (np.array([[1, 1, 1], [np.inf, 1, 1]], np.float32), E.NonFiniteValueError),
+    (np.array([[1, 1, 1], [1, 1, -np.inf]], np.float32), E.NonFiniteValueError),
+    (np.asfortranarray([[1, 1, np.nan], [1, 1, 1]], np.float32), E.NonFiniteValueError),
 ])
 def test_bad_rows_and_gradients_raise_and_change_nothing(rows, cls):
     store = _store()

@@ -82,6 +82,30 @@ def test_a_row_lost_by_the_medium_raises_naming_table_id_and_file(tmp_path, back
     assert any("1234" in f.message for f in findings), findings
 
 
+@pytest.mark.parametrize("tiers", [[("dram", None)], [("dram", 100), ("rocksdb", None)]],
+                         ids=["in-place", "gathered"])
+def test_rows_first_written_by_an_optimizer_step_are_recorded_and_their_loss_is_caught(
+        tmp_path, tiers):
+    # a step skips recording the rows it found in a tier (they were recorded when first
+    # written); the new ones in the same batch must still be recorded
+    spec = embstore.TableSpec("t", dim=DIM, optimizer=embstore.optim.SGD(0.1))
+    chain = [embstore.TierSpec(name, capacity=cap) for name, cap in tiers]
+    old, new = np.arange(0, 50), np.arange(1000, 1040)
+    with embstore.open(tmp_path / "s", tables=[spec], tiers=chain) as store:
+        store.update("t", old, np.ones((len(old), DIM), np.float32))
+        store.apply_gradients("t", old, np.ones((len(old), DIM), np.float32))  # all held
+        both = np.concatenate([old[:10], new])
+        store.apply_gradients("t", both, np.ones((len(both), DIM), np.float32))
+        assert store._tables["t"].written is not None
+        assert store._tables["t"].written.holds(np.concatenate([old, new])).all()
+    backend = chain[-1].backend
+    _drop_from_medium(tmp_path / "s", backend, np.array([1005, 7]))
+    with embstore.open(tmp_path / "s") as store:
+        assert sorted(store.lost_rows("t").tolist()) == [7, 1005]
+        with pytest.raises(CorruptStoreError, match="id 1005"):
+            store.lookup("t", np.array([1005]))
+
+
 @pytest.mark.parametrize("backend", PERSISTENT)
 def test_never_written_and_deleted_ids_read_their_initial_value(tmp_path, backend):
     rows = _make(tmp_path / "s", backend, bounded=False)

@@ -103,6 +103,7 @@ int64_t optim_step_slots_f32(int rule, int decay, float lr, float eps, float wd,
                              int64_t width, const float *grads, int64_t n, int64_t dim,
                              float *preimage, float *scratch);
 int slots_distinct(const int32_t *slots, int64_t n, uint64_t *bits);
+int values_finite_f32(const float *x, int64_t n);
 """
 
 # The optimizer rules must round every operation once, on every machine: no fused

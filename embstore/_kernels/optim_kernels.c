@@ -55,6 +55,12 @@ static inline int all_finite(const float *x, int64_t n) {
     return !bad;
 }
 
+/* 1 when none of the n floats is a NaN or an infinity: the input check of every write,
+ * without numpy's temporary bool array */
+int values_finite_f32(const float *x, int64_t n) {
+    return all_finite(x, n);
+}
+
 /* scratch: at least dim floats */
 static inline void step_row(int rule, int decay, float lr, float eps, float wd, float *w,
                             const float *g, int64_t dim, float *scratch) {
