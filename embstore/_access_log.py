@@ -157,8 +157,48 @@ class AccessLog:
 
 
 def is_access_log(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a directory holding an access log's header."""
-    return (Path(path) / HEADER_NAME).is_file()
+    """Whether `path` is an access log (a directory holding its header) or a sharded store's.
+
+    A sharded store's is a directory of per-rank logs ``rank0``, ``rank1``, ...
+    """
+    root = Path(path)
+    return (root / HEADER_NAME).is_file() or (root / "rank0" / HEADER_NAME).is_file()
+
+
+def _rank_logs(root: Path) -> list[Path]:
+    """The per-rank logs ``rank0`` .. ``rank<W-1>`` of a sharded store's log directory."""
+    ranks: list[Path] = []
+    while (root / f"rank{len(ranks)}" / HEADER_NAME).is_file():
+        ranks.append(root / f"rank{len(ranks)}")
+    strays = sorted(p.name for p in root.glob("rank*")
+                    if p.name not in {r.name for r in ranks})
+    if strays:
+        raise ConfigError(f"{root}: the per-rank access logs must be rank0 .. rank"
+                          f"{len(ranks) - 1} with no gap; {', '.join(strays)} is not among them")
+    return ranks
+
+
+def _merge_ranks(root: Path, logs: list[AccessLog]) -> AccessLog:
+    """One log of the ranks' logs: per table, batch k of rank 0, 1, ... then batch k + 1.
+
+    That is the order in which a sharded store applies its ranks' calls (one store fed the
+    ranks' inputs in rank order); a rank killed early contributes only its complete batches.
+    """
+    names = sorted({n for log in logs for n in log.ids})
+    ids, offsets, rates = {}, {}, {}
+    for name in names:
+        found = {log.rates[name] for log in logs if name in log.rates}
+        if len(found) != 1:
+            raise ConfigError(f"{root}: the ranks recorded table {name!r} at different "
+                              f"rates {sorted(found)}; record every rank at one rate")
+        per_rank = [log.batches(name) if name in log.ids else [] for log in logs]
+        order = [b for k in range(max(len(p) for p in per_rank))
+                 for p in per_rank if k < len(p) for b in (p[k],)]
+        ids[name] = np.concatenate(order) if order else np.empty(0, np.int64)
+        offsets[name] = np.concatenate([[0], np.cumsum([len(b) for b in order])]
+                                       ).astype(np.int64)
+        rates[name] = found.pop()
+    return AccessLog(ids, offsets, rates)
 
 
 def _read_header(root: Path) -> dict[str, Any]:
@@ -207,6 +247,8 @@ def _read_array(file: Path) -> np.ndarray:
 def read_access_log(path: str | os.PathLike[str]) -> AccessLog:
     """Read the access log at `path`, up to each table's last complete batch.
 
+    A sharded store's directory of per-rank logs reads as one log (`_merge_ranks`).
+
     Raises:
         ConfigError: no access log there, or one this embstore cannot read.
     """
@@ -214,6 +256,8 @@ def read_access_log(path: str | os.PathLike[str]) -> AccessLog:
     if not is_access_log(root):
         raise ConfigError(f"{root} is not an access log (no {HEADER_NAME}); record one with "
                           "embstore.open(..., record_accesses=PATH)")
+    if not (root / HEADER_NAME).is_file():
+        return _merge_ranks(root, [read_access_log(r) for r in _rank_logs(root)])
     doc = _read_header(root)
     ids, offsets, rates = {}, {}, {}
     for name, t in doc["tables"].items():

@@ -209,3 +209,36 @@ def test_bad_paths_and_rates_give_embstore_errors_and_create_no_store(tmp_path: 
                       record_accesses=tmp_path / "store" / "log")
     assert not (tmp_path / "store").exists() and not (tmp_path / "log").exists()
     assert main(["profile", str(tmp_path / "other"), "-o", str(tmp_path / "p.json")]) == 2
+
+
+def test_per_rank_logs_read_as_one_in_rank_order_and_must_agree(tmp_path: Path) -> None:
+    from embstore._access_log import AccessRecorder
+
+    def record(rank: int, batches: list[list[int]], rate: float = 1.0) -> None:
+        rec = AccessRecorder(tmp_path / "logs" / f"rank{rank}", ["t"], rate)
+        for b in batches:
+            rec.lookup("t", np.asarray(b, dtype=np.int64))
+        rec.close()
+
+    record(0, [[1, 2], [3], [4, 4]])
+    record(1, [[10], []])  # a rank with fewer batches (killed early) adds what it has
+    log = read_access_log(tmp_path / "logs")
+    assert [b.tolist() for b in log.batches("t")] == [[1, 2], [10], [3], [], [4, 4]]
+    assert log.rates == {"t": 1.0}
+    record(2, [[5]], rate=0.5)
+    with pytest.raises(ConfigError, match="different rates"):
+        read_access_log(tmp_path / "logs")
+    (tmp_path / "logs" / "rank2").rename(tmp_path / "logs" / "rank3")
+    with pytest.raises(ConfigError, match="no gap"):
+        read_access_log(tmp_path / "logs")
+
+
+def test_a_sharded_store_refuses_a_bad_rate_before_any_collective(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="embstore.distributed needs torch")
+    import embstore.distributed as ed
+
+    # no process group exists here: the check must come first, on every rank alike
+    with pytest.raises(ConfigError, match="rate"):
+        ed.open(None, tables=[embstore.TableSpec("t", dim=4)],
+                record_accesses=tmp_path / "logs", record_sample=1.5)
+    assert not (tmp_path / "logs").exists()

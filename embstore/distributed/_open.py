@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 import torch.distributed as dist
 
 from .. import _open as base_open
+from .._access_log import AccessRecorder, check_rates
 from ..errors import ConfigError, StoreNotFoundError
 from ..manifest import make_dirs, write_atomic
 from ..spec import TableSpec, TierSpec
@@ -62,7 +64,9 @@ def _agree(comm: Comm, value: Any, what: str) -> None:
 
 def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = None,
          tiers: list[TierSpec] | None = None, plan: Plan | None = None,
-         group: dist.ProcessGroup | None = None, *, timeout_s: float = 300.0) -> ShardedStore:
+         group: dist.ProcessGroup | None = None, *, timeout_s: float = 300.0,
+         record_accesses: str | os.PathLike[str] | None = None,
+         record_sample: float | Mapping[str, float] = 1.0) -> ShardedStore:
     """Open or create a sharded store; called by every rank of the group.
 
     Args:
@@ -74,6 +78,11 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
             Reopening with another plan or world size needs `restore`.
         group: the process group (default: a new gloo group of all ranks with `timeout_s`).
         timeout_s: seconds a collective waits for the other ranks before PeerFailedError.
+        record_accesses: a directory where each rank r logs the ids its callers pass, by
+            global table, to the access log ``rank<r>`` (as `embstore.open` records them);
+            ``embstore profile`` reads the directory as the log of one store called by
+            rank 0, 1, ... in turn, which is what the sharded store computes.
+        record_sample: the share of ids the logs keep (see `embstore.open`).
 
     Raises:
         ConfigError: torch.distributed not initialised, ranks that disagree, a plan that does
@@ -85,6 +94,8 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         if disk:
             raise ConfigError(f"the plan puts shards on {disk} tiers, which need a directory; "
                               "open the sharded store with a path")
+    if record_accesses is not None:
+        check_rates(record_sample)  # on every rank alike, before any collective
     comm = _comm(group, timeout_s)
     directory = None if path is None else Path(path)
     meta = None if directory is None else _read_meta(directory)
@@ -121,7 +132,15 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         write_atomic(directory / META, json.dumps(doc, indent=1).encode())
     comm.barrier("open")
     local = _open_local(directory, comm.rank, specs, plan, tier_specs)
-    return ShardedStore(comm, plan, specs, local, directory)
+    recorder = None
+    if record_accesses is not None:
+        try:
+            recorder = AccessRecorder(Path(record_accesses) / f"rank{comm.rank}",
+                                      [s.name for s in specs], record_sample)
+        except BaseException:
+            local.close()
+            raise
+    return ShardedStore(comm, plan, specs, local, directory, recorder)
 
 
 def _open_local(directory: Path | None, rank: int, specs: list[TableSpec], plan: Plan,

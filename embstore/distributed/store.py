@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .._access_log import AccessRecorder
 from .._validate import as_ids, as_rows
 from ..errors import UnknownTableError
 from ..index import IdGroups
@@ -67,8 +68,9 @@ class ShardedStore:
     """Every call is collective (the torch pipeline fetches its rows on the training thread)."""
 
     def __init__(self, comm: Comm, plan: Plan, specs: list[TableSpec], local: EmbeddingStore,
-                 path: Path | None) -> None:
+                 path: Path | None, recorder: AccessRecorder | None = None) -> None:
         self._comm = comm
+        self._recorder = recorder
         self.plan = plan
         self._specs = {s.name: s for s in specs}
         self.local = local
@@ -205,20 +207,39 @@ class ShardedStore:
 
     # --- lookups ---------------------------------------------------------------------------
 
-    def lookup(self, table: str, ids: Any) -> np.ndarray:
-        """Weights of this rank's `ids` (1-D, duplicates allowed): array[len(ids), dim]."""
-        return self.lookup_many({table: ids})[table]
+    @property
+    def records_accesses(self) -> bool:
+        """Whether this rank logs its callers' ids (`open(..., record_accesses=)`)."""
+        return self._recorder is not None
+
+    def lookup(self, table: str, ids: Any, *, accessed: Any = None) -> np.ndarray:
+        """Weights of this rank's `ids` (1-D, duplicates allowed): array[len(ids), dim].
+
+        `accessed`: the batch's ids as the caller used them, where `ids` are their distinct
+        values (for the access log; see `EmbeddingStore.lookup`).
+        """
+        return self.lookup_many({table: ids}, accessed=None if accessed is None
+                                else {table: accessed})[table]
 
     def lookup_state(self, table: str, ids: Any) -> np.ndarray:
         """Optimizer state of this rank's `ids`: array[len(ids), state_width]."""
         return self.lookup_many({table: ids}, state=True)[table]
 
-    def lookup_many(self, requests: Mapping[str, Any], *, state: bool = False
-                    ) -> dict[str, np.ndarray]:
-        """Rows of several tables in one exchange: ``{table: ids}`` -> ``{table: rows}``."""
+    def lookup_many(self, requests: Mapping[str, Any], *, state: bool = False,
+                    accessed: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+        """Rows of several tables in one exchange: ``{table: ids}`` -> ``{table: rows}``.
+
+        `accessed`: per table, the ids as the caller used them (for the access log).
+        """
         with self._inputs("lookup"):
             names = self._check(requests)
-            routes = [self._route(n, as_ids(requests[n], self._specs[n])) for n in names]
+            checked = [as_ids(requests[n], self._specs[n]) for n in names]
+            if self._recorder is not None and not state:
+                used = accessed or {}
+                for n, ids in zip(names, checked, strict=True):
+                    self._recorder.lookup(n, ids if n not in used
+                                          else as_ids(used[n], self._specs[n]))
+            routes = [self._route(n, ids) for n, ids in zip(names, checked, strict=True)]
         world = self._comm.world
         items = [[(rt.groups.unique[rt.sel[r]], None, None) for rt in routes]
                  for r in range(world)]
@@ -291,6 +312,7 @@ class ShardedStore:
     def update_many(self, requests: Mapping[str, tuple[Any, Any]]) -> None:
         """`update` of several tables in one exchange: ``{table: (ids, rows)}``."""
         routes, lasts = [], []
+        written: list[tuple[str, np.ndarray]] = []
         with self._inputs("update"):
             names = self._check(requests)
             for n in names:
@@ -299,6 +321,8 @@ class ShardedStore:
                 rt = self._route(n, ids)
                 routes.append(rt)
                 lasts.append(rows[rt.groups.last] if rt.groups.has_duplicates else rows)
+                written.append((n, ids))
+            self._record_writes(written)
         items = [[(rt.groups.unique[rt.sel[r]], None,
                    np.ascontiguousarray(last[rt.sel[r], rt.cols[r][0]:rt.cols[r][1]]))
                   for rt, last in zip(routes, lasts, strict=True)] for r in range(self._comm.world)]
@@ -318,12 +342,15 @@ class ShardedStore:
         """`apply_gradients` of several tables in one exchange: ``{table: (ids, grads)}``."""
         world = self._comm.world
         items: list[list[Any]] = [[] for _ in range(world)]
+        written: list[tuple[str, np.ndarray]] = []
         with self._inputs("apply_gradients"):
             names = self._check(requests)
             for n in names:
                 ids = as_ids(requests[n][0], self._specs[n])
                 grads = as_rows(requests[n][1], len(ids), self._specs[n], what="gradients")
                 self._grad_items(n, ids, grads, items)
+                written.append((n, ids))
+            self._record_writes(written)
         got = self._send("apply_gradients", names, items,
                          [self._widths[n][self.rank] for n in names], has_mult=True,
                          has_rows=True)
@@ -340,6 +367,12 @@ class ShardedStore:
                 self.local.apply_gradients(name, ids, grads)
         if any(needs_row_mean(self._specs[n], self.plan.tables[n]) for n in names):
             self._apply_row_mean(names, pending)
+
+    def _record_writes(self, written: list[tuple[str, np.ndarray]]) -> None:
+        """Log checked writes (every table of the call checked first, as the local store)."""
+        if self._recorder is not None:
+            for name, ids in written:
+                self._recorder.write(name, ids)
 
     def _grad_items(self, table: str, ids: np.ndarray, grads: np.ndarray,
                     items: list[list[Any]]) -> None:
@@ -442,6 +475,8 @@ class ShardedStore:
     def flush(self) -> None:
         """Flush every rank's shards; returns when all are durable."""
         self.local.flush()
+        if self._recorder is not None:
+            self._recorder.flush()
         self._comm.barrier("flush")
 
     def stats(self) -> list[dict[str, Any]]:
@@ -459,7 +494,11 @@ class ShardedStore:
         try:
             self._comm.barrier("close")
         finally:
-            self.local.close()
+            try:
+                self.local.close()
+            finally:
+                if self._recorder is not None:
+                    self._recorder.close()
 
     @property
     def closed(self) -> bool:

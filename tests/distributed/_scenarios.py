@@ -248,6 +248,43 @@ def modules_on(rank: int, world: int, device_type: str) -> list[str]:
     return bad
 
 
+def records_accesses(rank: int, world: int, logs: str, ref_log: str) -> None:
+    """Train the modules over a recording sharded store; rank 0 also feeds one recording
+    store each rank's batches in rank order (what the sharded store computes).
+    """
+    import torch
+    import torch.distributed as dist
+
+    import embstore.torch as et
+
+    tables = specs()[:2]
+    features = {"a": "t_sgd", "b": "r_adagrad", "c": "t_sgd"}  # two features share a table
+    ref = embstore.open(None, tables=tables, record_accesses=ref_log) if rank == 0 else None
+    with ed.open(None, tables=tables, group=dist.group.WORLD, timeout_s=60,
+                 record_accesses=logs) as store:
+        assert store.records_accesses
+        ebc = et.EmbeddingBagCollection(store, features)
+        ref_ebc = None if ref is None else et.EmbeddingBagCollection(ref, features)
+        for step in range(3):
+            feats = []
+            for r in range(world):
+                rng = np.random.default_rng([step, r])
+                lengths = rng.integers(0, 4, 5)
+                feats.append({f: (torch.from_numpy(rng.integers(0, ID_RANGE, int(lengths.sum()))),
+                                  torch.from_numpy(lengths)) for f in features})
+            ebc(feats[rank]).values().sum().backward()
+            if ref_ebc is not None:
+                for r in range(world):
+                    ref_ebc(feats[r]).values().sum().backward()
+        # a write with no lookup of its own is a batch too
+        grads = np.full((3, tables[0].dim), 0.5, np.float32)
+        store.apply_gradients("t_sgd", np.array([rank, 7, 7]), grads)
+        if ref is not None:
+            for r in range(world):
+                ref.apply_gradients("t_sgd", np.array([r, 7, 7]), grads)
+            ref.close()
+
+
 def stalls(rank: int, world: int, timeout_s: float) -> float:
     """Rank 1 stays alive but stops calling; rank 0's next call fails after the timeout."""
     store = ed.open(None, tables=specs()[:1], timeout_s=timeout_s)

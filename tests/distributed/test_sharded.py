@@ -4,8 +4,10 @@ every kind of sharding, checkpoints resharded to another world size, and failure
 
 from __future__ import annotations
 
+import json
 import time
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="embstore.distributed needs torch (the 'torch' extra)")
@@ -86,3 +88,24 @@ def test_input_rejected_on_one_rank_fails_every_rank_at_once_and_changes_nothing
     got = launch.run(sc.rejects, 2, timeout_s=90)
     assert got[0] == ["PeerFailedError"] * 3
     assert got[1] == ["InvalidIdsError", "NonFiniteValueError", "UnknownTableError"]
+
+
+def test_a_sharded_store_records_the_log_one_store_fed_the_ranks_in_order_would(
+        tmp_path) -> None:
+    from embstore._access_log import read_access_log
+    from embstore.tools.cli import main
+
+    logs, ref = tmp_path / "logs", tmp_path / "ref"
+    launch.run(sc.records_accesses, 2, str(logs), str(ref), timeout_s=120)
+    assert sorted(p.name for p in logs.iterdir()) == ["rank0", "rank1"]
+    merged, single = read_access_log(logs), read_access_log(ref)
+    assert sorted(merged.ids) == sorted(single.ids) == ["r_adagrad", "t_sgd"]
+    for table in single.ids:
+        assert np.array_equal(merged.offsets[table], single.offsets[table]), table
+        assert np.array_equal(merged.ids[table], single.ids[table]), table
+    assert len(merged.batches("t_sgd")) == 3 * 2 + 2  # 3 steps x 2 ranks, then 2 writes
+    # and the profiler reads the directory as it reads the one store's log
+    assert main(["profile", str(logs), "-o", str(tmp_path / "p1.json")]) == 0
+    assert main(["profile", str(ref), "-o", str(tmp_path / "p2.json")]) == 0
+    p1, p2 = (json.loads((tmp_path / f"p{k}.json").read_text()) for k in (1, 2))
+    assert p1["tables"] == p2["tables"]
