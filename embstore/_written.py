@@ -223,15 +223,22 @@ class WrittenIds:
         assert self._index is not None
         return self._index.find(np.ascontiguousarray(ids)) >= 0
 
-    def add(self, ids: np.ndarray) -> None:
-        """Record distinct `ids` as written (durable in the file from the next flush)."""
+    def add(self, ids: np.ndarray, *, absent: bool = False) -> None:
+        """Record distinct `ids` as written (durable in the file from the next flush).
+
+        `absent`: the caller saw `holds` deny every one of them (under the store's lock).
+        """
         if self._bits is not None:
-            if not self._changed and self._bits[ids].all():
+            if not absent and not self._changed and self._bits[ids].all():
                 return  # the common case in training: rows written before
             self._bits[ids] = True
             self._changed = True
             return
         assert self._index is not None
+        if absent:
+            self._index.add_absent(np.ascontiguousarray(ids))
+            self._changed = self._changed or bool(len(ids))
+            return
         _, inserted = self._index.add(np.ascontiguousarray(ids))
         if inserted.any():
             self._changed = True

@@ -178,15 +178,22 @@ class IdIndex(HashTable):
         """
         slots = self.find(ids)
         inserted = slots < 0
-        n_new = int(np.count_nonzero(inserted))
-        if n_new:
-            new_ids = np.ascontiguousarray(ids[inserted])
-            new_slots = self._allocate(n_new)
-            self._reserve(n_new)
-            self._insert_absent(new_ids, new_slots)
-            self._count += n_new
-            slots[inserted] = new_slots
+        if inserted.any():
+            slots[inserted] = self.add_absent(np.ascontiguousarray(ids[inserted]))
         return slots, inserted
+
+    def add_absent(self, ids: np.ndarray) -> np.ndarray:
+        """Insert distinct `ids` (int64[N], C-contiguous) that the caller knows are absent.
+
+        Returns their new int32 slots. No probe first: an id already present would be
+        entered twice.
+        """
+        slots = self._allocate(len(ids))
+        if len(ids):
+            self._reserve(len(ids))
+            self._insert_absent(ids, slots)
+            self._count += len(ids)
+        return slots
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
         """Remove `ids` (distinct); returns the freed int32 slots, -1 where absent."""

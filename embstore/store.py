@@ -187,7 +187,8 @@ class EmbeddingStore:
         The written-id record learns them too (written, or forgotten when `deleting`), except
         those `held` says (True: all; bool[N]: where True) have a row in a tier now: every
         row in a tier was recorded when it was first written, or found in the store of
-        record when the record was made.
+        record when the record was made. With a bool[N] `held`, the others are ones the
+        record was just seen to lack (`_fill_absent` checked them under the lock).
         """
         if t.written is not None:
             if deleting:
@@ -195,7 +196,8 @@ class EmbeddingStore:
             elif held is False:
                 t.written.add(ids)
             elif held is not True and not held.all():
-                t.written.add(ids[~held])
+                # the rows no tier held: `_fill_absent` saw the record deny them all
+                t.written.add(ids[~held], absent=True)
         if self._changes is not None:
             self._changes[name].add(ids)
         if self._copy is not None:

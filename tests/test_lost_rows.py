@@ -82,13 +82,15 @@ def test_a_row_lost_by_the_medium_raises_naming_table_id_and_file(tmp_path, back
     assert any("1234" in f.message for f in findings), findings
 
 
+@pytest.mark.parametrize("bounded", [True, False], ids=["bitmap", "idlist"])
 @pytest.mark.parametrize("tiers", [[("dram", None)], [("dram", 100), ("rocksdb", None)]],
                          ids=["in-place", "gathered"])
 def test_rows_first_written_by_an_optimizer_step_are_recorded_and_their_loss_is_caught(
-        tmp_path, tiers):
+        tmp_path, tiers, bounded):
     # a step skips recording the rows it found in a tier (they were recorded when first
     # written); the new ones in the same batch must still be recorded
-    spec = embstore.TableSpec("t", dim=DIM, optimizer=embstore.optim.SGD(0.1))
+    spec = embstore.TableSpec("t", dim=DIM, optimizer=embstore.optim.SGD(0.1),
+                              num_embeddings=2000 if bounded else None)
     chain = [embstore.TierSpec(name, capacity=cap) for name, cap in tiers]
     old, new = np.arange(0, 50), np.arange(1000, 1040)
     with embstore.open(tmp_path / "s", tables=[spec], tiers=chain) as store:
