@@ -47,3 +47,29 @@ def test_bucket_index_stays_compact() -> None:
     assert len(index) == n
     assert index.nbytes() / n <= 16.5
     assert (index.find(ids) >= 0).all()
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 32, 33, 47, 1000, 20_001])
+def test_the_pipelined_gather_returns_every_row_found_and_slot_at_any_batch_size(n) -> None:
+    # the kernel works in blocks of 16 ids, three stages apart: every boundary and tail
+    from embstore import registry
+    from embstore.backend import BackendSpec
+
+    dim = 5  # rows of 20 bytes: not a whole cache line
+    backend = registry.load_backend("dram").open(BackendSpec(path=None, dim=dim, table="t"))
+    rng = np.random.default_rng(n)
+    stored = rng.choice(1 << 40, 3000, replace=False).astype(np.int64)
+    rows = rng.standard_normal((3000, dim), dtype=np.float32)
+    backend.put(stored, rows)
+    model = {int(i): r for i, r in zip(stored, rows, strict=True)}
+    # present ids (some twice) and absent ones, mixed
+    ids = np.where(rng.random(n) < 0.7, rng.choice(stored, n), rng.integers(1 << 41, 1 << 42, n))
+    got, found, slots = backend.get_with_slots(ids)
+    want_found = np.array([int(i) in model for i in ids], dtype=bool)
+    assert np.array_equal(found, want_found)
+    want = np.array([model.get(int(i), np.zeros(dim, np.float32)) for i in ids]
+                    ).reshape(n, dim)
+    assert np.array_equal(got, want)
+    assert np.array_equal(slots, backend.index.find(ids))
+    assert (slots[~want_found] == -1).all()
+    backend.close()
