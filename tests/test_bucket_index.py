@@ -51,7 +51,7 @@ def test_bucket_index_stays_compact() -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 32, 33, 47, 1000, 20_001])
 def test_the_pipelined_gather_returns_every_row_found_and_slot_at_any_batch_size(n) -> None:
-    # the kernel works in blocks of 16 ids, three stages apart: every boundary and tail
+    # the kernel is software-pipelined in blocks of ids: every block boundary and tail
     from embstore import registry
     from embstore.backend import BackendSpec
 
