@@ -237,6 +237,11 @@ def _write_mine(store: ShardedStore, spec: TableSpec, ids: np.ndarray, rows: np.
                     else np.empty(0, np.int64))
         local = rows[:, np.concatenate(cols)]
     if len(ids):
-        # the public API writes weights only (update keeps state): put whole stored rows
+        # the public API writes weights only (update keeps state): put whole stored rows,
+        # recorded as written first, as every write is (a row the medium later loses must
+        # read as lost, not as new)
         table = store.local._tables[spec.name]
-        table.chain.put(np.ascontiguousarray(ids), np.ascontiguousarray(local))
+        ids = np.ascontiguousarray(ids)
+        if table.written is not None:
+            table.written.add(ids)
+        table.chain.put(ids, np.ascontiguousarray(local))
