@@ -53,8 +53,10 @@ import numpy as np
 from . import _crash
 from ._kernels._policy_kernels import ffi as _ffi
 from ._kernels._policy_kernels import lib as _kernels
+from ._validate import as_ids
 from .errors import ConfigError, StorageIOError, StoreLockedError
 from .manifest import DIR_MODE, FILE_MODE, make_dirs, read_bytes_nofollow, write_atomic
+from .spec import TableSpec
 
 __all__ = ["HEADER_NAME", "AccessLog", "AccessRecorder", "check_rates", "is_access_log",
            "read_access_log", "sample_mask"]
@@ -396,6 +398,14 @@ class AccessRecorder:
         log = self._logs[table]
         self._append(log, ids)
         log.pending_writes += 1
+
+    def lookup_many(self, batches: Sequence[tuple[TableSpec, np.ndarray]],
+                    accessed: Mapping[str, Any] | None) -> None:
+        """Log checked distinct ids per table, or the batch as used where `accessed` gives it."""
+        used = accessed or {}
+        for spec, ids in batches:
+            self.lookup(spec.name, ids if spec.name not in used
+                        else as_ids(used[spec.name], spec))
 
     def write(self, table: str, ids: np.ndarray) -> None:
         """Log a write (`apply_gradients`, `update`) unless it is a logged lookup's step."""

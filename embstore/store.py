@@ -233,12 +233,11 @@ class EmbeddingStore:
         t.chain.forget_absent()
 
     def _put(self, name: str, t: _Table, ids: np.ndarray, full: np.ndarray, *,
-             step: int | None = None, held: np.ndarray | None = None) -> None:
+             step: int | None = None, held: bool | np.ndarray = False) -> None:
         """Write full rows of distinct `ids`.
 
         Half-precision weights are rounded to nearest, or for an optimizer step
-        stochastically, seeded by `step`. `held`: bool[N], True where the id's row was found
-        in a tier (see `_before_write`).
+        stochastically, seeded by `step`. `held`: as `_before_write` takes it.
         """
         rows = full
         if t.codec is not None:
@@ -253,7 +252,7 @@ class EmbeddingStore:
                         "float16 (|w| > 65504); nothing was written: scale it down or use "
                         "precision='bf16'")
             rows = t.codec.encode(full, rounded)
-        self._before_write(name, t, ids, held=False if held is None else held)
+        self._before_write(name, t, ids, held=held)
         t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, rows)))
 
     def _fill_absent(self, spec: TableSpec, ids: np.ndarray, rows: np.ndarray,
@@ -502,6 +501,7 @@ class EmbeddingStore:
             t.chain.put_top_slots(ids, slots, full)
         else:
             assert full is not None
+            assert found is not None
             self._put(table, t, ids, full, step=t.steps, held=found)
         t.steps += 1
 
@@ -525,11 +525,7 @@ class EmbeddingStore:
         with self._mutex:
             checked = [(t, as_ids(ids, t.spec)) for t, ids in self._requests(requests)]
             if self._recorder is not None and not state:
-                used = accessed or {}
-                for t, ids in checked:
-                    name = t.spec.name
-                    self._recorder.lookup(name, ids if name not in used
-                                          else as_ids(used[name], t.spec))
+                self._recorder.lookup_many([(t.spec, ids) for t, ids in checked], accessed)
             read = self._lookup_state if state else self._lookup
             return {t.spec.name: read(t, ids) for t, ids in checked}
 

@@ -242,6 +242,5 @@ def _write_mine(store: ShardedStore, spec: TableSpec, ids: np.ndarray, rows: np.
         # read as lost, not as new)
         table = store.local._tables[spec.name]
         ids = np.ascontiguousarray(ids)
-        if table.written is not None:
-            table.written.add(ids)
+        store.local._before_write(spec.name, table, ids)
         table.chain.put(ids, np.ascontiguousarray(local))

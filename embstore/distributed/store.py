@@ -235,10 +235,8 @@ class ShardedStore:
             names = self._check(requests)
             checked = [as_ids(requests[n], self._specs[n]) for n in names]
             if self._recorder is not None and not state:
-                used = accessed or {}
-                for n, ids in zip(names, checked, strict=True):
-                    self._recorder.lookup(n, ids if n not in used
-                                          else as_ids(used[n], self._specs[n]))
+                self._recorder.lookup_many([(self._specs[n], ids) for n, ids in
+                                            zip(names, checked, strict=True)], accessed)
             routes = [self._route(n, ids) for n, ids in zip(names, checked, strict=True)]
         world = self._comm.world
         items = [[(rt.groups.unique[rt.sel[r]], None, None) for rt in routes]
