@@ -148,23 +148,25 @@ class DRAMBackend(SlottedBackend):
 
     # --- Backend ----------------------------------------------------------------------
 
-    def _gather(self, ids: np.ndarray, slots: np.ndarray | None
+    def _gather(self, ids: np.ndarray, slots: np.ndarray | None, columns: int | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
         n = len(ids)
-        out = np.empty((n, self.spec.dim), dtype=self.spec.dtype)
+        width = self.spec.dim if columns is None else columns
+        out = np.empty((n, width), dtype=self.spec.dtype)
         found = np.empty(n, dtype=bool)
         if n:
             table, nb = self._index.buckets()
             slabs, shift = self._slabs.pointer(), self._slabs.shift
             row_bytes = self._slabs.row_bytes
+            out_bytes = width * self.spec.dtype.itemsize
             ids_p = c_pointer("int64_t *", ids)
             out_p = c_pointer("char *", out)
             found_p = c_pointer("uint8_t *", found)
             slots_p = ffi.NULL if slots is None else c_pointer("int32_t *", slots)
 
             def gather(start: int, stop: int) -> None:
-                lib.bk_gather(table, nb, slabs, shift, row_bytes, ids_p + start, stop - start,
-                              out_p + start * row_bytes, found_p + start,
+                lib.bk_gather(table, nb, slabs, shift, row_bytes, out_bytes, ids_p + start,
+                              stop - start, out_p + start * out_bytes, found_p + start,
                               ffi.NULL if slots is None else slots_p + start)
 
             run_ranges(n, gather)
@@ -181,6 +183,23 @@ class DRAMBackend(SlottedBackend):
     def _get_with_slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         slots = np.empty(len(ids), dtype=np.int32)
         rows, found = self._gather(ids, slots)
+        return rows, found, slots
+
+    def get_leading(self, ids: np.ndarray, columns: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The first `columns` of each row of `get` (C-contiguous), its found mask and slots.
+
+        For readers of weights alone: the optimizer state stored after them is not copied.
+
+        Raises:
+            StoreClosedError, InvalidIdsError, ValueError (`columns` out of 1..dim).
+        """
+        self._check_open()
+        ids = self._check_ids(ids)
+        if not 0 < columns <= self.spec.dim:
+            raise ValueError(f"columns must lie in 1..{self.spec.dim}, got {columns}")
+        slots = np.empty(len(ids), dtype=np.int32)
+        rows, found = self._gather(ids, slots, columns)
         return rows, found, slots
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:

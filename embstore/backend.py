@@ -522,6 +522,15 @@ class SupportsSlots(Protocol):
 
 
 @runtime_checkable
+class SupportsLeadingColumns(Protocol):
+    """A slotted backend that reads the leading columns of rows alone (weights, not state)."""
+
+    def get_leading(self, ids: np.ndarray, columns: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The first `columns` of each row of `get` (C-contiguous), found mask and slots."""
+
+
+@runtime_checkable
 class SupportsBulkLoad(Protocol):
     """A backend with a path for loading many rows at once that beats batches of `put`."""
 

@@ -27,8 +27,9 @@ from typing import Any, cast
 import numpy as np
 
 from ._dirty import DirtyIds, DirtySet, DirtySlots
+from ._slot_memo import SlotMemo
 from ._writeback import BackgroundWriter, DrainedBackend
-from .backend import Backend, SupportsBulkLoad, SupportsSlots
+from .backend import Backend, SupportsBulkLoad, SupportsLeadingColumns, SupportsSlots
 from .index import IdGroups, IdIndex, copy_rows
 from .policy import AdmissionPolicy, EvictionPolicy, SupportsSharedIndex
 from .spec import TierSpec
@@ -102,7 +103,21 @@ class Tier:
 
     def lookup(self, ids: np.ndarray, now: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Rows and found mask of `ids` in this tier; counts them and tells the policy."""
-        if self.shares_index:
+        rows, found, hits, _ = self.lookup_leading(ids, now, None)
+        return rows, found, hits
+
+    def lookup_leading(self, ids: np.ndarray, now: int, columns: int | None
+                       ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
+        """`lookup`, of the first `columns` of each row where the backend reads them alone.
+
+        Returns (rows, found, hits, slots): rows have `columns` columns where the backend
+        supports it (`SupportsLeadingColumns`), full rows otherwise; slots where the
+        backend reported them, else None.
+        """
+        slots = None
+        if columns is not None and isinstance(self.backend, SupportsLeadingColumns):
+            rows, found, slots = self.backend.get_leading(ids, columns)
+        elif self.shares_index:
             rows, found, slots = self.slot_backend.get_with_slots(ids)
         else:
             rows, found = self.backend.get(ids)
@@ -113,11 +128,12 @@ class Tier:
         c["misses"] += len(ids) - hits
         if self.eviction is not None and hits:
             if self.shares_index:
+                assert slots is not None  # a backend sharing its index reports slots
                 self.shared.record_access_slots(slots if hits == len(ids) else slots[found],
                                                 now)
             else:
                 self.eviction.record_access(ids if hits == len(ids) else ids[found], now)
-        return rows, found, hits
+        return rows, found, hits, slots
 
     def statistics(self) -> TierStatistics:
         """A snapshot of this tier's counters and size."""
@@ -165,6 +181,9 @@ class TableChain:
         # unlocked reads of the bottom in flight (embstore/_prefetch.py): each is told of the
         # ids written to or deleted from the bottom until it ends
         self.watchers: list[Any] = []
+        # a training step reads a batch (lookup) and then writes it (apply_gradients): the
+        # slots the read found serve the write without a second probe
+        self._slot_memo = SlotMemo()
 
     def _tick(self) -> int:
         self._clock += 1
@@ -172,12 +191,24 @@ class TableChain:
 
     # --- reads ----------------------------------------------------------------------------
 
-    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Full rows of `ids` (duplicates allowed) and whether each is stored anywhere."""
+    def get(self, ids: np.ndarray, *, columns: int | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+        """Full rows of `ids` (duplicates allowed) and whether each is stored anywhere.
+
+        With `columns`, rows may hold only their first `columns` (the weights, without the
+        optimizer state): where the top tier holds every row and reads columns alone, or a
+        one-tier table's tier does. Callers slice `rows[:, :columns]` either way.
+        """
         now = self._tick()
-        rows, found, hits = self.tiers[0].lookup(ids, now)
+        rows, found, hits, slots = self.tiers[0].lookup_leading(ids, now, columns)
+        if slots is not None and hits == len(ids):
+            self._slot_memo.remember(self.tiers[0].slot_backend.index, ids, slots)
         if hits == len(ids) or len(self.tiers) == 1:
             return rows, found
+        if rows.shape[1] != self.width:  # rows from below come whole: widen the top's
+            full = np.zeros((len(ids), self.width), dtype=self.dtype)
+            full[:, : rows.shape[1]] = rows
+            rows = full
         miss_pos = np.flatnonzero(~found)
         groups = IdGroups(np.ascontiguousarray(ids[miss_pos]))
         urows, level_of = self._read_below(groups.unique, now)
@@ -271,9 +302,12 @@ class TableChain:
         tier = self.tiers[0]
         if not (len(ids) and tier.slotted and hasattr(tier.backend, "write_at")):
             return None
-        slots: np.ndarray = tier.slot_backend.index.find(ids)
-        if (slots < 0).any():
-            return None
+        index = tier.slot_backend.index
+        slots = self._slot_memo.recall(index, ids)
+        if slots is None:
+            slots = index.find(ids)
+            if (slots < 0).any():
+                return None
         if read:
             self.count_top_read(ids, slots)
         return slots

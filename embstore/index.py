@@ -143,11 +143,21 @@ class IdIndex(HashTable):
         self._high_water = 0  # slots ever handed out; slots below it are live or free
         self._free = np.empty(0, dtype=np.int32)
         self._n_free = 0
+        self._removals = 0
 
     @property
     def high_water(self) -> int:
         """One past the largest slot ever handed out."""
         return self._high_water
+
+    @property
+    def removals(self) -> int:
+        """Calls of `remove` that freed a slot so far.
+
+        An id keeps its slot until it is removed (inserts and growth move entries, never
+        slots), so slots found while this count stands are still the ids' slots.
+        """
+        return self._removals
 
     def nbytes(self) -> int:
         """Bytes held by the hash arrays and the free list."""
@@ -200,6 +210,7 @@ class IdIndex(HashTable):
         out = super().remove(ids)
         freed = out[out >= 0]
         if len(freed):
+            self._removals += 1
             if self._n_free + len(freed) > len(self._free):
                 grown = np.empty(max(2 * len(self._free), self._n_free + len(freed)), np.int32)
                 grown[: self._n_free] = self._free[: self._n_free]
@@ -241,6 +252,7 @@ class BucketIdIndex(IdIndex):
         self._high_water = 0
         self._free = np.empty(0, dtype=np.int32)
         self._n_free = 0
+        self._removals = 0
         self._working_buckets = -(-int(working_capacity) // 5)
         self._alloc(max(4, -(-int(initial_capacity) // 5)))
 

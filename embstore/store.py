@@ -210,20 +210,23 @@ class EmbeddingStore:
         rows, found = self._read(t, ids)
         return (rows if t.codec is None else t.codec.decode(rows)), found
 
-    def _read(self, t: _Table, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _read(self, t: _Table, ids: np.ndarray, *, columns: int | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
         """Stored rows of `ids` as the chain returns them, and which were found.
+
+        With `columns`, rows may hold only their first `columns` (see `TableChain.get`).
 
         A read-only store reads beside a writer that may have flushed since this handle
         read the written-id record and the medium: where the record holds an id that no tier
         found, both are read again (the record first) before the row counts as lost.
         """
-        rows, found = t.chain.get(ids)
+        rows, found = t.chain.get(ids, columns=columns)
         if self._read_only and t.written is not None:
             for _ in range(_CATCH_UPS):
                 if found.all() or not t.written.holds(ids[~found]).any():
                     break
                 self._catch_up(t)
-                rows, found = t.chain.get(ids)
+                rows, found = t.chain.get(ids, columns=columns)
         return rows, found
 
     def _catch_up(self, t: _Table) -> None:
@@ -319,8 +322,9 @@ class EmbeddingStore:
                accessed: Any = None) -> np.ndarray:
         """Weights of `ids` (1-D integers, duplicates allowed): a new array[len(ids), dim].
 
-        The caller owns the array (nothing in the store aliases it); for tables whose
-        optimizer keeps state it is a row-strided view, not C-contiguous.
+        The caller owns the array (nothing in the store aliases it). It is C-contiguous
+        where the top tier (DRAM) held every row; for tables whose optimizer keeps state it
+        may otherwise be a row-strided view of rows read with their state.
 
         Ids never written get their initializer's value. Rows found in a lower tier may be
         promoted into a faster one.
@@ -356,11 +360,12 @@ class EmbeddingStore:
                 return weights
             bits = t.codec.round_nearest(weights)  # exact: the values are stored ones
             return bits.view(np.float16) if t.codec.precision == "fp16" else bits
-        rows, found = self._read(t, ids)
+        dim = t.spec.dim
+        rows, found = self._read(t, ids, columns=dim if t.spec.row_width != dim else None)
         self._fill_absent(t.spec, ids, rows, found, with_state=False)
-        # with optimizer state stored beside the weights this is a strided view of a fresh
-        # buffer (no copy: the copy cost more than the lookup itself)
-        return rows[:, : t.spec.dim] if t.spec.row_width != t.spec.dim else rows
+        # where a tier below held some rows, optimizer state was read with the weights:
+        # a strided view of a fresh buffer (no copy: the copy cost more than the lookup)
+        return rows[:, :dim] if rows.shape[1] != dim else rows
 
     def prefetch(self, table: str, ids: Any) -> int:
         """Bring the rows of `ids` into the table's fast tiers ahead of a lookup.

@@ -72,4 +72,13 @@ def test_the_pipelined_gather_returns_every_row_found_and_slot_at_any_batch_size
     assert np.array_equal(got, want)
     assert np.array_equal(slots, backend.index.find(ids))
     assert (slots[~want_found] == -1).all()
+    # the leading columns alone (weights without state): a contiguous copy of those columns
+    for columns in (1, 3, dim):
+        lead, lead_found, lead_slots = backend.get_leading(ids, columns)
+        assert lead.flags.c_contiguous and lead.shape == (n, columns)
+        assert np.array_equal(lead, want[:, :columns])
+        assert np.array_equal(lead_found, want_found) and np.array_equal(lead_slots, slots)
+    for bad in (0, dim + 1):
+        with pytest.raises(ValueError):
+            backend.get_leading(ids, bad)
     backend.close()
