@@ -16,6 +16,7 @@
  */
 #include <stdint.h>
 
+__attribute__((target_clones("avx2", "default")))  /* the same sums, wider vectors */
 void bag_grad_f32(const float *grad, int64_t dim, const int64_t *offsets, int64_t nbags,
                   const int64_t *inverse, const float *weights, const float *bag_size,
                   int64_t skip, float *out) {
