@@ -73,8 +73,12 @@ def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
     return out
 
 
-def as_rows(rows: Any, n: int, spec: TableSpec, what: str = "rows") -> np.ndarray:
-    """`rows` as a C-contiguous (n, dim) array of the table dtype, checked for NaN/inf."""
+def as_rows(rows: Any, n: int, spec: TableSpec, what: str = "rows", *,
+            checked_finite: bool = False) -> np.ndarray:
+    """`rows` as a C-contiguous (n, dim) array of the table dtype, checked for NaN/inf.
+
+    `checked_finite`: the caller (inside embstore) has seen every value finite already.
+    """
     if not isinstance(rows, np.ndarray):
         raise InvalidValuesError(
             f"table {spec.name!r}: {what} must be a numpy array of shape ({n}, {spec.dim}), "
@@ -94,7 +98,7 @@ def as_rows(rows: Any, n: int, spec: TableSpec, what: str = "rows") -> np.ndarra
         raise InvalidValuesError(
             f"table {spec.name!r}: {n} ids but {rows.shape[0]} {what}; give one row per id"
         )
-    if not spec.allow_nonfinite and rows.size and not _all_finite(rows):
+    if not (spec.allow_nonfinite or checked_finite) and rows.size and not _all_finite(rows):
         bad = int(np.flatnonzero(~np.isfinite(rows).all(axis=1))[0])
         raise NonFiniteValueError(
             f"table {spec.name!r}: {what} hold NaN or infinity (first at row {bad}); the "

@@ -468,16 +468,17 @@ class EmbeddingStore:
                 self._recorder.write(table, ids)
             self._apply_gradients(t, ids, grads)
 
-    def _apply_gradients(self, t: _Table, ids: np.ndarray, grads: np.ndarray) -> None:
-        """`apply_gradients` of checked `ids` and `grads`."""
+    def _apply_gradients(self, t: _Table, ids: np.ndarray, grads: np.ndarray, *,
+                         distinct: bool = False) -> None:
+        """`apply_gradients` of checked `ids` and `grads`; `distinct`: no id is repeated."""
         spec, table = t.spec, t.spec.name
         # where the top tier holds every row in slots, step them there: one probe and one
         # pass over the rows, no gathered copy, no write back (see embstore/_fused.py).
         # Distinct ids (what a trainer passes) are told by their slots, without grouping.
         # Half-precision rows are bytes in every tier: they take the gathered path
         slots = None if t.codec is not None else t.chain.top_slots(ids, read=False)
-        if slots is None or not _fused.distinct_slots(
-                slots, t.chain.tiers[0].slot_backend.index.high_water):
+        if not distinct and (slots is None or not _fused.distinct_slots(
+                slots, t.chain.tiers[0].slot_backend.index.high_water)):
             groups = IdGroups(ids)
             if groups.has_duplicates:
                 ids, grads = groups.unique, groups.sum_rows(grads)
@@ -564,6 +565,21 @@ class EmbeddingStore:
         """
         self._write_many(requests, "gradients", self._apply_gradients)
 
+    def _apply_summed_gradients(self, requests: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                                *, finite: bool) -> None:
+        """`apply_gradients_many` for a trainer that sums its gradients per distinct id.
+
+        Each table's ids must be distinct (an `IdGroups.unique`): the step does not look for
+        repeats. With `finite` the caller has seen every gradient finite (the torch adapter's
+        bag kernel checks the sums as it writes them), and they are not scanned again; ids,
+        dtypes and shapes are checked as ever.
+        """
+        with self._mutex:
+            for t, ids, values in self._pairs(requests, "gradients", checked_finite=finite):
+                if self._recorder is not None:
+                    self._recorder.write(t.spec.name, ids)
+                self._apply_gradients(t, ids, values, distinct=True)
+
     def _write_many(self, requests: Mapping[str, tuple[Any, Any]], what: str,
                     write: Callable[[_Table, np.ndarray, np.ndarray], None]) -> None:
         """Check every ``{table: (ids, values)}`` first, then `write` each table in order."""
@@ -581,9 +597,12 @@ class EmbeddingStore:
                 f"requests must be a mapping {{table: ...}}, got {type(requests).__name__}")
         return [(self._table(name), value) for name, value in requests.items()]
 
-    def _pairs(self, requests: Mapping[str, tuple[Any, Any]], what: str
-               ) -> list[tuple[_Table, np.ndarray, np.ndarray]]:
-        """Checked (table, ids, rows) of each ``{table: (ids, rows)}`` of a write."""
+    def _pairs(self, requests: Mapping[str, tuple[Any, Any]], what: str, *,
+               checked_finite: bool = False) -> list[tuple[_Table, np.ndarray, np.ndarray]]:
+        """Checked (table, ids, rows) of each ``{table: (ids, rows)}`` of a write.
+
+        `checked_finite`: the caller has seen the rows finite (see `as_rows`).
+        """
         checked = []
         for t, pair in self._requests(requests):
             if not isinstance(pair, tuple | list) or len(pair) != 2:
@@ -591,7 +610,8 @@ class EmbeddingStore:
                     f"table {t.spec.name!r}: give (ids, {what}) for each table, got "
                     f"{type(pair).__name__}")
             ids = as_ids(pair[0], t.spec)
-            checked.append((t, ids, as_rows(pair[1], len(ids), t.spec, what=what)))
+            checked.append((t, ids, as_rows(pair[1], len(ids), t.spec, what=what,
+                                            checked_finite=checked_finite)))
         self._check_writable()
         return checked
 

@@ -1,40 +1,77 @@
 /* Gradients of pooled embedding bags, summed per distinct row, for the torch adapter.
  *
  * For every position k of bag b (offsets[b] <= k < offsets[b + 1]) whose distinct row is
- * r = inverse[k], add the position's gradient to out[r]:
+ * r = inverse[k], the position's gradient is
  *
  *     p = grad[b]            (one row of the pooled gradient, dim floats)
  *     p = p * weights[k]     (per-sample weights, "sum" pooling)
  *     p = p / bag_size[b]    ("mean" pooling)
- *     out[r] += p
  *
- * Positions are visited in order and `out` starts at zero, so each element is the same
- * float32 sum, in the same order, as materialising every position's gradient and summing the
- * rows of each id in position order (IdGroups.sum_rows), without the [N, dim] intermediate.
- * Positions whose row is `skip` (the padding id's) contribute nothing. Compiled in ISO C mode:
- * no contraction of a*b+c into an FMA, so results do not depend on the CPU.
+ * and out[r] is the float32 sum of its positions' gradients in position order, starting from
+ * +0.0 (or, to add a table's next feature, from out[r] as it stands). That is the same sum,
+ * in the same order, as materialising every position's gradient and summing the rows of each
+ * id in position order (IdGroups.sum_rows), without the [N, dim] intermediate. Positions whose
+ * row is `skip` (the padding id's) contribute nothing. Compiled in ISO C mode: no contraction
+ * of a*b+c into an FMA, so results do not depend on the CPU.
+ *
+ * Two steps: `bag_group` lists each row's positions (a counting sort: `start` [nrows + 1],
+ * `order` [n]) and each position's bag; `bag_grad_rows` then sums rows [lo, hi) each in a
+ * scratch row and writes it once. Ranges of rows are independent, so they run on threads,
+ * and no row of `out` is read before it is written (no zeroed [nrows, dim] buffer, no
+ * scattered read-modify-write of it).
  */
 #include <stdint.h>
+#include <string.h>
 
-__attribute__((target_clones("avx2", "default")))  /* the same sums, wider vectors */
-void bag_grad_f32(const float *grad, int64_t dim, const int64_t *offsets, int64_t nbags,
-                  const int64_t *inverse, const float *weights, const float *bag_size,
-                  int64_t skip, float *out) {
-    for (int64_t b = 0; b < nbags; b++) {
-        const float *g = grad + b * dim;
+void bag_group(const int64_t *offsets, int64_t nbags, const int64_t *inverse, int64_t nrows,
+               int64_t *start, int64_t *order, int32_t *bag_of) {
+    int64_t n = offsets[nbags];
+    memset(start, 0, (size_t)(nrows + 1) * sizeof(int64_t));
+    for (int64_t k = 0; k < n; k++) start[inverse[k] + 1]++;
+    for (int64_t r = 0; r < nrows; r++) start[r + 1] += start[r];
+    for (int64_t b = 0; b < nbags; b++)
         for (int64_t k = offsets[b]; k < offsets[b + 1]; k++) {
-            int64_t r = inverse[k];
-            if (r == skip) continue;
-            float *dst = out + r * dim;
-            if (weights) {
-                float w = weights[k];
-                for (int64_t c = 0; c < dim; c++) dst[c] += g[c] * w;
-            } else if (bag_size) {
-                float s = bag_size[b];
-                for (int64_t c = 0; c < dim; c++) dst[c] += g[c] / s;
-            } else {
-                for (int64_t c = 0; c < dim; c++) dst[c] += g[c];
+            bag_of[k] = (int32_t)b;
+            order[start[inverse[k]]++] = k;  /* ascending k within each row */
+        }
+    /* each start[r] now holds the end of row r: shift back */
+    for (int64_t r = nrows; r > 0; r--) start[r] = start[r - 1];
+    start[0] = 0;
+}
+
+/* Returns 1 where every element written is finite. `acc`: dim floats of scratch. */
+__attribute__((target_clones("avx2", "default")))  /* the same sums, wider vectors */
+int bag_grad_rows(const float *grad, int64_t dim, const int64_t *start, const int64_t *order,
+                  const int32_t *bag_of, const float *weights, const float *bag_size,
+                  int64_t skip, int accumulate, int64_t lo, int64_t hi, float *acc,
+                  float *out) {
+    uint32_t bad = 0;
+    for (int64_t r = lo; r < hi; r++) {
+        float *dst = out + r * dim;
+        if (accumulate) memcpy(acc, dst, (size_t)dim * sizeof(float));
+        else for (int64_t c = 0; c < dim; c++) acc[c] = 0.0f;
+        if (r != skip) {
+            for (int64_t j = start[r]; j < start[r + 1]; j++) {
+                int64_t k = order[j];
+                int32_t b = bag_of[k];
+                const float *g = grad + (int64_t)b * dim;
+                if (weights) {
+                    float w = weights[k];
+                    for (int64_t c = 0; c < dim; c++) acc[c] += g[c] * w;
+                } else if (bag_size) {
+                    float s = bag_size[b];
+                    for (int64_t c = 0; c < dim; c++) acc[c] += g[c] / s;
+                } else {
+                    for (int64_t c = 0; c < dim; c++) acc[c] += g[c];
+                }
             }
         }
+        for (int64_t c = 0; c < dim; c++) {
+            uint32_t bits;
+            memcpy(&bits, &acc[c], 4);
+            bad |= (uint32_t)((bits & 0x7f800000u) == 0x7f800000u);
+        }
+        memcpy(dst, acc, (size_t)dim * sizeof(float));
     }
+    return !bad;
 }

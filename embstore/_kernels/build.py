@@ -86,9 +86,12 @@ policy_ffibuilder = _builder("embstore._kernels._policy_kernels", POLICY_CDEF,
                              "policy_kernels.c", "c99")
 
 BAG_CDEF = """
-void bag_grad_f32(const float *grad, int64_t dim, const int64_t *offsets, int64_t nbags,
-                  const int64_t *inverse, const float *weights, const float *bag_size,
-                  int64_t skip, float *out);
+void bag_group(const int64_t *offsets, int64_t nbags, const int64_t *inverse, int64_t nrows,
+               int64_t *start, int64_t *order, int32_t *bag_of);
+int bag_grad_rows(const float *grad, int64_t dim, const int64_t *start, const int64_t *order,
+                  const int32_t *bag_of, const float *weights, const float *bag_size,
+                  int64_t skip, int accumulate, int64_t lo, int64_t hi, float *acc,
+                  float *out);
 """
 
 bag_ffibuilder = _builder("embstore._kernels._bag_kernels", BAG_CDEF, "bag_kernels.c", "c99",

@@ -31,6 +31,7 @@ import torch
 
 from .._kernels._bag_kernels import ffi as bag_ffi
 from .._kernels._bag_kernels import lib as bag_lib
+from .._parallel import run_ranges
 from ..index import IdGroups
 from ..store import EmbeddingStore
 from ._inputs import BagInput
@@ -218,30 +219,50 @@ def _position_grads(tp: TablePlan, fp: FeaturePlan, mode: str, grad: torch.Tenso
 
 
 def _summed_bag_grads(tp: TablePlan, mode: str, grads: Sequence[torch.Tensor],
-                      saved: list[Any]) -> np.ndarray:
-    """Sum the positions' gradients of every feature per distinct row: [U, dim].
+                      saved: list[Any]) -> tuple[np.ndarray, bool]:
+    """Sum the positions' gradients of every feature per distinct row: ([U, dim], all finite).
 
-    One C pass in position order, equal bit for bit to `_position_grads` then `sum_rows`.
+    C passes in position order (`_kernels/bag_kernels.c`), equal bit for bit to
+    `_position_grads` then `sum_rows`; rows are summed on the store's threads.
     """
     dim = grads[0].shape[1]
-    out = np.zeros((len(tp.groups.unique), dim), dtype=np.float32)
+    n_rows = len(tp.groups.unique)
+    out = np.empty((n_rows, dim), dtype=np.float32)
     skip = -1 if tp.padding is None else tp.padding
-    for fp, g, (_, bag_size, _) in zip(tp.features, grads, saved, strict=True):
+    finite = True
+    start = np.empty(n_rows + 1, dtype=np.int64)
+    out_p = bag_ffi.cast("float *", out.ctypes.data)
+    for i, (fp, g, (_, bag_size, _)) in enumerate(zip(tp.features, grads, saved, strict=True)):
         g_np = np.ascontiguousarray(g.detach().numpy())
         offsets = fp.bags.offsets
         inverse = tp.groups.inverse[fp.start: fp.start + len(fp.bags.ids)]
+        order = np.empty(len(inverse), dtype=np.int64)
+        bag_of = np.empty(len(inverse), dtype=np.int32)
+        bag_lib.bag_group(bag_ffi.cast("int64_t *", offsets.ctypes.data), len(offsets) - 1,
+                          bag_ffi.cast("int64_t *", inverse.ctypes.data), n_rows,
+                          bag_ffi.cast("int64_t *", start.ctypes.data),
+                          bag_ffi.cast("int64_t *", order.ctypes.data),
+                          bag_ffi.cast("int32_t *", bag_of.ctypes.data))
         psw = fp.bags.per_sample_weights
         weights = None if psw is None else np.ascontiguousarray(psw.detach().numpy())
         sizes = (np.ascontiguousarray(bag_size.numpy(), dtype=np.float32)
                  if mode == "mean" else None)
-        bag_lib.bag_grad_f32(
-            bag_ffi.cast("float *", g_np.ctypes.data), dim,
-            bag_ffi.cast("int64_t *", offsets.ctypes.data), len(offsets) - 1,
-            bag_ffi.cast("int64_t *", inverse.ctypes.data),
-            bag_ffi.NULL if weights is None else bag_ffi.cast("float *", weights.ctypes.data),
-            bag_ffi.NULL if sizes is None else bag_ffi.cast("float *", sizes.ctypes.data),
-            skip, bag_ffi.cast("float *", out.ctypes.data))
-    return out
+        args = (bag_ffi.cast("float *", g_np.ctypes.data), dim,
+                bag_ffi.cast("int64_t *", start.ctypes.data),
+                bag_ffi.cast("int64_t *", order.ctypes.data),
+                bag_ffi.cast("int32_t *", bag_of.ctypes.data),
+                bag_ffi.NULL if weights is None else bag_ffi.cast("float *", weights.ctypes.data),
+                bag_ffi.NULL if sizes is None else bag_ffi.cast("float *", sizes.ctypes.data),
+                skip, int(i > 0))
+
+        def rows(lo: int, hi: int, args: tuple[Any, ...] = args) -> int:
+            acc = np.empty(dim, dtype=np.float32)
+            return int(bag_lib.bag_grad_rows(*args, lo, hi,
+                                             bag_ffi.cast("float *", acc.ctypes.data), out_p))
+
+        # only the last feature's pass sees every row's final sum
+        finite = all(ok for _, ok in run_ranges(n_rows, rows))
+    return out, finite
 
 
 def _weight_grad(tp: TablePlan, fp: FeaturePlan, grad: torch.Tensor) -> torch.Tensor | None:
@@ -311,8 +332,12 @@ def _notify(store: EmbeddingStore, table: str, unique: np.ndarray) -> None:
 
 
 def _table_update(tp: TablePlan, mode: str, grads: tuple[torch.Tensor, ...], saved: list[Any]
-                  ) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor | None]]:
-    """One table's backward: (distinct ids, their gradients, per-sample weights' grads)."""
+                  ) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor | None], bool]:
+    """One table's backward.
+
+    Returns (distinct ids, their gradients, per-sample weights' grads, whether the
+    gradients were seen finite).
+    """
     weight_grads: list[torch.Tensor | None] = []
     if mode == "max":
         total = None
@@ -321,15 +346,15 @@ def _table_update(tp: TablePlan, mode: str, grads: tuple[torch.Tensor, ...], sav
             total = part if total is None else total + part
         assert total is not None
         unique, distinct = _distinct_grads(tp, total.detach().cpu().numpy(), summed=True)
-        return unique, distinct, weight_grads
+        return unique, distinct, weight_grads, False
     if mode != "none" and all(g.device.type == "cpu" and g.dtype == torch.float32
                               for g in grads):
         for fp, g in zip(tp.features, grads, strict=True):
             if fp.bags.per_sample_weights is not None:
                 weight_grads.append(_weight_grad(tp, fp, g))
-        unique, distinct = _distinct_grads(tp, _summed_bag_grads(tp, mode, grads, saved),
-                                           summed=True)
-        return unique, distinct, weight_grads
+        summed, finite = _summed_bag_grads(tp, mode, grads, saved)
+        unique, distinct = _distinct_grads(tp, summed, summed=True)
+        return unique, distinct, weight_grads, finite
     parts = []
     for fp, g, sv in zip(tp.features, grads, saved, strict=True):
         pos, wg = _position_grads(tp, fp, mode, g, sv)
@@ -342,7 +367,23 @@ def _table_update(tp: TablePlan, mode: str, grads: tuple[torch.Tensor, ...], sav
         pos_all = pos_all.masked_fill((tp.inverse == tp.padding)[:, None], 0.0)
     unique, distinct = _distinct_grads(tp, np.ascontiguousarray(pos_all.detach().cpu().numpy()),
                                        summed=False)
-    return unique, distinct, weight_grads
+    return unique, distinct, weight_grads, False
+
+
+def _apply(store: Any, updates: dict[str, tuple[np.ndarray, np.ndarray]], finite: bool
+           ) -> None:
+    """Hand the summed gradients of distinct ids to the store: one call for every table.
+
+    A local store takes them as distinct and, with `finite`, unscanned; any other store
+    (a sharded one) through its public calls.
+    """
+    if isinstance(store, EmbeddingStore):
+        store._apply_summed_gradients(updates, finite=finite)
+    elif len(updates) == 1 and not hasattr(store, "apply_gradients_many"):
+        [(table, (unique, grads))] = updates.items()
+        store.apply_gradients(table, unique, grads)
+    else:
+        store.apply_gradients_many(updates)
 
 
 class _TableFunction(torch.autograd.Function):
@@ -358,8 +399,12 @@ class _TableFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        unique, distinct, weight_grads = _table_update(ctx.tp, ctx.mode, grads, ctx.saved)
-        ctx.store.apply_gradients(ctx.tp.table, unique, distinct)
+        unique, distinct, weight_grads, finite = _table_update(ctx.tp, ctx.mode, grads,
+                                                               ctx.saved)
+        if isinstance(ctx.store, EmbeddingStore):
+            _apply(ctx.store, {ctx.tp.table: (unique, distinct)}, finite)
+        else:
+            ctx.store.apply_gradients(ctx.tp.table, unique, distinct)
         _notify(ctx.store, ctx.tp.table, unique)
         return (None, None, None, None, *weight_grads)
 
@@ -390,6 +435,7 @@ class _TablesFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         updates: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         weight_grads: list[torch.Tensor | None] = []
+        finite = True
         at = 0
         for tp, saved in zip(ctx.tps, ctx.saved, strict=True):
             n = len(tp.features)
@@ -403,11 +449,12 @@ class _TablesFunction(torch.autograd.Function):
             full = tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None else g
                          for g, (shape, dtype, device)
                          in zip(mine, ctx.outputs[at - n: at], strict=True))
-            unique, distinct, wg = _table_update(tp, ctx.mode, full, saved)
+            unique, distinct, wg, seen_finite = _table_update(tp, ctx.mode, full, saved)
             updates[tp.table] = (unique, distinct)
             weight_grads += wg
+            finite = finite and seen_finite
         if updates:
-            ctx.store.apply_gradients_many(updates)
+            _apply(ctx.store, updates, finite)
         for table, (unique, _) in updates.items():
             _notify(ctx.store, table, unique)
         return (None, None, None, None, *weight_grads)

@@ -15,6 +15,7 @@ from embstore.errors import (
     DeviceMismatchError,
     InvalidIdsError,
     InvalidValuesError,
+    NonFiniteValueError,
     UnknownTableError,
 )
 
@@ -341,7 +342,7 @@ def test_fused_bag_gradients_equal_per_position_sums(mode, weights, padding):
     tp = plan.tables[0]
     _, saved = _core._forward_outputs(tp, mode)
     grad = torch.randn(50, DIM)
-    fused = _core._summed_bag_grads(tp, mode, [grad], saved)
+    fused, finite = _core._summed_bag_grads(tp, mode, [grad], saved)
     per_position, _ = _core._position_grads(tp, tp.features[0], mode, grad, saved[0])
     if padding is not None:
         per_position = per_position.masked_fill((tp.inverse == tp.padding)[:, None], 0.0)
@@ -349,6 +350,34 @@ def test_fused_bag_gradients_equal_per_position_sums(mode, weights, padding):
     if padding is not None:
         fused[tp.padding] = expected[tp.padding] = 0
     np.testing.assert_array_equal(fused, expected)
+    assert finite
+    # a sum that is not finite is reported, so that the store scans what it is handed
+    grad[3, 1] = float("inf") if mode != "mean" else float("nan")
+    bag_ids = np.asarray(ids)[int(offsets[3]):int(offsets[4])]
+    if padding is None or (bag_ids != padding).any():
+        assert not _core._summed_bag_grads(tp, mode, [grad], saved)[1]
+
+
+def test_fused_bag_gradients_of_features_sharing_a_table_sum_in_feature_order():
+    # two features of one table: each row sums the first feature's positions, then the
+    # second's, as concatenating their per-position gradients and summing in order would
+    from embstore.torch import _core
+
+    store = _store(embstore.optim.SGD(lr=0.1))
+    ebc = et.EmbeddingBagCollection(store, {"a": "t", "b": "t"}, mode="sum")
+    rng = np.random.default_rng(7)
+    lengths = {f: torch.from_numpy(rng.integers(0, 6, 40)) for f in "ab"}
+    values = {f: torch.from_numpy(rng.integers(0, 30, int(lengths[f].sum()))) for f in "ab"}
+    plan = ebc.prepare_forward({f: (values[f], lengths[f]) for f in "ab"})
+    ebc.fetch_forward(plan)
+    [tp] = plan.tables
+    _, saved = _core._forward_outputs(tp, "sum")
+    grads = [torch.randn(40, DIM), torch.randn(40, DIM)]
+    fused, finite = _core._summed_bag_grads(tp, "sum", grads, saved)
+    per_position = torch.cat([_core._position_grads(tp, fp, "sum", g, sv)[0]
+                              for fp, g, sv in zip(tp.features, grads, saved, strict=True)])
+    np.testing.assert_array_equal(fused, tp.groups.sum_rows(per_position.numpy()))
+    assert finite
 
 
 def test_float64_tables_train_like_torch():
@@ -382,7 +411,8 @@ def _collection_of_tables(n):
 def test_collection_fetches_and_updates_all_its_tables_in_one_call_each(monkeypatch):
     tables, features, feats = _collection_of_tables(6)
     store = embstore.open(None, tables=tables)
-    calls = {"lookup_many": 0, "apply_gradients_many": 0}
+    # the update of every table in one call: the store's own entry for summed gradients
+    calls = {"lookup_many": 0, "_apply_summed_gradients": 0}
     for name in calls:
         real = getattr(store, name)
 
@@ -394,7 +424,7 @@ def test_collection_fetches_and_updates_all_its_tables_in_one_call_each(monkeypa
     ebc = et.EmbeddingBagCollection(store, features, mode="mean")
     for _ in range(2):
         (ebc(feats).values() ** 2).sum().backward()
-    assert calls == {"lookup_many": 2, "apply_gradients_many": 2}
+    assert calls == {"lookup_many": 2, "_apply_summed_gradients": 2}
     # the same steps as one module per table, each applying its own update
     reference = embstore.open(None, tables=tables)
     bags = {f: et.EmbeddingBag(reference, t, mode="mean") for f, t in features.items()}
@@ -458,3 +488,36 @@ def test_a_recording_store_logs_each_batch_as_the_model_used_it(tmp_path, tables
     for i, name in enumerate(names):
         assert [b.tolist() for b in read_access_log(log).batches(name)] == \
             [(values + i).tolist()]
+
+
+@pytest.mark.parametrize("collection", [False, True])
+@pytest.mark.parametrize("bad", ["inf", "overflowing sum"])
+def test_a_gradient_that_is_not_finite_is_refused_and_changes_no_table(collection, bad):
+    # the bag kernel checks the sums it writes, and the store then skips its own scan: a
+    # gradient that is infinite, or whose per-row sum overflows, must still be refused
+    store = embstore.open(None, tables=[embstore.TableSpec(
+        name, dim=DIM, optimizer=embstore.optim.RowWiseAdagrad(0.1)) for name in ("t", "u")])
+    for name in ("t", "u"):
+        store.update(name, np.arange(ROWS), np.zeros((ROWS, DIM), np.float32))
+    before = _table(store), store.lookup("u", np.arange(ROWS)).copy()
+    ids = torch.tensor([1, 2, 2, 5])
+    offsets = torch.tensor([0, 2])
+    grad = torch.ones(2, DIM)
+    if bad == "inf":
+        grad[1, 3] = float("inf")
+    else:  # id 2 is in both bags: 3e38 + 3e38 overflows
+        grad[:, 0] = 3e38
+    if collection:
+        # two tables: one update call for both (the table "u" first takes a good step)
+        ebc = et.EmbeddingBagCollection(store, {"g": "u", "f": "t"}, mode="sum")
+        lengths = torch.tensor([2, 2])
+        out = ebc({"g": (ids, lengths), "f": (ids, lengths)}).values()
+        grad = torch.cat([torch.ones(2, DIM), grad], dim=1)  # a good step for "u"
+    else:
+        out = et.EmbeddingBag(store, "t", mode="sum")(ids, offsets)
+    with pytest.raises(NonFiniteValueError):
+        out.backward(grad)
+    (weights, state), u_weights = before
+    np.testing.assert_array_equal(store.lookup("t", np.arange(ROWS)), weights)
+    np.testing.assert_array_equal(store.lookup_state("t", np.arange(ROWS)), state)
+    np.testing.assert_array_equal(store.lookup("u", np.arange(ROWS)), u_weights)
