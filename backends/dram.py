@@ -229,6 +229,14 @@ class DRAMBackend(SlottedBackend):
         self._slabs.scatter(np.ascontiguousarray(slots, dtype=np.int32), rows)
         self._dirty_since_flush = True
 
+    def slabs_for_reading(self) -> RowSlabs:
+        """Return the row storage addressed by `index`'s slots, for kernels reading in place.
+
+        The caller holds the store's lock for as long as it reads: nothing may move rows.
+        """
+        self._check_open()
+        return self._slabs
+
     def slabs_for_writing(self) -> RowSlabs:
         """Return the row storage addressed by `index`'s slots, to overwrite rows in place.
 

@@ -202,7 +202,7 @@ class TableChain:
         now = self._tick()
         rows, found, hits, slots = self.tiers[0].lookup_leading(ids, now, columns)
         if slots is not None and hits == len(ids):
-            self._slot_memo.remember(self.tiers[0].slot_backend.index, ids, slots)
+            self.remember_slots(ids, slots)
         if hits == len(ids) or len(self.tiers) == 1:
             return rows, found
         if rows.shape[1] != self.width:  # rows from below come whole: widen the top's
@@ -311,6 +311,10 @@ class TableChain:
         if read:
             self.count_top_read(ids, slots)
         return slots
+
+    def remember_slots(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Remember that distinct `ids` lie at `slots` of the top tier (see `SlotMemo`)."""
+        self._slot_memo.remember(self.tiers[0].slot_backend.index, ids, slots)
 
     def count_top_read(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Count a read of distinct `ids` that the top tier holds at `slots` as `get` does.

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -53,9 +53,11 @@ from .errors import (
     UnknownTableError,
 )
 from .hierarchy import TableChain, TierStatistics
-from .index import IdGroups, IdIndex
+from .index import IdGroups, IdIndex, RowSlabs
 from .layout import manifest_body, write_manifest
 from .spec import TableSpec, TierSpec
+
+_T = TypeVar("_T")
 
 __all__ = ["EmbeddingStore"]
 
@@ -366,6 +368,33 @@ class EmbeddingStore:
         # where a tier below held some rows, optimizer state was read with the weights:
         # a strided view of a fresh buffer (no copy: the copy cost more than the lookup)
         return rows[:, :dim] if rows.shape[1] != dim else rows
+
+    def _read_top_in_place(self, table: str, ids: np.ndarray, accessed: np.ndarray | None,
+                           read: Callable[[RowSlabs, np.ndarray], _T]) -> _T | None:
+        """`read(slabs, slots)` over the rows of distinct `ids`, where the top tier holds them.
+
+        For the torch adapter, which pools float32 rows straight from a DRAM tier. Under the
+        store's lock, the read is counted as a lookup of `ids` is (hits, the policy's
+        accesses, the access log, with `accessed` as `lookup` takes it) and the slots are
+        remembered for the write that follows. None, with nothing counted or read, where
+        the top tier does not hold every id in float32 slabs: the caller looks them up.
+        """
+        with self._mutex:
+            t = self._table(table)
+            ids = as_ids(ids, t.spec)
+            backend = t.chain.tiers[0].backend
+            if t.codec is not None or t.spec.dtype != np.float32 or not hasattr(
+                    backend, "slabs_for_reading"):
+                return None
+            slots = t.chain.top_slots(ids, read=False)
+            if slots is None:
+                return None
+            t.chain.count_top_read(ids, slots)
+            t.chain.remember_slots(ids, slots)
+            if self._recorder is not None:
+                self._recorder.lookup(table, ids if accessed is None
+                                      else as_ids(accessed, t.spec))
+            return read(cast(Any, backend).slabs_for_reading(), slots)
 
     def prefetch(self, table: str, ids: Any) -> int:
         """Bring the rows of `ids` into the table's fast tiers ahead of a lookup.

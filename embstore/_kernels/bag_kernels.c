@@ -75,3 +75,46 @@ int bag_grad_rows(const float *grad, int64_t dim, const int64_t *start, const in
     }
     return !bad;
 }
+
+/* Rows are prefetched POOL_AHEAD positions on, so that their cache misses overlap. */
+#define POOL_AHEAD 8
+/* Columns summed at a time in a local accumulator (four AVX2 registers). */
+#define POOL_COLUMNS 32
+
+/* Sum pooling straight from a DRAM tier's slabs: out[b] (b in [lo, hi)) is the float32 sum,
+ * in position order from +0.0, of the rows at slots[inverse[k]] for the positions k of bag b;
+ * rows are `row_bytes` apart in chunks of 2**shift (the optimizer state after the first `dim`
+ * floats is not read). The same additions in the same order as torch.embedding_bag's "sum"
+ * over a gathered copy of the rows, without the copy. */
+__attribute__((target_clones("avx2", "default")))
+void bag_pool_slots_f32(char *const *slabs, int shift, int64_t row_bytes, const int32_t *slots,
+                        const int64_t *offsets, const int64_t *inverse, int64_t dim,
+                        int64_t lo, int64_t hi, float *out) {
+    const uint64_t chunk_mask = ((uint64_t)1 << shift) - 1;
+    const int64_t end = offsets[hi];
+    const int64_t bytes = dim * (int64_t)sizeof(float);
+    float acc[POOL_COLUMNS];
+    for (int64_t b = lo; b < hi; b++) {
+        for (int64_t c0 = 0; c0 < dim; c0 += POOL_COLUMNS) {
+            const int64_t w = dim - c0 < POOL_COLUMNS ? dim - c0 : POOL_COLUMNS;
+            for (int64_t c = 0; c < POOL_COLUMNS; c++) acc[c] = 0.0f;
+            for (int64_t k = offsets[b]; k < offsets[b + 1]; k++) {
+                if (c0 == 0 && k + POOL_AHEAD < end) {
+                    uint64_t a = (uint64_t)slots[inverse[k + POOL_AHEAD]];
+                    const char *p = slabs[a >> shift] + (a & chunk_mask) * row_bytes;
+                    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+                    __builtin_prefetch(p + bytes - 1);
+                }
+                uint64_t v = (uint64_t)slots[inverse[k]];
+                const float *row = (const float *)(slabs[v >> shift] + (v & chunk_mask) * row_bytes)
+                                   + c0;
+                if (w == POOL_COLUMNS) {  /* a constant count: the sums stay in registers */
+                    for (int64_t c = 0; c < POOL_COLUMNS; c++) acc[c] += row[c];
+                } else {
+                    for (int64_t c = 0; c < w; c++) acc[c] += row[c];
+                }
+            }
+            memcpy(out + b * dim + c0, acc, (size_t)w * sizeof(float));
+        }
+    }
+}

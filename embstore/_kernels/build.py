@@ -92,6 +92,9 @@ int bag_grad_rows(const float *grad, int64_t dim, const int64_t *start, const in
                   const int32_t *bag_of, const float *weights, const float *bag_size,
                   int64_t skip, int accumulate, int64_t lo, int64_t hi, float *acc,
                   float *out);
+void bag_pool_slots_f32(char *const *slabs, int shift, int64_t row_bytes, const int32_t *slots,
+                        const int64_t *offsets, const int64_t *inverse, int64_t dim,
+                        int64_t lo, int64_t hi, float *out);
 """
 
 bag_ffibuilder = _builder("embstore._kernels._bag_kernels", BAG_CDEF, "bag_kernels.c", "c99",

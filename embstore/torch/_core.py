@@ -31,12 +31,13 @@ import torch
 
 from .._kernels._bag_kernels import ffi as bag_ffi
 from .._kernels._bag_kernels import lib as bag_lib
-from .._parallel import run_ranges
-from ..index import IdGroups
+from .._parallel import MIN_ROWS_PER_THREAD, run_ranges
+from ..index import IdGroups, RowSlabs
 from ..store import EmbeddingStore
 from ._inputs import BagInput
 
-__all__ = ["MODES", "FeaturePlan", "ForwardPlan", "TablePlan", "fetch", "prepare", "run"]
+__all__ = ["MODES", "FeaturePlan", "ForwardPlan", "TablePlan", "fetch", "pool_in_store",
+           "prepare", "run"]
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
 """Pooling modes, with torch.embedding_bag's code for each; "none" (unpooled) is extra."""
@@ -77,6 +78,9 @@ class TablePlan:
     """The pipeline's update count when the rows were read (for refreshing them)."""
     pinned: Any = None
     """Pinned host copies being transferred to the device: kept alive until they land."""
+    in_store: bool = False
+    """Pooled straight from the store's DRAM tier when it runs (`_pool_in_store`): no rows
+    are fetched for it."""
 
 
 @dataclass
@@ -124,9 +128,31 @@ def lookup_rows(store: EmbeddingStore, table: str, ids: np.ndarray,
     return torch.from_numpy(np.ascontiguousarray(rows))
 
 
+def pool_in_store(store: Any, plan: ForwardPlan, mode: str, device: torch.device) -> None:
+    """Mark the tables of `plan` that `run` may pool straight from the store's DRAM tier.
+
+    Those not staged, pooled by "sum" on the CPU without per-sample weights or a padding id
+    in the batch, of a local store: the pooling reads the rows where they lie (the same
+    additions as torch.embedding_bag over a copy), and no copy of them is made. Where the
+    store's top tier turns out not to hold them all, `run` looks them up after all.
+
+    Only batches whose ids are mostly distinct (at least half): pooling in place reads a
+    scattered table row per position, where a lookup reads each distinct row once and the
+    pooling then reads a compact copy, which the cache holds better when rows repeat (on
+    10M x 64 rows, bags of 20: 5-9% faster with uniform ids, 0-8% slower with Zipf ids).
+    """
+    if mode != "sum" or device.type != "cpu" or not isinstance(store, EmbeddingStore):
+        return
+    for tp in plan.tables:
+        if tp.rows is None and tp.padding is None and all(
+                fp.bags.per_sample_weights is None for fp in tp.features) and \
+                2 * len(tp.groups.unique) >= len(tp.groups.inverse):
+            tp.in_store = True
+
+
 def fetch(store: Any, plan: ForwardPlan, device: torch.device) -> None:
     """Look up the distinct rows of every table of `plan` not staged yet; onto `device`."""
-    todo = [tp for tp in plan.tables if tp.rows is None]
+    todo = [tp for tp in plan.tables if tp.rows is None and not tp.in_store]
     many = None
     collective = getattr(store, "collective", False)
     # an access log records the batch as the model used it, repeats included
@@ -172,7 +198,48 @@ def _unpooled(rows: torch.Tensor, inverse: torch.Tensor, fp: FeaturePlan,
     return out
 
 
-def _forward_outputs(tp: TablePlan, mode: str) -> tuple[list[torch.Tensor], list[Any]]:
+def _pool_in_store(store: EmbeddingStore, tp: TablePlan) -> list[torch.Tensor] | None:
+    """Sum-pool every feature of `tp` straight from the store's DRAM tier: [B, dim] each.
+
+    None where the top tier does not hold every distinct id (nothing is read then).
+    """
+    dim = store.table_spec(tp.table).dim
+    inverse = tp.groups.inverse
+
+    def read(slabs: RowSlabs, slots: np.ndarray) -> list[torch.Tensor]:
+        outs = []
+        for fp in tp.features:
+            offsets = fp.bags.offsets
+            out = np.empty((len(offsets) - 1, dim), dtype=np.float32)
+            args = (slabs.pointer(), slabs.shift, slabs.row_bytes,
+                    bag_ffi.cast("int32_t *", slots.ctypes.data),
+                    bag_ffi.cast("int64_t *", offsets.ctypes.data),
+                    bag_ffi.cast("int64_t *", inverse[fp.start:].ctypes.data), dim)
+            out_p = bag_ffi.cast("float *", out.ctypes.data)
+            per_bag = max(1, len(fp.bags.ids) // max(1, len(offsets) - 1))
+
+            def pool(lo: int, hi: int, args: tuple[Any, ...] = args, out_p: Any = out_p) -> None:
+                bag_lib.bag_pool_slots_f32(*args, lo, hi, out_p)
+
+            run_ranges(len(offsets) - 1, pool, min_rows=max(1, MIN_ROWS_PER_THREAD // per_bag))
+            outs.append(torch.from_numpy(out))
+        return outs
+
+    return store._read_top_in_place(tp.table, tp.groups.unique,
+                                    tp.ids if store.records_accesses else None, read)
+
+
+def _forward_outputs(tp: TablePlan, mode: str, store: Any = None
+                     ) -> tuple[list[torch.Tensor], list[Any]]:
+    if tp.in_store:
+        in_place = _pool_in_store(store, tp)
+        if in_place is not None:
+            # "sum" pooling keeps nothing for backward (the bag sizes serve "mean" alone)
+            return in_place, [(None, None, None) for _ in tp.features]
+        tp.in_store = False  # the top tier lacks some rows: look them up after all
+        tp.rows = lookup_rows(store, tp.table, tp.groups.unique,
+                              tp.ids if store.records_accesses else None)
+        tp.inverse = torch.from_numpy(tp.groups.inverse)
     assert tp.rows is not None and tp.inverse is not None
     outs: list[torch.Tensor] = []
     saved: list[Any] = []
@@ -392,7 +459,7 @@ class _TableFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, trigger: torch.Tensor, store: EmbeddingStore, tp: TablePlan,
                 mode: str, *weights: torch.Tensor) -> Any:
-        outs, saved = _forward_outputs(tp, mode)
+        outs, saved = _forward_outputs(tp, mode, store)
         ctx.store, ctx.tp, ctx.mode, ctx.saved = store, tp, mode, saved
         ctx.set_materialize_grads(True)
         return tuple(outs)
@@ -422,7 +489,7 @@ class _TablesFunction(torch.autograd.Function):
                 mode: str, *weights: torch.Tensor) -> Any:
         outs, saved = [], []
         for tp in tps:
-            o, sv = _forward_outputs(tp, mode)
+            o, sv = _forward_outputs(tp, mode, store)
             outs += o
             saved.append(sv)
         ctx.store, ctx.tps, ctx.mode, ctx.saved = store, tps, mode, saved
@@ -493,7 +560,7 @@ def run(store: EmbeddingStore, plan: ForwardPlan, mode: str, *, train: bool
             results = _TableFunction.apply(  # type: ignore[no-untyped-call]
                 _TRIGGER, store, tp, mode, *weights)
         else:
-            results, _ = _forward_outputs(tp, mode)
+            results, _ = _forward_outputs(tp, mode, store)
         for fp, out in zip(tp.features, results, strict=True):
             outs[fp.name] = out
     return [outs[name] for name in plan.order]

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import ConfigError, InvalidIdsError
 from ..store import EmbeddingStore
-from ._core import MODES, ForwardPlan, fetch, prepare, run
+from ._core import MODES, ForwardPlan, fetch, pool_in_store, prepare, run
 from ._inputs import BagInput, bag_input, flat_ids, jagged_input
 
 __all__ = ["Embedding", "EmbeddingBag", "EmbeddingBagCollection", "KeyedEmbeddings"]
@@ -115,7 +115,8 @@ class _StoreModule(nn.Module):
             self._staged = None
         else:
             plan = self.prepare_forward(*args)
-        self.fetch_forward(plan)  # what a pipeline did not stage
+        pool_in_store(self.store, plan, self.mode, self.device)
+        self.fetch_forward(plan)  # what a pipeline did not stage, nor the store pools
         return run(self.store, plan, self.mode, train=self.training and torch.is_grad_enabled())
 
 
