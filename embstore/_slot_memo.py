@@ -22,6 +22,9 @@ from .index import IdIndex
 __all__ = ["SlotMemo"]
 
 _KEPT = 4  # reads remembered: a pipeline of depth 2 reads two more batches in between
+_MAX_IDS = 1 << 20
+"""Larger reads are not remembered: a batch's distinct ids are fewer, and a read of a whole
+table (an evaluation, an export) must not leave a copy of its ids behind."""
 
 
 @dataclass
@@ -40,6 +43,8 @@ class SlotMemo:
 
     def remember(self, index: IdIndex, ids: np.ndarray, slots: np.ndarray) -> None:
         """Note that `ids` (every one present) lie at `slots` of `index` now."""
+        if len(ids) > _MAX_IDS:
+            return
         self._reads.append(_Read(index, index.removals, ids.copy(), slots))
         if len(self._reads) > _KEPT:
             del self._reads[0]

@@ -127,3 +127,18 @@ def test_a_remembered_read_is_used_for_the_write_and_then_forgotten() -> None:
         assert calls == [10]
     finally:
         BucketIdIndex.find = find
+
+
+def test_a_read_too_large_for_a_batch_is_not_remembered(monkeypatch) -> None:
+    # a read of a whole table must not leave a copy of its ids behind
+    from embstore import _slot_memo
+
+    monkeypatch.setattr(_slot_memo, "_MAX_IDS", 8)
+    store = _store()
+    store.update("t", np.arange(20), _rows(20))
+    chain = store._table("t").chain
+    index = chain.tiers[0].slot_backend.index
+    store.lookup("t", np.arange(9))
+    store.lookup("t", np.arange(8))
+    assert chain._slot_memo.recall(index, np.arange(9)) is None
+    assert chain._slot_memo.recall(index, np.arange(8)) is not None

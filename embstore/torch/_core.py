@@ -10,13 +10,19 @@ a background thread:
 3. `run`: pool the rows with torch (`torch.embedding_bag`, the kernel behind
    torch.nn.EmbeddingBag) and, when training, connect the result to autograd.
 
+A batch of mostly distinct ids pooled by "sum" on the CPU skips the copy of steps 2-3: `run`
+pools straight from the store's DRAM tier (`pool_in_store`), with torch's additions in
+torch's order, so the result is the same bits.
+
 The backward pass turns the pooled gradient into one gradient row per input position (scaled
 by its per-sample weight, divided by its bag's size for "mean"; "max" routes each column to
 the row that won it), sums the rows of each distinct id in position order, and hands them to
-the table's fused optimizer with `EmbeddingStore.apply_gradients` (the tables of a
-multi-table forward all in one `apply_gradients_many`). That is bit for bit the store's own
+the table's fused optimizer (`EmbeddingStore._apply_summed_gradients` for a local store: the
+ids are distinct and the sums were checked finite as they were made; `apply_gradients` or
+`apply_gradients_many` for any other, a sharded one). That is bit for bit the store's own
 ``apply_gradients(ids, per_position_grads)``: no dense [num_embeddings, dim] gradient exists,
-and there is nothing for a torch optimizer to step.
+and there is nothing for a torch optimizer to step. The store steps the rows at the slots its
+lookup found (`SlotMemo`), without probing its index again.
 """
 
 from __future__ import annotations
