@@ -29,18 +29,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from .._kernels._bag_kernels import ffi as bag_ffi
-from .._kernels._bag_kernels import lib as bag_lib
-from .._parallel import MIN_ROWS_PER_THREAD, run_ranges
-from ..index import IdGroups, RowSlabs
+from ..index import IdGroups
 from ..store import EmbeddingStore
+from ._bags import pool_rows_in_store, summed_bag_grads
 from ._inputs import BagInput
+from ._plans import FeaturePlan, ForwardPlan, TablePlan
 
 __all__ = ["MODES", "FeaturePlan", "ForwardPlan", "TablePlan", "fetch", "pool_in_store",
            "prepare", "run"]
@@ -51,53 +49,6 @@ MODES = {"sum": 0, "mean": 1, "max": 2}
 # one leaf that requires grad, so that autograd calls the backward of a lookup whose inputs
 # need no gradient of their own; its gradient is always None, so nothing accumulates on it
 _TRIGGER = torch.zeros((), requires_grad=True)
-
-
-@dataclass
-class FeaturePlan:
-    """One feature's ids within its table's lookup."""
-
-    name: str
-    bags: BagInput
-    start: int
-    """Position of the feature's first id among the table's concatenated ids."""
-
-
-@dataclass
-class TablePlan:
-    """The distinct ids one forward needs from one table, and (once fetched) their rows."""
-
-    table: str
-    features: list[FeaturePlan]
-    groups: IdGroups
-    padding: int | None
-    """Index into `groups.unique` of the padding id, None when absent or not set."""
-    ids: np.ndarray | None = None
-    """int64[N]: the ids of every position, as the forward used them (`groups` groups them)."""
-    rows: torch.Tensor | None = None
-    """[U, dim] rows of `groups.unique` on the module's device, once fetched."""
-    inverse: torch.Tensor | None = None
-    """int64[N] on the module's device: the distinct row of each position."""
-    ready: Any = None
-    """A CUDA event the consumer waits on before using `rows`, or None."""
-    fetched_at: int = 0
-    """The pipeline's update count when the rows were read (for refreshing them)."""
-    pinned: Any = None
-    """Pinned host copies being transferred to the device: kept alive until they land."""
-    in_store: bool = False
-    """Pooled straight from the store's DRAM tier when it runs (`_pool_in_store`): no rows
-    are fetched for it."""
-
-
-@dataclass
-class ForwardPlan:
-    """Everything one forward of one module needs: its tables' plans, in feature order."""
-
-    args: tuple[Any, ...]
-    """The forward's arguments, as given: a staged plan serves the call with these objects."""
-    tables: list[TablePlan]
-    order: list[str]
-    """Feature names in output order."""
 
 
 def prepare(args: tuple[Any, ...], features: Sequence[tuple[str, str, BagInput]],
@@ -204,41 +155,10 @@ def _unpooled(rows: torch.Tensor, inverse: torch.Tensor, fp: FeaturePlan,
     return out
 
 
-def _pool_in_store(store: EmbeddingStore, tp: TablePlan) -> list[torch.Tensor] | None:
-    """Sum-pool every feature of `tp` straight from the store's DRAM tier: [B, dim] each.
-
-    None where the top tier does not hold every distinct id (nothing is read then).
-    """
-    dim = store.table_spec(tp.table).dim
-    inverse = tp.groups.inverse
-
-    def read(slabs: RowSlabs, slots: np.ndarray) -> list[torch.Tensor]:
-        outs = []
-        for fp in tp.features:
-            offsets = fp.bags.offsets
-            out = np.empty((len(offsets) - 1, dim), dtype=np.float32)
-            args = (slabs.pointer(), slabs.shift, slabs.row_bytes,
-                    bag_ffi.cast("int32_t *", slots.ctypes.data),
-                    bag_ffi.cast("int64_t *", offsets.ctypes.data),
-                    bag_ffi.cast("int64_t *", inverse[fp.start:].ctypes.data), dim)
-            out_p = bag_ffi.cast("float *", out.ctypes.data)
-            per_bag = max(1, len(fp.bags.ids) // max(1, len(offsets) - 1))
-
-            def pool(lo: int, hi: int, args: tuple[Any, ...] = args, out_p: Any = out_p) -> None:
-                bag_lib.bag_pool_slots_f32(*args, lo, hi, out_p)
-
-            run_ranges(len(offsets) - 1, pool, min_rows=max(1, MIN_ROWS_PER_THREAD // per_bag))
-            outs.append(torch.from_numpy(out))
-        return outs
-
-    return store._read_top_in_place(tp.table, tp.groups.unique,
-                                    tp.ids if store.records_accesses else None, read)
-
-
 def _forward_outputs(tp: TablePlan, mode: str, store: Any = None
                      ) -> tuple[list[torch.Tensor], list[Any]]:
     if tp.in_store:
-        in_place = _pool_in_store(store, tp)
+        in_place = pool_rows_in_store(store, tp)
         if in_place is not None:
             # "sum" pooling keeps nothing for backward (the bag sizes serve "mean" alone)
             return in_place, [(None, None, None) for _ in tp.features]
@@ -289,53 +209,6 @@ def _position_grads(tp: TablePlan, fp: FeaturePlan, mode: str, grad: torch.Tenso
                 psw_grad = psw_grad.masked_fill(inv == tp.padding, 0.0)
         per_bag = per_bag * psw.detach()[:, None]
     return per_bag, psw_grad
-
-
-def _summed_bag_grads(tp: TablePlan, mode: str, grads: Sequence[torch.Tensor],
-                      saved: list[Any]) -> tuple[np.ndarray, bool]:
-    """Sum the positions' gradients of every feature per distinct row: ([U, dim], all finite).
-
-    C passes in position order (`_kernels/bag_kernels.c`), equal bit for bit to
-    `_position_grads` then `sum_rows`; rows are summed on the store's threads.
-    """
-    dim = grads[0].shape[1]
-    n_rows = len(tp.groups.unique)
-    out = np.empty((n_rows, dim), dtype=np.float32)
-    skip = -1 if tp.padding is None else tp.padding
-    finite = True
-    start = np.empty(n_rows + 1, dtype=np.int64)
-    out_p = bag_ffi.cast("float *", out.ctypes.data)
-    for i, (fp, g, (_, bag_size, _)) in enumerate(zip(tp.features, grads, saved, strict=True)):
-        g_np = np.ascontiguousarray(g.detach().numpy())
-        offsets = fp.bags.offsets
-        inverse = tp.groups.inverse[fp.start: fp.start + len(fp.bags.ids)]
-        order = np.empty(len(inverse), dtype=np.int64)
-        bag_of = np.empty(len(inverse), dtype=np.int32)
-        bag_lib.bag_group(bag_ffi.cast("int64_t *", offsets.ctypes.data), len(offsets) - 1,
-                          bag_ffi.cast("int64_t *", inverse.ctypes.data), n_rows,
-                          bag_ffi.cast("int64_t *", start.ctypes.data),
-                          bag_ffi.cast("int64_t *", order.ctypes.data),
-                          bag_ffi.cast("int32_t *", bag_of.ctypes.data))
-        psw = fp.bags.per_sample_weights
-        weights = None if psw is None else np.ascontiguousarray(psw.detach().numpy())
-        sizes = (np.ascontiguousarray(bag_size.numpy(), dtype=np.float32)
-                 if mode == "mean" else None)
-        args = (bag_ffi.cast("float *", g_np.ctypes.data), dim,
-                bag_ffi.cast("int64_t *", start.ctypes.data),
-                bag_ffi.cast("int64_t *", order.ctypes.data),
-                bag_ffi.cast("int32_t *", bag_of.ctypes.data),
-                bag_ffi.NULL if weights is None else bag_ffi.cast("float *", weights.ctypes.data),
-                bag_ffi.NULL if sizes is None else bag_ffi.cast("float *", sizes.ctypes.data),
-                skip, int(i > 0))
-
-        def rows(lo: int, hi: int, args: tuple[Any, ...] = args) -> int:
-            acc = np.empty(dim, dtype=np.float32)
-            return int(bag_lib.bag_grad_rows(*args, lo, hi,
-                                             bag_ffi.cast("float *", acc.ctypes.data), out_p))
-
-        # only the last feature's pass sees every row's final sum
-        finite = all(ok for _, ok in run_ranges(n_rows, rows))
-    return out, finite
 
 
 def _weight_grad(tp: TablePlan, fp: FeaturePlan, grad: torch.Tensor) -> torch.Tensor | None:
@@ -425,7 +298,7 @@ def _table_update(tp: TablePlan, mode: str, grads: tuple[torch.Tensor, ...], sav
         for fp, g in zip(tp.features, grads, strict=True):
             if fp.bags.per_sample_weights is not None:
                 weight_grads.append(_weight_grad(tp, fp, g))
-        summed, finite = _summed_bag_grads(tp, mode, grads, saved)
+        summed, finite = summed_bag_grads(tp, mode, grads, saved)
         unique, distinct = _distinct_grads(tp, summed, summed=True)
         return unique, distinct, weight_grads, finite
     parts = []

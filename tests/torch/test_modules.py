@@ -331,7 +331,7 @@ def test_rowwise_adagrad_matches_fbgemm_tbe(mode):
 def test_fused_bag_gradients_equal_per_position_sums(mode, weights, padding):
     # the C pass that sums bag gradients per row equals materialising every position's
     # gradient and summing in position order, bit for bit
-    from embstore.torch import _core
+    from embstore.torch import _bags, _core
 
     store = _store(embstore.optim.SGD(lr=0.1))
     bag = et.EmbeddingBag(store, "t", mode=mode, padding_idx=padding)
@@ -342,7 +342,7 @@ def test_fused_bag_gradients_equal_per_position_sums(mode, weights, padding):
     tp = plan.tables[0]
     _, saved = _core._forward_outputs(tp, mode)
     grad = torch.randn(50, DIM)
-    fused, finite = _core._summed_bag_grads(tp, mode, [grad], saved)
+    fused, finite = _bags.summed_bag_grads(tp, mode, [grad], saved)
     per_position, _ = _core._position_grads(tp, tp.features[0], mode, grad, saved[0])
     if padding is not None:
         per_position = per_position.masked_fill((tp.inverse == tp.padding)[:, None], 0.0)
@@ -355,13 +355,13 @@ def test_fused_bag_gradients_equal_per_position_sums(mode, weights, padding):
     grad[3, 1] = float("inf") if mode != "mean" else float("nan")
     bag_ids = np.asarray(ids)[int(offsets[3]):int(offsets[4])]
     if padding is None or (bag_ids != padding).any():
-        assert not _core._summed_bag_grads(tp, mode, [grad], saved)[1]
+        assert not _bags.summed_bag_grads(tp, mode, [grad], saved)[1]
 
 
 def test_fused_bag_gradients_of_features_sharing_a_table_sum_in_feature_order():
     # two features of one table: each row sums the first feature's positions, then the
     # second's, as concatenating their per-position gradients and summing in order would
-    from embstore.torch import _core
+    from embstore.torch import _bags, _core
 
     store = _store(embstore.optim.SGD(lr=0.1))
     ebc = et.EmbeddingBagCollection(store, {"a": "t", "b": "t"}, mode="sum")
@@ -373,7 +373,7 @@ def test_fused_bag_gradients_of_features_sharing_a_table_sum_in_feature_order():
     [tp] = plan.tables
     _, saved = _core._forward_outputs(tp, "sum")
     grads = [torch.randn(40, DIM), torch.randn(40, DIM)]
-    fused, finite = _core._summed_bag_grads(tp, "sum", grads, saved)
+    fused, finite = _bags.summed_bag_grads(tp, "sum", grads, saved)
     per_position = torch.cat([_core._position_grads(tp, fp, "sum", g, sv)[0]
                               for fp, g, sv in zip(tp.features, grads, saved, strict=True)])
     np.testing.assert_array_equal(fused, tp.groups.sum_rows(per_position.numpy()))
