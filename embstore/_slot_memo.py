@@ -65,7 +65,3 @@ class SlotMemo:
                 del self._reads[k]
                 return read.slots
         return None
-
-    def clear(self) -> None:
-        """Forget every read."""
-        self._reads.clear()

@@ -386,10 +386,9 @@ class EmbeddingStore:
             if t.codec is not None or t.spec.dtype != np.float32 or not hasattr(
                     backend, "slabs_for_reading"):
                 return None
-            slots = t.chain.top_slots(ids, read=False)
+            slots = t.chain.top_slots(ids)  # counted as a read
             if slots is None:
                 return None
-            t.chain.count_top_read(ids, slots)
             t.chain.remember_slots(ids, slots)
             if self._recorder is not None:
                 self._recorder.lookup(table, ids if accessed is None

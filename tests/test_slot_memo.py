@@ -67,7 +67,8 @@ def test_a_write_after_the_caller_changed_its_ids_array_steps_the_new_ids() -> N
 
 
 @pytest.mark.parametrize("policy", ["lru", "wtinylfu"])
-def test_a_write_after_evictions_from_a_cache_tier_steps_the_right_rows(tmp_path, policy) -> None:
+def test_a_write_after_evictions_from_a_cache_tier_steps_the_right_rows(tmp_path, policy,
+                                                                        monkeypatch) -> None:
     tiers = (TierSpec("dram", capacity=12, eviction=policy), TierSpec("rocksdb"))
     stores = [embstore.open(tmp_path / name, tables=[TableSpec(
         "t", dim=DIM, optimizer=optim.RowWiseAdagrad(0.1))], tiers=tiers)
@@ -84,23 +85,21 @@ def test_a_write_after_evictions_from_a_cache_tier_steps_the_right_rows(tmp_path
         recalled.append(slots is not None)
         return slots
 
-    try:
-        SlotMemo.recall = counting
-        for step in range(60):
-            batch = rng.choice(40, 6, replace=False)
-            for _ in range(2):  # the second read finds them all in the cache
-                with_memo.lookup("t", batch)
-            # sometimes another batch is read in between (a pipeline's next step), and
-            # moves rows in and out of the cache
-            if step % 2:
-                other = rng.choice(40, 6, replace=False)
-                for s in stores:
-                    s.lookup("t", other)
-            grads = _rows(6, seed=step)
+    monkeypatch.setattr(SlotMemo, "recall", counting)
+    for step in range(60):
+        batch = rng.choice(40, 6, replace=False)
+        for _ in range(2):  # the second read finds them all in the cache
+            with_memo.lookup("t", batch)
+        # sometimes another batch is read in between (a pipeline's next step), and
+        # moves rows in and out of the cache
+        if step % 2:
+            other = rng.choice(40, 6, replace=False)
             for s in stores:
-                s.apply_gradients("t", batch, grads)
-    finally:
-        SlotMemo.recall = recall
+                s.lookup("t", other)
+        grads = _rows(6, seed=step)
+        for s in stores:
+            s.apply_gradients("t", batch, grads)
+    monkeypatch.undo()
     assert any(recalled) and not all(recalled)  # both ways were taken
     ids = np.arange(40)
     assert np.array_equal(_table(with_memo, ids), _table(plain, ids))
@@ -108,7 +107,7 @@ def test_a_write_after_evictions_from_a_cache_tier_steps_the_right_rows(tmp_path
         s.close()
 
 
-def test_a_remembered_read_is_used_for_the_write_and_then_forgotten() -> None:
+def test_a_remembered_read_is_used_for_the_write_and_then_forgotten(monkeypatch) -> None:
     store = _store()
     store.update("t", np.arange(10), _rows(10))
     chain = store._table("t").chain
@@ -119,14 +118,12 @@ def test_a_remembered_read_is_used_for_the_write_and_then_forgotten() -> None:
     store.lookup("t", batch)
     calls = []
     find = BucketIdIndex.find
-    try:
-        BucketIdIndex.find = lambda self, ids: calls.append(len(ids)) or find(self, ids)
-        store.apply_gradients("t", batch, _rows(10, seed=5))  # no probe: the read's slots
-        assert calls == []
-        store.apply_gradients("t", batch, _rows(10, seed=6))  # used once: probes again
-        assert calls == [10]
-    finally:
-        BucketIdIndex.find = find
+    monkeypatch.setattr(BucketIdIndex, "find",
+                        lambda self, ids: calls.append(len(ids)) or find(self, ids))
+    store.apply_gradients("t", batch, _rows(10, seed=5))  # no probe: the read's slots
+    assert calls == []
+    store.apply_gradients("t", batch, _rows(10, seed=6))  # used once: probes again
+    assert calls == [10]
 
 
 def test_a_read_too_large_for_a_batch_is_not_remembered(monkeypatch) -> None:

@@ -16,7 +16,7 @@ import torch
 from .._kernels._bag_kernels import ffi as bag_ffi
 from .._kernels._bag_kernels import lib as bag_lib
 from .._parallel import MIN_ROWS_PER_THREAD, run_ranges
-from ..index import RowSlabs
+from ..index import RowSlabs, c_pointer
 from ..store import EmbeddingStore
 from ._plans import TablePlan
 
@@ -36,11 +36,10 @@ def pool_rows_in_store(store: EmbeddingStore, tp: TablePlan) -> list[torch.Tenso
         for fp in tp.features:
             offsets = fp.bags.offsets
             out = np.empty((len(offsets) - 1, dim), dtype=np.float32)
-            args = (slabs.pointer(), slabs.shift, slabs.row_bytes,
-                    bag_ffi.cast("int32_t *", slots.ctypes.data),
-                    bag_ffi.cast("int64_t *", offsets.ctypes.data),
-                    bag_ffi.cast("int64_t *", inverse[fp.start:].ctypes.data), dim)
-            out_p = bag_ffi.cast("float *", out.ctypes.data)
+            args = (slabs.pointer(), slabs.shift, slabs.row_bytes, c_pointer("int32_t *", slots),
+                    c_pointer("int64_t *", offsets),
+                    c_pointer("int64_t *", inverse[fp.start:]), dim)
+            out_p = c_pointer("float *", out)
             per_bag = max(1, len(fp.bags.ids) // max(1, len(offsets) - 1))
 
             def pool(lo: int, hi: int, args: tuple[Any, ...] = args, out_p: Any = out_p) -> None:
@@ -67,34 +66,29 @@ def summed_bag_grads(tp: TablePlan, mode: str, grads: Sequence[torch.Tensor],
     skip = -1 if tp.padding is None else tp.padding
     finite = True
     start = np.empty(n_rows + 1, dtype=np.int64)
-    out_p = bag_ffi.cast("float *", out.ctypes.data)
+    out_p = c_pointer("float *", out)
     for i, (fp, g, (_, bag_size, _)) in enumerate(zip(tp.features, grads, saved, strict=True)):
         g_np = np.ascontiguousarray(g.detach().numpy())
         offsets = fp.bags.offsets
         inverse = tp.groups.inverse[fp.start: fp.start + len(fp.bags.ids)]
         order = np.empty(len(inverse), dtype=np.int64)
         bag_of = np.empty(len(inverse), dtype=np.int32)
-        bag_lib.bag_group(bag_ffi.cast("int64_t *", offsets.ctypes.data), len(offsets) - 1,
-                          bag_ffi.cast("int64_t *", inverse.ctypes.data), n_rows,
-                          bag_ffi.cast("int64_t *", start.ctypes.data),
-                          bag_ffi.cast("int64_t *", order.ctypes.data),
-                          bag_ffi.cast("int32_t *", bag_of.ctypes.data))
+        bag_lib.bag_group(c_pointer("int64_t *", offsets), len(offsets) - 1,
+                          c_pointer("int64_t *", inverse), n_rows, c_pointer("int64_t *", start),
+                          c_pointer("int64_t *", order), c_pointer("int32_t *", bag_of))
         psw = fp.bags.per_sample_weights
         weights = None if psw is None else np.ascontiguousarray(psw.detach().numpy())
         sizes = (np.ascontiguousarray(bag_size.numpy(), dtype=np.float32)
                  if mode == "mean" else None)
-        args = (bag_ffi.cast("float *", g_np.ctypes.data), dim,
-                bag_ffi.cast("int64_t *", start.ctypes.data),
-                bag_ffi.cast("int64_t *", order.ctypes.data),
-                bag_ffi.cast("int32_t *", bag_of.ctypes.data),
-                bag_ffi.NULL if weights is None else bag_ffi.cast("float *", weights.ctypes.data),
-                bag_ffi.NULL if sizes is None else bag_ffi.cast("float *", sizes.ctypes.data),
+        args = (c_pointer("float *", g_np), dim, c_pointer("int64_t *", start),
+                c_pointer("int64_t *", order), c_pointer("int32_t *", bag_of),
+                bag_ffi.NULL if weights is None else c_pointer("float *", weights),
+                bag_ffi.NULL if sizes is None else c_pointer("float *", sizes),
                 skip, int(i > 0))
 
         def rows(lo: int, hi: int, args: tuple[Any, ...] = args) -> int:
             acc = np.empty(dim, dtype=np.float32)
-            return int(bag_lib.bag_grad_rows(*args, lo, hi,
-                                             bag_ffi.cast("float *", acc.ctypes.data), out_p))
+            return int(bag_lib.bag_grad_rows(*args, lo, hi, c_pointer("float *", acc), out_p))
 
         # only the last feature's pass sees every row's final sum
         finite = all(ok for _, ok in run_ranges(n_rows, rows))

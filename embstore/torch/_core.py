@@ -163,9 +163,7 @@ def _forward_outputs(tp: TablePlan, mode: str, store: Any = None
             # "sum" pooling keeps nothing for backward (the bag sizes serve "mean" alone)
             return in_place, [(None, None, None) for _ in tp.features]
         tp.in_store = False  # the top tier lacks some rows: look them up after all
-        tp.rows = lookup_rows(store, tp.table, tp.groups.unique,
-                              tp.ids if store.records_accesses else None)
-        tp.inverse = torch.from_numpy(tp.groups.inverse)
+        fetch(store, ForwardPlan((), [tp], []), torch.device("cpu"))
     assert tp.rows is not None and tp.inverse is not None
     outs: list[torch.Tensor] = []
     saved: list[Any] = []
@@ -347,10 +345,7 @@ class _TableFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         unique, distinct, weight_grads, finite = _table_update(ctx.tp, ctx.mode, grads,
                                                                ctx.saved)
-        if isinstance(ctx.store, EmbeddingStore):
-            _apply(ctx.store, {ctx.tp.table: (unique, distinct)}, finite)
-        else:
-            ctx.store.apply_gradients(ctx.tp.table, unique, distinct)
+        _apply(ctx.store, {ctx.tp.table: (unique, distinct)}, finite)
         _notify(ctx.store, ctx.tp.table, unique)
         return (None, None, None, None, *weight_grads)
 
