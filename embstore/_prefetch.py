@@ -35,9 +35,13 @@ if TYPE_CHECKING:
 __all__ = ["PrefetchJob", "begin", "end"]
 
 
-@dataclass
+@dataclass(eq=False)
 class PrefetchJob:
-    """One unlocked read of a chain's bottom tier, between `begin` and `end`."""
+    """One unlocked read of a chain's bottom tier, between `begin` and `end`.
+
+    Jobs compare by identity: two threads may prefetch the same table at once, and `end`
+    must unregister its own job (a field-wise comparison would compare the id arrays).
+    """
 
     ids: np.ndarray
     """Distinct ids to read (int64)."""

@@ -1,5 +1,5 @@
 """The store's lock: held per page by `items` and by a checkpoint's copy, never between pages;
-`num_rows` changes nothing.
+`num_rows` changes nothing; unlocked prefetch reads of one table may overlap.
 """
 
 from __future__ import annotations
@@ -81,3 +81,45 @@ def test_a_lookup_completes_while_a_checkpoint_of_a_large_table_is_copying(tmp_p
     with embstore.open(tmp_path / "ck", read_only=True) as ck:
         assert ck.num_rows("t") == n
         np.testing.assert_array_equal(ck.lookup("t", [n - 1]), np.ones((1, 4), np.float32))
+
+
+def test_two_threads_may_prefetch_one_table_at_once(tmp_path, monkeypatch) -> None:
+    # both unlocked reads are in flight together (a barrier holds each until the other has
+    # begun): each thread's end must unregister its own job and promote its own rows
+    from embstore import _prefetch
+
+    spec = TableSpec("t", dim=4, init=embstore.init.Constant(1.0))
+    tiers = [TierSpec("dram", capacity=1000), TierSpec("rocksdb")]
+    ids = np.arange(200, dtype=np.int64)
+    rows = np.arange(800, dtype=np.float32).reshape(200, 4)
+    with embstore.open(tmp_path / "s", tables=[spec], tiers=tiers) as store:
+        store.update("t", ids, rows)
+    both_reading = threading.Barrier(2, timeout=10)
+    read = _prefetch.PrefetchJob.read
+
+    def read_together(job: _prefetch.PrefetchJob) -> tuple[np.ndarray, np.ndarray]:
+        both_reading.wait()
+        return read(job)
+
+    monkeypatch.setattr(_prefetch.PrefetchJob, "read", read_together)
+    with embstore.open(tmp_path / "s") as store:  # caches start empty: every row below
+        missing: list[int] = []
+        errors: list[BaseException] = []
+
+        def prefetch(part: np.ndarray) -> None:
+            try:
+                missing.append(store.prefetch("t", part))
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=prefetch, args=(part,))
+                   for part in (ids[:90], ids[90:])]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(20)
+        assert not errors and sorted(missing) == [90, 110]
+        chain = store._tables["t"].chain
+        assert not chain.watchers
+        assert chain.tiers[0].backend.contains(ids).all()
+        np.testing.assert_array_equal(store.lookup("t", ids), rows)
