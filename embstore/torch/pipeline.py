@@ -4,7 +4,10 @@ A background thread walks the batches ahead of the training loop, up to `depth` 
 ahead: for each one it checks the sparse inputs, groups their ids, and brings the distinct
 rows the store's DRAM tier lacks up from the slower tiers (`EmbeddingStore.prefetch`). The
 loop gets the same batch objects in order, and each module's forward on the very arguments
-that were prepared skips the checks and reads its rows, now from DRAM.
+that were prepared skips the checks and reads its rows, now from DRAM. The tables of one batch
+are fetched concurrently, on up to `read_threads` threads: a read of a bottom tier mostly waits
+for the device (a page of an SST file, a page of LMDB's map), and a disk serves several
+outstanding reads in about the time of one.
 
 On a GPU the thread also stages the rows themselves: looked up into pinned host memory, then
 copied onto the device on a side CUDA stream, so the forward finds them there. Staged rows
@@ -24,6 +27,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
@@ -59,6 +63,8 @@ class TrainPipeline(Generic[B]):
         exact: refresh staged rows that earlier steps updated (default). False trains on
             staged rows up to `depth` steps stale, which is cheaper and no longer
             bit-identical.
+        read_threads: tables of one batch fetched at once (>= 1). Reads of the slower
+            tiers run without the store's lock, so each waits for its device independently.
 
     Example::
 
@@ -68,13 +74,18 @@ class TrainPipeline(Generic[B]):
                 optimizer.zero_grad(); loss.backward(); optimizer.step()
 
     An error in the background thread (the batches' iterator, a lookup) is raised by the next
-    step of the loop. Leaving the ``with`` block, or `close()`, stops and joins the thread.
+    step of the loop. Leaving the ``with`` block, or `close()`, stops and joins the threads.
     """
 
     def __init__(self, batches: Iterable[B], inputs: Callable[[B], Mapping[Any, Any]], *,
-                 depth: int = 2, stage_rows: bool | None = None, exact: bool = True) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
+                 depth: int = 2, stage_rows: bool | None = None, exact: bool = True,
+                 read_threads: int = 4) -> None:
+        for name, value in (("depth", depth), ("read_threads", read_threads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        # its threads start with the first batch of two tables or more; close() joins them
+        self._readers = (ThreadPoolExecutor(read_threads, "embstore-pipeline-read")
+                         if read_threads > 1 else None)
         self._inputs = inputs
         self._exact = exact
         self._stage_rows = stage_rows
@@ -124,18 +135,32 @@ class TrainPipeline(Generic[B]):
                                                         else (args,)))
                     except EmbstoreError:
                         continue  # the forward itself checks again and raises in order
-                    if not _collective(module):
-                        self._fetch(module, plan, read_at)
                     staged.append((module, plan))
+                local = [(module, plan) for module, plan in staged if not _collective(module)]
+                self._prefetch([(module.store, tp.table, tp.groups.unique)
+                                for module, plan in local for tp in plan.tables])
+                for module, plan in local:
+                    self._stage(module, plan, read_at)
                 self._queue.put((batch, staged, read_at, None))
         except BaseException as exc:  # handed to the training loop, never lost
             self._queue.put((None, [], None, exc))
             return
         self._queue.put(_END)
 
-    def _fetch(self, module: _StoreModule, plan: ForwardPlan, read_at: int) -> None:
-        for tp in plan.tables:
-            module.store.prefetch(tp.table, tp.groups.unique)
+    def _prefetch(self, requests: list[tuple[EmbeddingStore, str, np.ndarray]]) -> None:
+        """Bring the rows of every (store, table, distinct ids) up, tables concurrently."""
+        if self._readers is None or len(requests) < 2:
+            for store, table, ids in requests:
+                store.prefetch(table, ids)
+            return
+        reads = [self._readers.submit(store.prefetch, table, ids)
+                 for store, table, ids in requests]
+        wait(reads)  # all of them, so no read outlives a failed batch
+        for read in reads:
+            read.result()  # the first error, in table order
+
+    def _stage(self, module: _StoreModule, plan: ForwardPlan, read_at: int) -> None:
+        """Stage the rows of `plan` where the module asks for it (on CUDA by default)."""
         device = module.device
         stage = device.type == "cuda" if self._stage_rows is None else self._stage_rows
         if not stage:
@@ -235,6 +260,8 @@ class TrainPipeline(Generic[B]):
             with contextlib.suppress(queue.Empty):  # unblock a thread waiting to queue
                 self._queue.get(timeout=0.05)
         self._thread.join()
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         for module in self._touched:
             module._staged = None
 

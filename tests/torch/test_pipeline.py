@@ -59,7 +59,7 @@ def _store(path=None, tiers=None):
     return embstore.open(path, tables=specs, tiers=tiers)
 
 
-def _train(store, batches, *, depth=None, exact=True, stage_rows=None):
+def _train(store, batches, *, depth=None, exact=True, stage_rows=None, read_threads=4):
     model = Model(store)
     opt = torch.optim.SGD(model.top.parameters(), lr=0.1)
 
@@ -74,7 +74,8 @@ def _train(store, batches, *, depth=None, exact=True, stage_rows=None):
             step(batch)
     else:
         with et.TrainPipeline(batches, inputs=lambda b: {model.ebc: b.sparse}, depth=depth,
-                              exact=exact, stage_rows=stage_rows) as pipe:
+                              exact=exact, stage_rows=stage_rows,
+                              read_threads=read_threads) as pipe:
             seen = []
             for batch in pipe:
                 step(batch)
@@ -102,14 +103,15 @@ def test_pipeline_is_bit_identical_to_the_plain_loop(depth, stage_rows):
     _assert_identical(plain, piped)
 
 
+@pytest.mark.parametrize("read_threads", [1, 4])
 @pytest.mark.parametrize("stage_rows", [False, True], ids=["prefetch", "staged"])
-def test_pipeline_over_a_small_cache_is_bit_identical(tmp_path, stage_rows):
+def test_pipeline_over_a_small_cache_is_bit_identical(tmp_path, stage_rows, read_threads):
     batches = _batches(10, seed=3)
     tiers = [embstore.TierSpec("dram", capacity=30), embstore.TierSpec("rocksdb")]
     with _store(tmp_path / "a", tiers) as s:
         plain = _train(s, batches)
     with _store(tmp_path / "b", tiers) as s:
-        piped = _train(s, batches, depth=3, stage_rows=stage_rows)
+        piped = _train(s, batches, depth=3, stage_rows=stage_rows, read_threads=read_threads)
         # the pipeline moved rows up ahead of their lookups
         assert s.tier_statistics("t")[0].promotions > 0
     _assert_identical(plain, piped)
@@ -135,6 +137,36 @@ def test_prefetch_makes_the_forward_hit_the_dram_tier(tmp_path):
         assert after.hits - before.hits == after.lookups - before.lookups
 
 
+def test_the_tables_of_a_batch_are_read_concurrently(tmp_path, monkeypatch):
+    # each table's read of the store of record waits until the other table's has begun: a
+    # pipeline reading one table after the other breaks the barrier and fails the next step
+    from embstore import _prefetch
+
+    tiers = [embstore.TierSpec("dram", capacity=500), embstore.TierSpec("rocksdb")]
+    with _store(tmp_path / "s", tiers) as store:
+        for t in ("t", "u"):  # every row stored below, none cached
+            store.update(t, np.arange(ROWS), np.zeros((ROWS, 8), np.float32))
+    both_reading = threading.Barrier(2, timeout=10)
+    read = _prefetch.PrefetchJob.read
+    tables_read = []
+
+    def read_together(job):
+        tables_read.append(job.backend.spec.table)
+        both_reading.wait()
+        return read(job)
+
+    monkeypatch.setattr(_prefetch.PrefetchJob, "read", read_together)
+    with embstore.open(tmp_path / "s") as store:
+        model = Model(store)
+        batches = _batches(3, overlap=0.0)
+        with et.TrainPipeline(batches, inputs=lambda b: {model.ebc: b.sparse},
+                              read_threads=2) as pipe:
+            for batch in pipe:
+                model(batch)
+        assert sorted(tables_read[:2]) == ["t", "u"]
+        assert not _pipeline_threads()
+
+
 def test_without_refresh_the_staged_rows_are_stale():
     # the check above has teeth: skipping the refresh of updated rows changes the result
     batches = _batches(8)
@@ -157,7 +189,8 @@ def test_forward_on_other_arguments_falls_back_to_the_store():
 
 
 def _pipeline_threads():
-    return [t for t in threading.enumerate() if t.name == "embstore-pipeline"]
+    """The pipeline's thread and its readers."""
+    return [t for t in threading.enumerate() if t.name.startswith("embstore-pipeline")]
 
 
 def test_an_error_in_the_background_is_raised_at_the_next_step():
@@ -207,6 +240,9 @@ def test_leaving_early_stops_the_thread():
 def test_bad_settings_are_refused():
     with pytest.raises(embstore.errors.ConfigError):
         et.TrainPipeline([], inputs=lambda b: {}, depth=0)
+    for bad in (0, 1.5, True):
+        with pytest.raises(embstore.errors.ConfigError, match="read_threads"):
+            et.TrainPipeline([], inputs=lambda b: {}, read_threads=bad)
     with pytest.raises(embstore.errors.ConfigError), \
             et.TrainPipeline([1], inputs=lambda b: {"not a module": b}) as pipe:
         next(pipe)
