@@ -11,6 +11,7 @@ higher load: one miss per probe and 13.8-14.7 bytes per id (`_kernels/bucket_ind
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -368,6 +369,30 @@ class RowSlabs:
                              _ptr("int32_t *", slots), len(slots), _ptr("char *", rows))
 
 
+_GROUP_SLOT_BYTES = 16  # group_slot_t: key int64, group int32, epoch uint32
+_KEPT_GROUP_SLOTS = 1 << 20
+"""Largest grouping table a thread keeps for its next batch (16 MiB); larger ones are freed."""
+_group_tables = threading.local()
+
+
+def _group_table(cap: int) -> tuple[np.ndarray, int]:
+    """A grouping table of at least `cap` slots for this thread, and the epoch to mark it with.
+
+    The table is kept for the thread's next batch: slots of older epochs read as empty, so no
+    call pays for clearing it (nor for the page faults of a fresh allocation).
+    """
+    table = getattr(_group_tables, "table", None)
+    epoch = getattr(_group_tables, "epoch", 0) + 1
+    if table is None or len(table) < cap * _GROUP_SLOT_BYTES or epoch > 0xFFFFFFFF:
+        table = np.zeros(cap * _GROUP_SLOT_BYTES, dtype=np.uint8)  # every epoch 0: empty
+        epoch = 1
+        if cap > _KEPT_GROUP_SLOTS:
+            return table, epoch
+        _group_tables.table = table
+    _group_tables.epoch = epoch
+    return table, epoch
+
+
 class IdGroups:
     """The distinct ids of a batch, in order of first occurrence, with the map back.
 
@@ -381,18 +406,16 @@ class IdGroups:
 
     def __init__(self, ids: np.ndarray) -> None:
         n = len(ids)
-        cap = 1 << max(4, int(2 * n - 1).bit_length())
-        scratch_keys = np.empty(cap, dtype=np.int64)
-        scratch_vals = np.full(cap, -1, dtype=np.int32)
         unique = np.empty(n, dtype=np.int64)
         self.inverse = np.empty(n, dtype=np.int64)
         last = np.empty(n, dtype=np.int64)
         groups = 0
         if n:
-            groups = lib.group_ids(_ptr("int64_t *", ids), n, _ptr("int64_t *", scratch_keys),
-                                   _ptr("int32_t *", scratch_vals), cap - 1,
-                                   _ptr("int64_t *", unique), _ptr("int64_t *", self.inverse),
-                                   _ptr("int64_t *", last))
+            cap = 1 << max(4, int(2 * n - 1).bit_length())
+            table, epoch = _group_table(cap)
+            groups = lib.group_ids(_ptr("int64_t *", ids), n, _ptr("group_slot_t *", table),
+                                   cap - 1, epoch, _ptr("int64_t *", unique),
+                                   _ptr("int64_t *", self.inverse), _ptr("int64_t *", last))
         self.unique = unique[:groups]
         self.last = last[:groups]
 

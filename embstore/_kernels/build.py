@@ -23,8 +23,9 @@ void slab_gather(char *const *slabs, int shift, int64_t row_bytes,
                  const int32_t *slots, int64_t n, char *out);
 void slab_scatter(char *const *slabs, int shift, int64_t row_bytes,
                   const int32_t *slots, int64_t n, const char *src);
-int64_t group_ids(const int64_t *ids, int64_t n, int64_t *scratch_keys, int32_t *scratch_vals,
-                  uint64_t mask, int64_t *out_unique, int64_t *out_inverse, int64_t *out_last);
+typedef struct { int64_t key; int32_t group; uint32_t epoch; } group_slot_t;
+int64_t group_ids(const int64_t *ids, int64_t n, group_slot_t *table, uint64_t mask,
+                  uint32_t epoch, int64_t *out_unique, int64_t *out_inverse, int64_t *out_last);
 void copy_rows(char *dst, const int64_t *dst_idx, const char *src, const int64_t *src_idx,
                int64_t n, int64_t row_bytes);
 void scatter_add_f32(const int64_t *inverse, int64_t n, int64_t dim, const float *src, float *out);

@@ -205,28 +205,36 @@ void slab_scatter(char *const *slabs, int shift, int64_t row_bytes,
 
 /* Group a batch of ids in one hashed pass: out_unique gets the distinct ids in order of first
  * occurrence, out_inverse[j] the group of ids[j], out_last[g] the last position of group g.
- * scratch_vals (cap = mask + 1 >= 2n) must be all -1 on entry. Returns the number of groups.
- * O(n), where sorting would be O(n log n): this runs on every lookup, update and gradient. */
-int64_t group_ids(const int64_t *ids, int64_t n, int64_t *scratch_keys, int32_t *scratch_vals,
-                  uint64_t mask, int64_t *out_unique, int64_t *out_inverse, int64_t *out_last) {
+ * Returns the number of groups. O(n), where sorting would be O(n log n): this runs on every
+ * lookup, update and gradient.
+ * table (mask + 1 >= 2n slots) is reused from call to call without clearing: a slot whose
+ * epoch is not this call's is empty. Each id's slot is fetched GROUP_AHEAD ids early, so a
+ * table larger than the cache costs little more than one that fits. */
+#define GROUP_AHEAD 16
+typedef struct { int64_t key; int32_t group; uint32_t epoch; } group_slot_t;
+int64_t group_ids(const int64_t *ids, int64_t n, group_slot_t *table, uint64_t mask,
+                  uint32_t epoch, int64_t *out_unique, int64_t *out_inverse, int64_t *out_last) {
     int64_t groups = 0;
     for (int64_t j = 0; j < n; j++) {
+        if (j + GROUP_AHEAD < n)
+            __builtin_prefetch(&table[mix64((uint64_t)ids[j + GROUP_AHEAD]) & mask], 1, 3);
         int64_t id = ids[j];
         uint64_t i = mix64((uint64_t)id) & mask;
         for (;;) {
-            int32_t v = scratch_vals[i];
-            if (v < 0) {
-                scratch_keys[i] = id;
-                scratch_vals[i] = (int32_t)groups;
+            group_slot_t *s = &table[i];
+            if (s->epoch != epoch) {
+                s->key = id;
+                s->group = (int32_t)groups;
+                s->epoch = epoch;
                 out_unique[groups] = id;
                 out_inverse[j] = groups;
                 out_last[groups] = j;
                 groups++;
                 break;
             }
-            if (scratch_keys[i] == id) {
-                out_inverse[j] = v;
-                out_last[v] = j;
+            if (s->key == id) {
+                out_inverse[j] = s->group;
+                out_last[s->group] = j;
                 break;
             }
             i = (i + 1) & mask;
