@@ -38,6 +38,11 @@ A crash between a sync and the record's rewrite leaves an older record, which mi
 (their loss would go unnoticed until the next flush) but holds none the medium may lack. A
 missing record (a new store that crashed before its first flush, a checkpoint) is rebuilt from
 the medium's ids on open. Cost of deletes: one fsync per `delete` call.
+
+Readers beside a writer: a read-only handle reads the record, then the medium, at two
+instants. A delete between them (journal, then medium) would show a row the record holds and
+the medium lacks. `signature` tells whether the record (file and journal) changed meanwhile:
+the store counts a row as lost only where the record held still around its reads.
 """
 
 from __future__ import annotations
@@ -56,8 +61,8 @@ from .errors import CorruptStoreError
 from .index import IdIndex
 from .manifest import fsync_dir, read_bytes_nofollow, write_atomic, write_atomic_many
 
-__all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds", "after_sync", "write_missing",
-           "write_record"]
+__all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds", "after_sync", "signature",
+           "write_missing", "write_record"]
 
 MAGIC: Final = b"EMBWRIT1"
 HEADER: Final = struct.Struct("<8sII Q")
@@ -96,6 +101,8 @@ class WrittenIds:
         self._changed = False  # ids added or removed since the last flush
         self.missing = False
         """The file does not exist yet (`defer_write`): `write_missing` writes it."""
+        self.signature = signature(file) if read_only else b""
+        """The record's `signature` before this handle read it (read-only handles only)."""
         try:
             raw: bytes | None = read_bytes_nofollow(file, 16 + (1 << 40))
         except FileNotFoundError:
@@ -279,6 +286,26 @@ class WrittenIds:
     def _written(self) -> None:
         self._empty_journal()
         self._changed = self.missing = False
+
+
+def signature(file: Path) -> bytes:
+    """What identifies the state of the record `file` and its journal.
+
+    Equal signatures taken before and after a read mean no flush or delete of the writer's
+    came between. Each file's inode, size, times and CRC-32 of its bytes (a rewrite is a new
+    file, a delete an append, a flush an emptied journal), b"-" for a missing file.
+    """
+    parts = []
+    for path in (file, file.with_suffix(".del")):
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            crc = zlib.crc32(read_bytes_nofollow(path, 1 << 40))
+        except (FileNotFoundError, CorruptStoreError):  # the reads that follow report damage
+            parts.append(b"-")
+            continue
+        parts.append(struct.pack("<QQqqI", st.st_ino, st.st_size, st.st_mtime_ns,
+                                 st.st_ctime_ns, crc))
+    return b"".join(parts)
 
 
 def write_missing(records: Sequence[WrittenIds]) -> None:

@@ -16,7 +16,8 @@ so a reader that must follow a writer opens anew. A crashed writer's files are r
 the same way. Where a lookup meets an id that the written-id record holds and no tier has,
 the reader reads the record and the store of record again (`Backend.refresh`) before it
 raises `CorruptStoreError`: the row may only have been flushed, or deleted, after it read
-them.
+them. It raises only once two such reads agree while the record held still (a delete, then
+a rewrite of the same row, between a record read and a medium read is no loss).
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ _T = TypeVar("_T")
 __all__ = ["EmbeddingStore"]
 
 DEFAULT_TIERS = (TierSpec("dram"),)
-_CATCH_UPS = 3
-"""Times a read-only store re-reads a table before a row its record holds counts as lost."""
+_CATCH_UPS = 8
+"""Times at most a read-only store re-reads a table before a row its record holds counts as
+lost (it stops sooner once two reads under a still record agree)."""
 _PARALLEL_SYNCS = 8
 """Tables from which a flush syncs them on several threads."""
 
@@ -222,20 +224,46 @@ class EmbeddingStore:
         read the written-id record and the medium: where the record holds an id that no tier
         found, both are read again (the record first) before the row counts as lost.
         """
-        rows, found = t.chain.get(ids, columns=columns)
-        if self._read_only and t.written is not None:
-            for _ in range(_CATCH_UPS):
-                if found.all() or not t.written.holds(ids[~found]).any():
-                    break
-                self._catch_up(t)
-                rows, found = t.chain.get(ids, columns=columns)
-        return rows, found
+        def read() -> tuple[np.ndarray, np.ndarray]:
+            return t.chain.get(ids, columns=columns)
 
-    def _catch_up(self, t: _Table) -> None:
-        """Re-read a read-only table's written-id record, then its store of record."""
-        t.written = self._open_written(t.spec, t.chain)
-        t.chain.tiers[-1].backend.refresh()
-        t.chain.forget_absent()
+        def lost(got: tuple[np.ndarray, np.ndarray]) -> bool:
+            found = got[1]
+            return (t.written is not None and not found.all()
+                    and bool(t.written.holds(ids[~found]).any()))
+
+        return self._beside_writer(t, read, lost)
+
+    def _beside_writer(self, t: _Table, read: Callable[[], _T], lost: Callable[[_T], bool]
+                       ) -> _T:
+        """`read()`, repeated in a read-only store until it shows no lost row or a settled loss.
+
+        A loss is settled when two reads in a row show lost rows while the written-id record
+        held still (its `signature` the same before and after). A writer in another process
+        deletes a row from the journal, then the medium, and may write it again: a record read
+        before the delete and a medium read after it would show the row lost. Where the record
+        held still, the medium's state lay between record reads of equal state, so the loss is
+        real.
+        """
+        got = read()
+        if not self._read_only or t.written is None or not lost(got):
+            return got
+        settled = 0
+        for attempt in range(_CATCH_UPS):
+            if attempt:
+                time.sleep(min(0.001 * 2 ** attempt, 0.05))  # let a burst of flushes pass
+            t.written = self._open_written(t.spec, t.chain)
+            t.chain.tiers[-1].backend.refresh()
+            t.chain.forget_absent()
+            got = read()
+            if not lost(got):
+                break
+            still = t.written is not None and _written.signature(t.written.file) == \
+                t.written.signature
+            settled = settled + 1 if still else 0
+            if settled == 2:
+                break
+        return got
 
     def _put(self, name: str, t: _Table, ids: np.ndarray, full: np.ndarray, *,
              step: int | None = None, held: bool | np.ndarray = False) -> None:
@@ -985,13 +1013,13 @@ class EmbeddingStore:
             t = self._table(table)
             if t.written is None:
                 return np.zeros(0, dtype=np.int64)
-            for attempt in range(_CATCH_UPS + 1):
+
+            def read() -> np.ndarray:
+                assert t.written is not None
                 ids = np.ascontiguousarray(t.written.ids())
-                lost = ids[~t.chain.contains(ids)] if len(ids) else ids
-                if not len(lost) or not self._read_only or attempt == _CATCH_UPS:
-                    break
-                self._catch_up(t)  # beside a writer: maybe only flushed since this handle read
-            return lost
+                return ids[~t.chain.contains(ids)] if len(ids) else ids
+
+            return self._beside_writer(t, read, lambda lost: bool(len(lost)))
 
     def tier_statistics(self, table: str) -> list[TierStatistics]:
         """One `TierStatistics` per tier of `table`, top first."""
