@@ -107,7 +107,7 @@ def _settings(block_cache_bytes: int = 128 << 20, row_cache_bytes: int = 64 << 2
               bloom_bits_per_key: int = 10, compression: str = "none",
               write_buffer_bytes: int = 64 << 20, block_size_bytes: int = 4096,
               max_background_jobs: int = 2,
-              mmap_reads: bool = True) -> tuple[tuple[str, Any], ...]:
+              mmap_reads: bool = False) -> tuple[tuple[str, Any], ...]:
     """The checked settings of a tier directory (`RocksDBBackend`'s options but sync_writes).
 
     Raises:
@@ -194,7 +194,10 @@ class RocksDBBackend(KeyValueBackend):
             buffer. A read of a block the OS has cached then costs no system call, no copy and
             no block-cache insertion: about 30% less per row missed by the DRAM tier above
             (`embstore bench torch --parts demo`); a cold read costs the same page read either
-            way. False for filesystems that cannot map files.
+            way. Off by default: every page a read touches stays mapped into the process
+            until the database closes, so a pass over a whole table (export, compact,
+            migrate, fsck) grows the process's resident memory by the table's size, where a
+            `pread` keeps it flat. For a tier that serves random point reads to a trainer.
 
     Raises:
         ConfigError: no path, an invalid option, or a table stored with another dim/dtype.
@@ -212,7 +215,7 @@ class RocksDBBackend(KeyValueBackend):
                  row_cache_bytes: int = 64 << 20, bloom_bits_per_key: int = 10,
                  compression: str = "none", write_buffer_bytes: int = 64 << 20,
                  block_size_bytes: int = 4096, sync_writes: bool = False,
-                 max_background_jobs: int = 2, mmap_reads: bool = True) -> None:
+                 max_background_jobs: int = 2, mmap_reads: bool = False) -> None:
         super().__init__(spec)
         if spec.path is None:
             raise ConfigError("the rocksdb backend stores rows on disk: give its tier a path")

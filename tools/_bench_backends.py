@@ -144,11 +144,9 @@ class _RawRocksDB(_Raw):
 
         self._r = rocksdict
         # The rocksdb backend's defaults: no compression, 10-bit bloom filters, 128 MiB block
-        # cache, 64 MiB row cache, 64 MiB memtables, 4 KiB blocks, 2 background jobs, table
-        # files read through a memory map.
+        # cache, 64 MiB row cache, 64 MiB memtables, 4 KiB blocks, 2 background jobs.
         opts = rocksdict.Options(raw_mode=True)
         opts.create_if_missing(True)
-        opts.set_allow_mmap_reads(True)
         opts.set_compression_type(rocksdict.DBCompressionType.none())
         opts.set_write_buffer_size(64 << 20)
         opts.set_max_background_jobs(2)

@@ -74,7 +74,7 @@ def test_no_path_raises_config_error():
 @pytest.mark.parametrize("options", [
     {"compression": "lz4", "row_cache_bytes": 0, "bloom_bits_per_key": 0},
     {"sync_writes": True, "block_size_bytes": 16384, "write_buffer_bytes": 1 << 20},
-    {"mmap_reads": False},
+    {"mmap_reads": True},
 ])
 def test_other_options_store_and_reopen_the_rows(tmp_path, options):
     ids = np.arange(-500, 500, dtype=np.int64) * 7919
@@ -83,7 +83,7 @@ def test_other_options_store_and_reopen_the_rows(tmp_path, options):
         assert b.statistics()["options"] == {
             **{"block_cache_bytes": 128 << 20, "row_cache_bytes": 64 << 20,
                "bloom_bits_per_key": 10, "compression": "none", "write_buffer_bytes": 64 << 20,
-               "block_size_bytes": 4096, "max_background_jobs": 2, "mmap_reads": True},
+               "block_size_bytes": 4096, "max_background_jobs": 2, "mmap_reads": False},
             **{k: v for k, v in options.items() if k != "sync_writes"}}
     with _open(tmp_path / "tier", **options) as b:
         got, found = b.get(ids)
