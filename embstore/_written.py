@@ -41,8 +41,8 @@ the medium's ids on open. Cost of deletes: one fsync per `delete` call.
 
 Readers beside a writer: a read-only handle reads the record, then the medium, at two
 instants. A delete between them (journal, then medium) would show a row the record holds and
-the medium lacks. `signature` tells whether the record (file and journal) changed meanwhile:
-the store counts a row as lost only where the record held still around its reads.
+the medium lacks. `WrittenIds.held_still` tells whether the record (file and journal) changed
+since the handle read it: the store counts a row as lost only where it held still.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ from .errors import CorruptStoreError
 from .index import IdIndex
 from .manifest import fsync_dir, read_bytes_nofollow, write_atomic, write_atomic_many
 
-__all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds", "after_sync", "signature",
-           "write_missing", "write_record"]
+__all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds", "after_sync", "write_missing",
+           "write_record"]
 
 MAGIC: Final = b"EMBWRIT1"
 HEADER: Final = struct.Struct("<8sII Q")
@@ -101,12 +101,13 @@ class WrittenIds:
         self._changed = False  # ids added or removed since the last flush
         self.missing = False
         """The file does not exist yet (`defer_write`): `write_missing` writes it."""
-        self.signature = signature(file) if read_only else b""
-        """The record's `signature` before this handle read it (read-only handles only)."""
+        stats = self._stats() if read_only else b""  # before the read, for `held_still`
         try:
             raw: bytes | None = read_bytes_nofollow(file, 16 + (1 << 40))
         except FileNotFoundError:
             raw = None
+        self._read_state = (stats + (b"-" if raw is None else raw[:16]) + self._journal_crc()
+                            if read_only else b"")
         if raw is None and must_exist:
             raise CorruptStoreError(
                 f"written-id record {file} is missing, and the manifest says the table has "
@@ -126,6 +127,47 @@ class WrittenIds:
             deleted = self._read_journal()
             if len(deleted):
                 self._forget(deleted)
+
+    # --- beside a writer ------------------------------------------------------------------
+
+    def held_still(self) -> bool:
+        """Whether the record and its journal are as this read-only handle read them.
+
+        Compared: each file's inode, size and times (taken before the handle read them; a
+        rewrite is a new file, a delete an append, a flush an emptied journal), the record's
+        header, whose CRC covers its body, and the journal's CRC-32 (it may be emptied and
+        refilled within a timestamp's granularity).
+        """
+        try:
+            fd = os.open(self.file, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            header = b"-"
+        except OSError:
+            return False  # the reads that follow report damage
+        else:
+            try:
+                header = os.read(fd, 16)
+            finally:
+                os.close(fd)
+        return self._stats() + header + self._journal_crc() == self._read_state
+
+    def _stats(self) -> bytes:
+        parts = []
+        for path in (self.file, self.journal):
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                parts.append(b"-")
+                continue
+            parts.append(struct.pack("<QQqq", st.st_ino, st.st_size, st.st_mtime_ns,
+                                     st.st_ctime_ns))
+        return b"".join(parts)
+
+    def _journal_crc(self) -> bytes:
+        try:
+            return struct.pack("<I", zlib.crc32(read_bytes_nofollow(self.journal, 1 << 40)))
+        except (FileNotFoundError, CorruptStoreError):  # the journal's own read reports it
+            return b"-"
 
     # --- the file -------------------------------------------------------------------------
 
@@ -286,26 +328,6 @@ class WrittenIds:
     def _written(self) -> None:
         self._empty_journal()
         self._changed = self.missing = False
-
-
-def signature(file: Path) -> bytes:
-    """What identifies the state of the record `file` and its journal.
-
-    Equal signatures taken before and after a read mean no flush or delete of the writer's
-    came between. Each file's inode, size, times and CRC-32 of its bytes (a rewrite is a new
-    file, a delete an append, a flush an emptied journal), b"-" for a missing file.
-    """
-    parts = []
-    for path in (file, file.with_suffix(".del")):
-        try:
-            st = os.stat(path, follow_symlinks=False)
-            crc = zlib.crc32(read_bytes_nofollow(path, 1 << 40))
-        except (FileNotFoundError, CorruptStoreError):  # the reads that follow report damage
-            parts.append(b"-")
-            continue
-        parts.append(struct.pack("<QQqqI", st.st_ino, st.st_size, st.st_mtime_ns,
-                                 st.st_ctime_ns, crc))
-    return b"".join(parts)
 
 
 def write_missing(records: Sequence[WrittenIds]) -> None:

@@ -239,7 +239,7 @@ class EmbeddingStore:
         """`read()`, repeated in a read-only store until it shows no lost row or a settled loss.
 
         A loss is settled when two reads in a row show lost rows while the written-id record
-        held still (its `signature` the same before and after). A writer in another process
+        held still (`WrittenIds.held_still`). A writer in another process
         deletes a row from the journal, then the medium, and may write it again: a record read
         before the delete and a medium read after it would show the row lost. Where the record
         held still, the medium's state lay between record reads of equal state, so the loss is
@@ -258,8 +258,7 @@ class EmbeddingStore:
             got = read()
             if not lost(got):
                 break
-            still = t.written is not None and _written.signature(t.written.file) == \
-                t.written.signature
+            still = t.written is not None and t.written.held_still()
             settled = settled + 1 if still else 0
             if settled == 2:
                 break
