@@ -247,3 +247,23 @@ def test_byte_flips_never_serve_a_lost_or_damaged_row(tmp_path, backend, bounded
 @pytest.mark.parametrize("backend", PERSISTENT)
 def test_byte_flips_never_serve_a_lost_or_damaged_row_300_trials(tmp_path, backend, bounded):
     _check_flips(tmp_path, backend, bounded, trials=300)
+
+
+def test_a_read_only_record_holds_still_until_the_writer_deletes_or_flushes(tmp_path):
+    path = tmp_path / "s"
+    tiers = [embstore.TierSpec("rocksdb")]
+    with embstore.open(path, tables=[embstore.TableSpec("t", dim=2)], tiers=tiers) as w:
+        w.update("t", np.arange(4), np.ones((4, 2), np.float32))
+        w.flush()
+        with embstore.open(path, read_only=True) as r:
+            record = r._tables["t"].written
+            assert record is not None and record.held_still()
+            w.delete("t", np.array([1]))  # a journal append
+            assert not record.held_still()
+        with embstore.open(path, read_only=True) as r:
+            record = r._tables["t"].written
+            assert record is not None and record.held_still()
+            w.flush()  # the record rewritten
+            assert not record.held_still()
+            record.file.unlink()
+            assert not record.held_still()
