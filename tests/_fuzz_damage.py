@@ -114,6 +114,11 @@ def main() -> None:
         counter[0] += 1
         copy = work / f"case{counter[0]}"
         shutil.copytree(stores[backend], copy, symlinks=True)
+        # the example on record before it runs: a child killed by a signal (SIGBUS, SIGSEGV)
+        # prints no Hypothesis blob, and the parent names this one in its failure
+        (work / "current-example.json").write_text(json.dumps(
+            {"backend": backend, "mutations": muts,
+             "files": [str(p.relative_to(stores[backend])) for p in files_of(stores[backend])]}))
         try:
             damage(copy, muts)
             TALLY["examples"] += 1

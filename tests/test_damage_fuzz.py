@@ -23,7 +23,14 @@ def _fuzz(tmp_path: Path, examples: int, seed: int, timeout: int) -> dict[str, i
     proc = subprocess.run([sys.executable, "-X", "faulthandler", str(FUZZER), str(tmp_path),
                            str(examples), str(seed)], capture_output=True, text=True,
                           timeout=timeout)
-    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-5000:])
+    if proc.returncode != 0:
+        # in full (an assertion's message is cut short): the fault handler's trace and the
+        # example that was running
+        current = tmp_path / "current-example.json"
+        example = current.read_text() if current.exists() else "(none recorded)"
+        pytest.fail(f"the fuzzer exited with {proc.returncode}; the example running: "
+                    f"{example}\nstdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}",
+                    pytrace=False)
     tally: dict[str, int] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"damage fuzz: {tally}")
     assert tally["examples"] == examples
