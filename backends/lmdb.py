@@ -366,35 +366,49 @@ def check_data_file(file: Path) -> None:
     """Refuse a `data.mdb` shorter than its current meta page says it is.
 
     LMDB maps the file and reads pages up to the last one in use without comparing with the
-    file's size: a truncated file would end the process with SIGBUS instead of an error.
+    file's size: a truncated file would end the process with SIGBUS instead of an error. It
+    takes the page size from the current meta page without checking it either, so a damaged
+    one (8192 where the file has 4096-byte pages) addresses pages past the end just as well.
+    The check reads the meta pages where LMDB reads them (the second one at the first one's
+    page size) and measures the current one's pages in its own page size.
 
     Raises:
-        CorruptStoreError: the file is shorter than the pages it claims.
+        CorruptStoreError: the file is shorter than the pages it claims, or the current
+            meta page's page size is not a power of two from 512 to 65536 bytes.
     """
     size = file.stat().st_size
+    metas = []  # (txnid, last page, page size) of each meta page with LMDB's magic
     with open(file, "rb") as fh:
-        head = fh.read(4096 * 2 + 64)
-    metas = []
-    psize = int.from_bytes(head[META_PSIZE_OFFSET:META_PSIZE_OFFSET + 4], "little") \
-        if len(head) >= META_PSIZE_OFFSET + 4 else 0
+        base = 0
+        for page in (0, 1):
+            fh.seek(base)
+            meta = fh.read(META_TXNID_OFFSET + 8)
+            if len(meta) < META_TXNID_OFFSET + 8:
+                break
+            psize = int.from_bytes(meta[META_PSIZE_OFFSET:META_PSIZE_OFFSET + 4], "little")
+            if int.from_bytes(meta[META_MAGIC_OFFSET:META_MAGIC_OFFSET + 4],
+                              "little") == META_MAGIC:
+                metas.append((int.from_bytes(meta[META_TXNID_OFFSET:META_TXNID_OFFSET + 8],
+                                             "little"),
+                              int.from_bytes(meta[META_LAST_PG_OFFSET:META_LAST_PG_OFFSET + 8],
+                                             "little"),
+                              psize))
+            if page == 0:
+                if not psize:
+                    break  # LMDB would read the first page again: it reports the damage
+                base = psize
+    if not metas:
+        return  # damaged beyond a meta page: LMDB reports it without reading a page
+    _, last_pg, psize = max(metas)
     if not 512 <= psize <= 65536 or psize & (psize - 1):
-        psize = 4096  # damaged: LMDB reports the meta page itself
-    for page in (0, 1):
-        base = page * psize
-        meta = head[base:base + META_TXNID_OFFSET + 8]
-        if len(meta) < META_TXNID_OFFSET + 8:
-            continue
-        if int.from_bytes(meta[META_MAGIC_OFFSET:META_MAGIC_OFFSET + 4], "little") != META_MAGIC:
-            continue
-        metas.append((int.from_bytes(meta[META_TXNID_OFFSET:META_TXNID_OFFSET + 8], "little"),
-                      int.from_bytes(meta[META_LAST_PG_OFFSET:META_LAST_PG_OFFSET + 8],
-                                     "little")))
-    if metas:
-        _, last_pg = max(metas)
-        if (last_pg + 1) * psize > size:
-            raise CorruptStoreError(
-                f"{file} has {size} bytes but its meta page uses {last_pg + 1} pages of "
-                f"{psize} bytes: the file was truncated; restore the tier from a checkpoint")
+        raise CorruptStoreError(
+            f"{file}: its current meta page gives a page size of {psize} bytes, which LMDB "
+            "never writes: the meta page is damaged; restore the tier from a checkpoint")
+    if (last_pg + 1) * psize > size:
+        raise CorruptStoreError(
+            f"{file} has {size} bytes but its current meta page uses {last_pg + 1} pages of "
+            f"{psize} bytes: the file was truncated or the meta page is damaged; restore the "
+            "tier from a checkpoint")
 
 
 def _open_env(directory: Path, settings: tuple[tuple[str, Any], ...], read_only: bool,

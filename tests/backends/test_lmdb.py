@@ -212,3 +212,45 @@ def test_every_single_bit_flip_in_a_value_is_detected(tmp_path):
         with pytest.raises(CorruptStoreError, match=f"id {ids[250]}"):
             list(b.items(batch_rows=64))
         _flip(data_file, offsets, 5)
+
+
+# --- a damaged page size in the current meta page -------------------------------------------
+
+_OPEN_DAMAGED = """
+import sys
+import embstore
+from embstore.errors import CorruptStoreError
+try:
+    embstore.open(sys.argv[1]).lookup("t", [0, 1])
+except CorruptStoreError as exc:
+    print("CorruptStoreError:", exc)
+"""
+
+
+@pytest.mark.parametrize("psize", [8192, 65536, 12288, 0])
+def test_a_damaged_page_size_in_the_current_meta_page_is_an_error_not_a_sigbus(tmp_path, psize):
+    import embstore
+
+    path = tmp_path / "s"
+    spec = embstore.TableSpec("t", dim=DIM)
+    with embstore.open(path, tables=[spec], tiers=[embstore.TierSpec("lmdb")]) as store:
+        store.update("t", np.arange(200), _rows(200))
+        data = next(path.rglob("data.mdb"))
+        # LMDB alternates its two meta pages: write until the second one (at 4096) is current,
+        # the one LMDB finds at the first one's page size
+        for k in range(4):
+            head = data.read_bytes()[:8192]
+            if int.from_bytes(head[4096 + 144:4096 + 152], "little") > \
+                    int.from_bytes(head[144:152], "little"):
+                break
+            store.update("t", np.arange(3), _rows(3, seed=k))
+            store.flush()
+    raw = bytearray(data.read_bytes())
+    assert int.from_bytes(raw[4096 + 40:4096 + 44], "little") == 4096
+    raw[4096 + 40:4096 + 44] = psize.to_bytes(4, "little")
+    data.write_bytes(bytes(raw))
+    # in a child: where the check misses, LMDB reads past the file's end and SIGBUS ends it
+    proc = subprocess.run([sys.executable, "-c", _OPEN_DAMAGED, str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "CorruptStoreError:" in proc.stdout and "page" in proc.stdout, proc.stdout
