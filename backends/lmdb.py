@@ -377,6 +377,10 @@ def check_data_file(file: Path) -> None:
             meta page's page size is not a power of two from 512 to 65536 bytes.
     """
     size = file.stat().st_size
+
+    def field(meta: bytes, offset: int, width: int) -> int:
+        return int.from_bytes(meta[offset:offset + width], "little")
+
     metas = []  # (txnid, last page, page size) of each meta page with LMDB's magic
     with open(file, "rb") as fh:
         base = 0
@@ -385,18 +389,13 @@ def check_data_file(file: Path) -> None:
             meta = fh.read(META_TXNID_OFFSET + 8)
             if len(meta) < META_TXNID_OFFSET + 8:
                 break
-            psize = int.from_bytes(meta[META_PSIZE_OFFSET:META_PSIZE_OFFSET + 4], "little")
-            if int.from_bytes(meta[META_MAGIC_OFFSET:META_MAGIC_OFFSET + 4],
-                              "little") == META_MAGIC:
-                metas.append((int.from_bytes(meta[META_TXNID_OFFSET:META_TXNID_OFFSET + 8],
-                                             "little"),
-                              int.from_bytes(meta[META_LAST_PG_OFFSET:META_LAST_PG_OFFSET + 8],
-                                             "little"),
-                              psize))
-            if page == 0:
-                if not psize:
-                    break  # LMDB would read the first page again: it reports the damage
-                base = psize
+            psize = field(meta, META_PSIZE_OFFSET, 4)
+            if field(meta, META_MAGIC_OFFSET, 4) == META_MAGIC:
+                metas.append((field(meta, META_TXNID_OFFSET, 8),
+                              field(meta, META_LAST_PG_OFFSET, 8), psize))
+            if page == 0 and not psize:
+                break  # LMDB would read the first page again: it reports the damage
+            base = psize
     if not metas:
         return  # damaged beyond a meta page: LMDB reports it without reading a page
     _, last_pg, psize = max(metas)

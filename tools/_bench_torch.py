@@ -286,9 +286,14 @@ _WARM_STEPS_MAX = 2_000
 """Most untimed steps before the timed ones (the DRAM tiers full by then or not)."""
 
 
+def _top_tiers(store: Any) -> list[Any]:
+    """The statistics of the top (DRAM) tier of each of `store`'s tables."""
+    return [info["tiers"][0] for info in store.stats().values()]
+
+
 def _dram_fill(store: Any) -> float:
     """Rows held over rows allowed, summed over the DRAM tiers of `store`'s tables."""
-    top = [info["tiers"][0] for info in store.stats().values()]
+    top = _top_tiers(store)
     return sum(t.rows for t in top) / max(sum(t.capacity_rows or 0 for t in top), 1)
 
 
@@ -320,17 +325,15 @@ def _demo_part(args: argparse.Namespace, torch: Any) -> int:
             for store in stores.values():
                 store.bulk_load(table, ids, rows)
     tiered = stores["tiered, pipelined"]
-    cache_rows = sum(t.capacity_rows or 0 for info in tiered.stats().values()
-                     for t in info["tiers"])
+    cache_rows = sum(t.capacity_rows or 0 for t in _top_tiers(tiered))
     stored = sum(tiered.num_rows(n) for n in tiered.tables)
     print(f"demo: loaded every row into 4 stores in {time.perf_counter() - t0:.1f} s: a tiered "
           f"store holds {stored:,} rows, {stored / cache_rows:.0f}x its DRAM tier of "
           f"{cache_rows:,} rows")
     # untimed steps until every table's DRAM tier is full, as in a long run: a tier still
-    # filling up evicts nothing, so its misses cost a read and no write-back (on this demo
-    # steps 40-100 miss 2,900 ids a step and write none back; a full tier misses 1,700 a
-    # step by step 1,000 and writes each back). A tier admitting every id holds every
-    # distinct id seen until it is full, so the stream alone says when that is.
+    # filling up evicts nothing, so its misses would cost a read and no write-back. A tier
+    # admitting every id holds every distinct id seen until it is full, so the stream alone
+    # says when that is (no stats() call, which scans the RocksDB tier, per chunk).
     capacity = cache_rows // cfg.features
     seen = [np.zeros(0, np.int64) for _ in range(cfg.features)]
     step, t0 = 0, time.perf_counter()
@@ -364,8 +367,8 @@ def _demo_part(args: argparse.Namespace, torch: Any) -> int:
             dense_opt.step()
 
     def tier0(store: Any) -> tuple[int, int]:
-        stats = [info["tiers"][0] for info in store.stats().values()]
-        return sum(t.hits for t in stats), sum(t.lookups for t in stats)
+        top = _top_tiers(store)
+        return sum(t.hits for t in top), sum(t.lookups for t in top)
 
     before = {name: tier0(stores[name]) for name in ("tiered, pipelined", "tiered, in line")}
     # interleaved_medians runs two warm-up repeats on the last chunks first; every contender

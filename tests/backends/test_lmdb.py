@@ -246,6 +246,8 @@ def test_a_damaged_page_size_in_the_current_meta_page_is_an_error_not_a_sigbus(t
             store.update("t", np.arange(3), _rows(3, seed=k))
             store.flush()
     raw = bytearray(data.read_bytes())
+    assert int.from_bytes(raw[4096 + 144:4096 + 152], "little") > \
+        int.from_bytes(raw[144:152], "little"), "the second meta page never became current"
     assert int.from_bytes(raw[4096 + 40:4096 + 44], "little") == 4096
     raw[4096 + 40:4096 + 44] = psize.to_bytes(4, "little")
     data.write_bytes(bytes(raw))
