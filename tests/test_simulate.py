@@ -210,3 +210,11 @@ def test_the_simulator_counts_what_a_real_bounded_dram_tier_counts(
     assert top.lookups == simulated.lookups == trace.lookups
     assert (top.hits, top.misses) == (simulated.lookups - simulated.misses, simulated.misses)
     assert 0 < simulated.misses < simulated.lookups
+
+
+def test_policy_specs_read_true_and_false_as_booleans() -> None:
+    # "climb=false" once reached the policy as the string "false", which bool() reads as True
+    fixed = parse_policy("wtinylfu:climb=false:hold_new=True", "eviction")
+    assert fixed.config()["climb"] is False and fixed.config()["hold_new"] is True
+    with pytest.raises(ConfigError, match="climb must be true or false"):
+        parse_policy("wtinylfu:climb=no", "eviction")

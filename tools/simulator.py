@@ -169,7 +169,8 @@ def _number(text: str) -> Any:
             return cast(text)
         except ValueError:
             pass
-    return None if text == "None" else text
+    words = {"none": None, "true": True, "false": False}
+    return words.get(text.lower(), text)
 
 
 def parse_capacities(text: str | Sequence[float], distinct: int) -> list[int]:
