@@ -37,34 +37,38 @@ static inline int32_t bk_find_one(const bucket_t *t, uint64_t nb, uint64_t home,
     }
 }
 
-#define BK_BLOCK 32
+/* Probes ids in order, each id's home bucket prefetched BK_AHEAD ids before its probe. A
+ * rolling distance keeps that many loads in flight all the time: blocks of 32 prefetched just
+ * before they were probed left the block's first probes waiting for their buckets (on 10M
+ * ids, 65K probes: 13-19 ns a probe, against 15-32 in blocks; in the training step of
+ * `embstore bench torch`, 3.5-3.7 ms a step against 4.1-4.6, one thread). Comparing a
+ * bucket's keys in one AVX2 instruction made the probe alone 2x faster but neither the step
+ * nor a lookup measurably: the rows' misses dominate both. */
+#define BK_AHEAD 16
 
-/* Probes in blocks: the next block's buckets are prefetched before this block is probed. */
 int64_t bk_find(const bucket_t *t, uint64_t nb, const int64_t *ids, int64_t n,
                 int32_t *out_slots) {
     int64_t found = 0;
-    uint64_t home[2][BK_BLOCK];
-    int cur = 0;
-    for (int64_t k = 0; k < n && k < BK_BLOCK; k++) {
-        home[0][k] = bk_home(ids[k], nb);
-        __builtin_prefetch(&t[home[0][k]]);
+    uint64_t home[BK_AHEAD];
+    for (int64_t j = 0; j < n && j < BK_AHEAD; j++) {
+        home[j] = bk_home(ids[j], nb);
+        __builtin_prefetch(&t[home[j]]);
     }
-    for (int64_t base = 0; base < n; base += BK_BLOCK) {
-        int64_t m = n - base < BK_BLOCK ? n - base : BK_BLOCK;
-        int64_t nbase = base + BK_BLOCK;
-        for (int64_t k = 0; nbase + k < n && k < BK_BLOCK; k++) {
-            home[cur ^ 1][k] = bk_home(ids[nbase + k], nb);
-            __builtin_prefetch(&t[home[cur ^ 1][k]]);
+    for (int64_t j = 0; j < n; j++) {
+        uint64_t h = home[j % BK_AHEAD];
+        if (j + BK_AHEAD < n) {
+            uint64_t next = bk_home(ids[j + BK_AHEAD], nb);
+            home[j % BK_AHEAD] = next;
+            __builtin_prefetch(&t[next]);
         }
-        for (int64_t k = 0; k < m; k++) {
-            int32_t v = bk_find_one(t, nb, home[cur][k], ids[base + k]);
-            out_slots[base + k] = v;
-            found += v >= 0;
-        }
-        cur ^= 1;
+        int32_t v = bk_find_one(t, nb, h, ids[j]);
+        out_slots[j] = v;
+        found += v >= 0;
     }
     return found;
 }
+
+#define BK_BLOCK 32  /* ids per block of bk_insert's prefetches */
 
 static inline void bk_put_one(bucket_t *t, uint64_t nb, int64_t id, int32_t slot) {
     uint64_t b = bk_home(id, nb);
