@@ -130,8 +130,9 @@ class WTinyLFUEviction(TrackedEviction):
         self._misses = 0
         self._center = self.window_share
         self._phase = 0
-        self._phase_hits = np.zeros(2, dtype=np.int64)
-        self._phase_requests = np.zeros(2, dtype=np.int64)
+        # hits and requests of the round's phases below (index 0) and above (1) the centre
+        self._phase_hits = [0, 0]
+        self._phase_requests = [0, 0]
         self._direction = 0.0  # of the climber's last move: 1 up, -1 down, 0 none yet
         if self.climb:
             self._share = self._probe_share()
@@ -263,15 +264,16 @@ class WTinyLFUEviction(TrackedEviction):
         requests = self._hits + self._misses
         if not self.climb or requests < self.sample_factor * self._capacity:
             return
-        sign = _PATTERN[self._phase]
-        self._phase_hits[int(sign > 0)] += self._hits
-        self._phase_requests[int(sign > 0)] += requests
+        above = int(_PATTERN[self._phase] > 0)
+        self._phase_hits[above] += self._hits
+        self._phase_requests[above] += requests
         self._hits = self._misses = 0
         self._phase = (self._phase + 1) % len(_PATTERN)
         if self._phase == 0:
-            r_low, r_high = (self._phase_hits / np.maximum(self._phase_requests, 1)).tolist()
-            self._phase_hits[:] = 0
-            self._phase_requests[:] = 0
+            r_low, r_high = (h / max(r, 1) for h, r in zip(self._phase_hits,
+                                                           self._phase_requests, strict=True))
+            self._phase_hits = [0, 0]
+            self._phase_requests = [0, 0]
             if r_high != r_low:
                 direction = 1.0 if r_high > r_low else -1.0
                 center = float(np.clip(self._center + direction * self._step, 0.0, _MAX_SHARE))

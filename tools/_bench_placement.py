@@ -230,7 +230,7 @@ def _evaluate(args: argparse.Namespace, tables: dict[str, list[np.ndarray]],
         "vs_lookups_only_simulator_max": 100 * max(diffs_lookups, default=0.0)}
     err = report["hit_ratio_error_points"]
     print(f"  max |predicted - simulator| {err['vs_simulator_max']:.2f} points"
-          + (f", |predicted - store| {100 * max(diffs_store):.2f} points"
+          + (f", |predicted - store| {err['vs_store_max']:.2f} points"
              if diffs_store else "")
           + f"; on lookups alone {err['vs_lookups_only_simulator_max']:.2f} points")
     print("\n(b) time per batch (ms): predicted / measured by replay")
