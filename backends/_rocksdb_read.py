@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,13 +19,57 @@ from typing import Any, Final
 
 import rocksdict
 
-from embstore.errors import StoreNotFoundError
+from embstore.errors import CorruptStoreError, StoreNotFoundError
 
-__all__ = ["db_files", "error_text", "open_read_only"]
+__all__ = ["check_manifest_framing", "db_files", "error_text", "open_read_only"]
 
 _VIEW_PREFIX: Final = "embstore-rocksdb-read-"
 _DB_FILE: Final = re.compile(r"^(CURRENT|IDENTITY|MANIFEST-\d+|OPTIONS-\d+|\d+\.(sst|log|blob))$")
 _OPEN_TRIES: Final = 8
+_LOG_BLOCK: Final = 32768
+_LOG_HEADER: Final = struct.Struct("<IHB")  # masked CRC-32C, payload length, record type
+# record types of a recycled log (full, first, middle, last; and with a timestamp size):
+# this store never recycles logs, and RocksDB's MANIFEST reader spins forever on one
+_RECYCLED_TYPES: Final = frozenset({5, 6, 7, 8, 11})
+
+
+def check_manifest_framing(directory: Path) -> None:
+    """Refuse a MANIFEST that RocksDB cannot read without hanging.
+
+    Walks the record headers of the MANIFEST that CURRENT names, block by block (a header
+    whose payload runs past its block ends that block, as in RocksDB's reader). Checksums
+    are RocksDB's to check: it reports those as corruption. Headers only, so a MANIFEST
+    being appended by a writer meanwhile (a short last record) passes.
+
+    Raises:
+        CorruptStoreError: a record of a recycled log's type: only damage puts one there.
+    """
+    try:
+        name = (directory / "CURRENT").read_bytes().decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        return
+    if not re.fullmatch(r"MANIFEST-\d+", name):
+        return  # RocksDB reports a CURRENT that names no MANIFEST
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # missing or unreadable: RocksDB's own error says which
+    try:
+        base = 0
+        while block := os.pread(fd, _LOG_BLOCK, base):
+            pos = 0
+            while len(block) - pos >= _LOG_HEADER.size:
+                _, length, kind = _LOG_HEADER.unpack_from(block, pos)
+                if kind in _RECYCLED_TYPES:
+                    raise CorruptStoreError(
+                        f"RocksDB MANIFEST {directory / name} is damaged at byte {base + pos}: "
+                        f"a record of type {kind}, which this store never writes")
+                if kind == 0:
+                    break  # zero padding (or damage RocksDB reports)
+                pos += _LOG_HEADER.size + length
+            base += _LOG_BLOCK
+    finally:
+        os.close(fd)
 
 
 def open_read_only(directory: Path, db_options: Any,
@@ -53,6 +98,7 @@ def open_read_only(directory: Path, db_options: Any,
         Exception: what rocksdict raised on the last try.
     """
     db_options.set_max_open_files(-1)
+    check_manifest_framing(directory)
     last: Exception | None = None
     for _ in range(_OPEN_TRIES):
         view = Path(tempfile.mkdtemp(prefix=_VIEW_PREFIX))

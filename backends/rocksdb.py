@@ -55,10 +55,10 @@ from ._keys import (
     record_dtype,
 )
 from ._kv import KeyValueBackend, check_table_meta, table_meta
-from ._rocksdb_read import db_files, error_text, open_read_only
+from ._rocksdb_read import check_manifest_framing, db_files, error_text, open_read_only
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend",
-           "error_text", "open_read_only"]
+           "check_manifest_framing", "error_text", "open_read_only"]
 
 CF_PREFIX: Final = "t:"
 META_PREFIX: Final = b"embstore/table/"
@@ -575,6 +575,8 @@ def _open_db(directory: Path, settings: tuple[tuple[str, Any], ...], read_only: 
                          read_only=True)
         shared.files = files
         return shared
+    if exists:
+        check_manifest_framing(directory)
     cfs = rocksdict.Rdict.list_cf(path, rocksdict.Options(raw_mode=True)) if exists else []
     names = (set(cfs) | set(create)) - {"default"}
     access = rocksdict.AccessType.read_write()  # (read-only opens returned above)

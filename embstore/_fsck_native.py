@@ -33,6 +33,7 @@ from ._fileinfo import lmdb_map_size_ok, lmdb_metas, read_at
 from ._fsck_common import MAX_DETAILED, Finding, RowDump, TableScan, check_rows, original_ids
 from ._lmdb_walk import walk as walk_lmdb
 from .checksum import crc32c, row_checksums
+from .errors import CorruptStoreError
 from .spec import TableSpec
 
 __all__ = ["check_log", "main", "scan"]
@@ -349,6 +350,7 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     from .backends.rocksdb import (  # type: ignore[import-not-found]
         RocksDBBackend,
         _make_options,
+        check_manifest_framing,
         open_read_only,
     )
 
@@ -387,6 +389,12 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
                      if k != "sync_writes")
     import rocksdict
 
+    try:
+        check_manifest_framing(d)
+    except CorruptStoreError as exc:  # RocksDB would hang on it: the rows cannot be read
+        findings.append(Finding(None, f"{exc}; RocksDB cannot open this tier",
+                                file=str(d / name)))
+        return findings, scans
     cache = rocksdict.Cache(8 << 20)
     cfs = rocksdict.Rdict.list_cf(str(d), rocksdict.Options(raw_mode=True))
     opts = _make_options(settings, cache, db=True, column_families=len(cfs))

@@ -362,3 +362,16 @@ def test_repair_refuses_to_rewrite_a_table_it_could_not_read(tmp_path):
     findings = fsck.check(path, repair=True)
     assert fsck.exit_code(findings) == 4 and not any(f.repaired for f in findings)
     assert (path / "tier1-rocksdb" / "CURRENT").read_text() == "MANIFEST-999999\n"
+
+
+def test_a_manifest_record_rocksdb_would_hang_on_is_found_and_not_repaired(tmp_path):
+    path = _store(tmp_path / "s", "rocksdb", n=20)
+    tier = path / "tier1-rocksdb"
+    manifest = tier / (tier / "CURRENT").read_text().strip()
+    with manifest.open("ab") as f:  # a complete header of a recycled log's record
+        f.write(bytes([7, 7, 7, 7, 20, 0, 7]) + bytes(20))
+    before = manifest.read_bytes()
+    findings = fsck.check(path, repair=True)
+    assert any("type 7" in f.message and "cannot open" in f.message for f in findings), findings
+    assert fsck.exit_code(findings) == 4 and not any(f.repaired for f in findings)
+    assert manifest.read_bytes() == before
