@@ -155,6 +155,8 @@ def lmdb_map_size_ok(map_size: int, options: dict[str, Any]) -> bool:
     """
     first = int(options.get("map_size_bytes", 1 << 30))
     top = int(options.get("max_map_size_bytes", 1 << 40))
+    if first <= 0:  # the backend refuses such a size; doubling it would never reach `top`
+        return False
     size = first
     while size < top:
         if map_size == size:

@@ -20,13 +20,19 @@ FUZZER = Path(__file__).with_name("_fuzz_damage.py")
 
 
 def _fuzz(tmp_path: Path, examples: int, seed: int, timeout: int) -> dict[str, int]:
-    proc = subprocess.run([sys.executable, "-X", "faulthandler", str(FUZZER), str(tmp_path),
-                           str(examples), str(seed)], capture_output=True, text=True,
-                          timeout=timeout)
+    current = tmp_path / "current-example.json"
+    try:
+        proc = subprocess.run([sys.executable, "-X", "faulthandler", str(FUZZER), str(tmp_path),
+                               str(examples), str(seed)], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as slow:
+        # the child stops itself on an example that hangs; this is a run that was slow overall
+        example = current.read_text() if current.exists() else "(none recorded)"
+        pytest.fail(f"the fuzzer ran past {timeout} s; the example running: {example}\n"
+                    f"stderr: {str(slow.stderr or '')[-5000:]}", pytrace=False)
     if proc.returncode != 0:
         # in full (an assertion's message is cut short): the fault handler's trace and the
         # example that was running
-        current = tmp_path / "current-example.json"
         example = current.read_text() if current.exists() else "(none recorded)"
         pytest.fail(f"the fuzzer exited with {proc.returncode}; the example running: "
                     f"{example}\nstdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}",
