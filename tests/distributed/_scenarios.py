@@ -297,7 +297,7 @@ def stalls(rank: int, world: int, timeout_s: float) -> float:
     """Rank 1 stays alive but stops calling; rank 0's next call fails after the timeout."""
     store = ed.open(None, tables=specs()[:1], timeout_s=timeout_s)
     if rank == 1:
-        time.sleep(4 * timeout_s)
+        time.sleep(2 * timeout_s)  # outlives rank 0's wait by one timeout
         os._exit(0)
     start = time.monotonic()
     try:
