@@ -8,6 +8,7 @@ removed as soon as the database is open.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -20,41 +21,61 @@ from typing import Any, Final
 import rocksdict
 
 from embstore.errors import CorruptStoreError, StoreNotFoundError
+from embstore.manifest import read_bytes_nofollow
 
-__all__ = ["check_manifest_framing", "db_files", "error_text", "open_read_only"]
+__all__ = ["check_log_framing", "db_files", "error_text", "open_read_only"]
 
 _VIEW_PREFIX: Final = "embstore-rocksdb-read-"
 _DB_FILE: Final = re.compile(r"^(CURRENT|IDENTITY|MANIFEST-\d+|OPTIONS-\d+|\d+\.(sst|log|blob))$")
 _OPEN_TRIES: Final = 8
 _LOG_BLOCK: Final = 32768
 _LOG_HEADER: Final = struct.Struct("<IHB")  # masked CRC-32C, payload length, record type
-# record types of a recycled log (full, first, middle, last; and with a timestamp size):
-# this store never recycles logs, and RocksDB's MANIFEST reader spins forever on one
-_RECYCLED_TYPES: Final = frozenset({5, 6, 7, 8, 11})
+# Record types of a recycled log: full, first, middle, last (5-8), a timestamp size (11), and
+# a predecessor's record (131, in RocksDB releases after the 9.8 this was measured on).
+# RocksDB's log reader (9.8.4) meets one past a log's first record by returning "bad
+# record" without consuming it, and reads it again forever: an open, a read-only open and
+# fsck hang at full CPU. This store never recycles logs, so only damage puts one there.
+_RECYCLED_TYPES: Final = frozenset({5, 6, 7, 8, 11, 131})
+_REGULAR: Final = 0o100000
 
 
-def check_manifest_framing(directory: Path) -> None:
-    """Refuse a MANIFEST that RocksDB cannot read without hanging.
+def check_log_framing(directory: Path) -> None:
+    """Refuse log files in `directory` that RocksDB cannot read without hanging.
 
-    Walks the record headers of the MANIFEST that CURRENT names, block by block (a header
-    whose payload runs past its block ends that block, as in RocksDB's reader). Checksums
-    are RocksDB's to check: it reports those as corruption. Headers only, so a MANIFEST
-    being appended by a writer meanwhile (a short last record) passes.
+    Walks the record headers of the MANIFEST that CURRENT names and of every write-ahead
+    log, block by block as RocksDB's reader does (fewer than 7 bytes left end a block, as
+    does a zero header). Checksums are RocksDB's to check (it reports those as corruption);
+    headers only, so a log a writer is appending meanwhile (a short last record) passes.
+    Files that are missing or unreadable are left to RocksDB's own error.
 
     Raises:
-        CorruptStoreError: a record of a recycled log's type: only damage puts one there.
+        CorruptStoreError: a record of a recycled log's type, or a log that is a symbolic
+            link or not a regular file.
     """
+    files = [directory / p.name for p in sorted(directory.glob("*.log"))]
     try:
-        name = (directory / "CURRENT").read_bytes().decode("ascii", "replace").strip()
-    except FileNotFoundError:
-        return
-    if not re.fullmatch(r"MANIFEST-\d+", name):
-        return  # RocksDB reports a CURRENT that names no MANIFEST
+        current = read_bytes_nofollow(directory / "CURRENT", 4096)
+    except (OSError, CorruptStoreError):
+        current = b""  # RocksDB reports a missing or damaged CURRENT
+    name = current.decode("ascii", "replace").strip()
+    if re.fullmatch(r"MANIFEST-\d+", name):
+        files.insert(0, directory / name)
+    for file in files:
+        _check_one_log(file)
+
+
+def _check_one_log(file: Path) -> None:
     try:
-        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return  # missing or unreadable: RocksDB's own error says which
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):
+            raise CorruptStoreError(f"RocksDB log {file} is a symbolic link or special file; "
+                                    "restore the store from a checkpoint") from exc
+        return  # gone (a writer beside us deleted it) or unreadable: RocksDB says which
     try:
+        if os.fstat(fd).st_mode & 0o170000 != _REGULAR:
+            raise CorruptStoreError(f"RocksDB log {file} is not a regular file; restore the "
+                                    "store from a checkpoint")
         base = 0
         while block := os.pread(fd, _LOG_BLOCK, base):
             pos = 0
@@ -62,10 +83,10 @@ def check_manifest_framing(directory: Path) -> None:
                 _, length, kind = _LOG_HEADER.unpack_from(block, pos)
                 if kind in _RECYCLED_TYPES:
                     raise CorruptStoreError(
-                        f"RocksDB MANIFEST {directory / name} is damaged at byte {base + pos}: "
-                        f"a record of type {kind}, which this store never writes")
-                if kind == 0:
-                    break  # zero padding (or damage RocksDB reports)
+                        f"RocksDB log {file} is damaged at byte {base + pos}: a record of "
+                        f"type {kind}, which this store never writes")
+                if kind == 0 and length == 0:
+                    break  # zero padding: the reader goes on at the next block
                 pos += _LOG_HEADER.size + length
             base += _LOG_BLOCK
     finally:
@@ -95,10 +116,11 @@ def open_read_only(directory: Path, db_options: Any,
 
     Raises:
         StoreNotFoundError: no RocksDB database in `directory`.
+        CorruptStoreError: a log RocksDB would hang on (`check_log_framing`).
         Exception: what rocksdict raised on the last try.
     """
     db_options.set_max_open_files(-1)
-    check_manifest_framing(directory)
+    check_log_framing(directory)
     last: Exception | None = None
     for _ in range(_OPEN_TRIES):
         view = Path(tempfile.mkdtemp(prefix=_VIEW_PREFIX))

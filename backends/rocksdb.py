@@ -55,10 +55,10 @@ from ._keys import (
     record_dtype,
 )
 from ._kv import KeyValueBackend, check_table_meta, table_meta
-from ._rocksdb_read import check_manifest_framing, db_files, error_text, open_read_only
+from ._rocksdb_read import check_log_framing, db_files, error_text, open_read_only
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend",
-           "check_manifest_framing", "error_text", "open_read_only"]
+           "check_log_framing", "error_text", "open_read_only"]
 
 CF_PREFIX: Final = "t:"
 META_PREFIX: Final = b"embstore/table/"
@@ -75,6 +75,7 @@ _HANDLES: SharedHandles[_Shared] = SharedHandles("rocksdb")
 # time the open takes. Spread over the column families, it keeps one large table's parallel
 # open and starts at most this many in all.
 _FILE_OPENING_THREADS: Final = 16
+_MAX_MANIFEST_BYTES: Final = 64 << 20
 
 
 def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool = False,
@@ -98,6 +99,9 @@ def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool
         opts.set_allow_mmap_reads(s["mmap_reads"])
         opts.set_max_background_jobs(s["max_background_jobs"])
         opts.set_max_file_opening_threads(max(1, _FILE_OPENING_THREADS // column_families))
+        # RocksDB starts a new MANIFEST past this (its default is 1 GiB): what an open reads,
+        # and what `check_log_framing` walks, stays small on a long-lived store
+        opts.set_max_manifest_file_size(_MAX_MANIFEST_BYTES)
         if s["row_cache_bytes"]:
             opts.set_row_cache(rocksdict.Cache(s["row_cache_bytes"]))
     return opts
@@ -576,7 +580,7 @@ def _open_db(directory: Path, settings: tuple[tuple[str, Any], ...], read_only: 
         shared.files = files
         return shared
     if exists:
-        check_manifest_framing(directory)
+        check_log_framing(directory)
     cfs = rocksdict.Rdict.list_cf(path, rocksdict.Options(raw_mode=True)) if exists else []
     names = (set(cfs) | set(create)) - {"default"}
     access = rocksdict.AccessType.read_write()  # (read-only opens returned above)

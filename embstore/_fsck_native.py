@@ -350,7 +350,7 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     from .backends.rocksdb import (  # type: ignore[import-not-found]
         RocksDBBackend,
         _make_options,
-        check_manifest_framing,
+        check_log_framing,
         open_read_only,
     )
 
@@ -390,10 +390,9 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     import rocksdict
 
     try:
-        check_manifest_framing(d)
+        check_log_framing(d)
     except CorruptStoreError as exc:  # RocksDB would hang on it: the rows cannot be read
-        findings.append(Finding(None, f"{exc}; RocksDB cannot open this tier",
-                                file=str(d / name)))
+        findings.append(Finding(None, f"{exc}; RocksDB cannot open this tier", file=str(d)))
         return findings, scans
     cache = rocksdict.Cache(8 << 20)
     cfs = rocksdict.Rdict.list_cf(str(d), rocksdict.Options(raw_mode=True))

@@ -364,7 +364,10 @@ def test_repair_refuses_to_rewrite_a_table_it_could_not_read(tmp_path):
     assert (path / "tier1-rocksdb" / "CURRENT").read_text() == "MANIFEST-999999\n"
 
 
-def test_a_manifest_record_rocksdb_would_hang_on_is_found_and_not_repaired(tmp_path):
+def test_a_manifest_record_rocksdb_would_hang_on_is_found_and_not_repaired(tmp_path,
+                                                                           monkeypatch):
+    # were the scanner to hang, it would be stopped well before the suite's timeout
+    monkeypatch.setattr(fsck, "CHILD_TIMEOUT_S", 60)
     path = _store(tmp_path / "s", "rocksdb", n=20)
     tier = path / "tier1-rocksdb"
     manifest = tier / (tier / "CURRENT").read_text().strip()
@@ -375,3 +378,11 @@ def test_a_manifest_record_rocksdb_would_hang_on_is_found_and_not_repaired(tmp_p
     assert any("type 7" in f.message and "cannot open" in f.message for f in findings), findings
     assert fsck.exit_code(findings) == 4 and not any(f.repaired for f in findings)
     assert manifest.read_bytes() == before
+
+
+def test_an_lmdb_map_size_below_one_is_refused_not_doubled_forever():
+    from embstore._fileinfo import lmdb_map_size_ok
+
+    assert not lmdb_map_size_ok(1 << 20, {"map_size_bytes": 0})
+    assert not lmdb_map_size_ok(1 << 20, {"map_size_bytes": -4096})
+    assert lmdb_map_size_ok(1 << 21, {"map_size_bytes": 1 << 20})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from embstore.backends.rocksdb import (
     CRC_SIZE,
     PAYLOAD_OFFSET,
     RocksDBBackend,
+    check_log_framing,
 )
 from embstore.checksum import crc32c
 from embstore.errors import (
@@ -251,7 +253,7 @@ def test_a_value_that_fails_its_row_checksum_raises_naming_table_id_and_file(tmp
         assert found.all()
 
 
-# --- a MANIFEST RocksDB cannot read -------------------------------------------------------
+# --- logs RocksDB cannot read -------------------------------------------------------------
 
 _OPENER = textwrap.dedent("""
     import sys
@@ -267,31 +269,113 @@ _OPENER = textwrap.dedent("""
         print("opened")
 """)
 
+_CRASHED_WRITER = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    from embstore.backend import BackendSpec
+    from embstore.backends.rocksdb import RocksDBBackend
+    b = RocksDBBackend.open(BackendSpec(path=sys.argv[1], dim=8, table="t"))
+    for i in range(3):  # acknowledged, in the write-ahead log only
+        b.put(np.array([i], dtype=np.int64), np.ones((1, 8), np.float32))
+        b.flush()
+    os._exit(0)
+""")
+
 
 def _manifest(path: Path) -> Path:
     return path / (path / "CURRENT").read_text().strip()
 
 
+def _header(type_: int, length: int = 0) -> bytes:
+    return struct.pack("<IHB", 0x07070707, length, type_)
+
+
 @pytest.mark.parametrize("record_type", [5, 6, 7, 8, 11])
+@pytest.mark.parametrize("log", ["manifest", "wal"])
 @pytest.mark.parametrize("mode", ["rw", "ro"])
-def test_a_recycled_log_record_in_the_manifest_is_refused_not_hung_on(tmp_path, record_type,
-                                                                       mode):
-    # RocksDB's MANIFEST reader spins forever on such a record (damage is the only source:
-    # the store never recycles logs); a child, so a regression fails here instead of hanging
+def test_a_recycled_log_record_is_refused_not_hung_on(tmp_path, record_type, log, mode):
+    # RocksDB's log reader spins forever on such a record past a log's first (damage is the
+    # only source: the store never recycles logs); in a child, so a regression fails here
+    # instead of hanging the suite
     path = tmp_path / "tier"
-    with _open(path) as b:
-        b.put(np.arange(4, dtype=np.int64), _rows(4))
-    with _manifest(path).open("ab") as f:
-        f.write(bytes([7, 7, 7, 7, 20, 0, record_type]) + bytes(20))
+    if log == "manifest":
+        with _open(path) as b:
+            b.put(np.arange(4, dtype=np.int64), _rows(4))
+        damaged = _manifest(path)
+        with damaged.open("ab") as f:
+            f.write(_header(record_type, 20) + bytes(20))
+    else:  # the second record of a crashed writer's log: one bit can make it recycled
+        subprocess.run([sys.executable, "-c", _CRASHED_WRITER, str(path)], check=True)
+        (damaged,) = [p for p in path.glob("*.log") if p.stat().st_size]
+        raw = bytearray(damaged.read_bytes())
+        second = 7 + struct.unpack_from("<H", raw, 4)[0]
+        assert raw[second + 6] == 1  # a full record
+        raw[second + 6] = record_type
+        damaged.write_bytes(bytes(raw))
     proc = subprocess.run([sys.executable, "-c", _OPENER, str(path), mode],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("CorruptStoreError"), proc.stdout
-    assert f"type {record_type}" in proc.stdout and _manifest(path).name in proc.stdout
+    assert f"type {record_type}" in proc.stdout and damaged.name in proc.stdout
+
+
+def _framing(tmp_path: Path, manifest: bytes) -> Path:
+    (tmp_path / "CURRENT").write_text("MANIFEST-000005\n")
+    (tmp_path / "MANIFEST-000005").write_bytes(manifest)
+    return tmp_path
+
+
+def _block(*records: bytes) -> bytes:
+    """One 32 KiB log block of these records, zero-padded (the writer's trailer)."""
+    body = b"".join(records)
+    return body + bytes(32768 - len(body))
+
+
+def _record(type_: int, length: int) -> bytes:
+    return _header(type_, length) + b"\x07" * length
+
+
+@pytest.mark.parametrize("layout", ["full blocks", "a 7-byte first at a block's end",
+                                    "a trailer under 7 bytes", "a short last record",
+                                    "padding, then stale bytes"])
+def test_log_framing_passes_what_the_writer_lays_out(tmp_path, layout):
+    fill = 32768 - 7 - 3  # leaves 3 bytes: a trailer
+    blocks = {
+        "full blocks": _block(_record(1, 100)) + _block(_record(2, 32761)),
+        "a 7-byte first at a block's end": (_record(1, 32761 - 7) + _record(2, 0)
+                                            + _block(_record(4, 50))),
+        "a trailer under 7 bytes": _record(1, fill) + bytes(3) + _block(_record(1, 10)),
+        "a short last record": _block(_record(1, 10)) + _header(1, 500) + b"\x07" * 20,
+        "padding, then stale bytes": _block(_record(1, 10), bytes(7), _header(7, 3)),
+    }
+    check_log_framing(_framing(tmp_path, blocks[layout]))  # raises nothing
+
+
+@pytest.mark.parametrize("layout, at", [
+    ("in a later block", 32768 + 107),
+    ("after a zero-type record with a length", 7 + 4),
+    ("in a block's last 10 bytes", 32768 - 10),
+])
+def test_log_framing_finds_a_recycled_record_wherever_the_reader_meets_it(tmp_path, layout,
+                                                                          at):
+    blocks = {
+        "in a later block": _block(_record(1, 10)) + _block(_record(1, 100), _header(5)),
+        "after a zero-type record with a length": _record(0, 4) + _header(6),
+        "in a block's last 10 bytes": _record(1, 32768 - 10 - 7) + _header(8) + bytes(3),
+    }
+    with pytest.raises(CorruptStoreError, match=rf"MANIFEST-000005 .*byte {at}: .*type"):
+        check_log_framing(_framing(tmp_path, blocks[layout]))
+
+
+def test_a_log_that_is_a_symbolic_link_is_refused(tmp_path):
+    path = _framing(tmp_path, _block(_record(1, 10)))
+    (path / "000009.log").symlink_to(path / "MANIFEST-000005")
+    with pytest.raises(CorruptStoreError, match="000009.log is a symbolic link"):
+        check_log_framing(path)
 
 
 def test_a_manifest_of_many_blocks_still_opens(tmp_path):
-    # the header walk crosses 32 KiB blocks and their zero trailers as RocksDB's reader does
+    # a real MANIFEST over several blocks and their trailers: the walk refuses none of it
     path = tmp_path / "tier"
     with _open(path) as b:
         for i in range(300):  # a flushed memtable, a compaction: MANIFEST edits each time
