@@ -4,10 +4,10 @@
 
 Builds one small store per backend, then lets Hypothesis damage copies of it (flip, set or
 zero bytes, mostly in the first 4 KiB where the headers are; truncate, extend or delete a
-file; the manifest and the written-id record included) and opens, reads, flushes, closes and
-fscks each copy. Anything but an embstore error, or a row served with a wrong value, fails.
-Address space is capped (RLIMIT_AS), so a damaged size field that makes a reader allocate
-without bound fails too. Prints a JSON tally on its last line.
+file, or append a log record of any type; the manifest and the written-id record included)
+and opens, reads, flushes, closes and fscks each copy. Anything but an embstore error, or a
+row served with a wrong value, fails. Address space is capped (RLIMIT_AS), so a damaged size
+field that makes a reader allocate without bound fails too. Prints a JSON tally on its last line.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import json
 import os
 import resource
 import shutil
+import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,21 @@ from embstore.errors import EmbstoreError
 
 ROWS, DIM = 200, 8
 BACKENDS = ("rocksdb", "lmdb", "pmem", "dram")
+# and a RocksDB store whose writer died after its flush: its rows are in the write-ahead log
+# only, which the next open replays (a cleanly closed store's log is empty)
+TEMPLATES = (*BACKENDS, "rocksdb-crashed")
+CRASHED_WRITER = """
+import os, sys
+import numpy as np
+import embstore
+rows = np.random.default_rng(1).standard_normal((%d, %d)).astype(np.float32)
+store = embstore.open(sys.argv[1], tables=[embstore.TableSpec("t", dim=%d)],
+                      tiers=[embstore.TierSpec("rocksdb")])
+for part in np.array_split(np.arange(len(rows)), 4):
+    store.update("t", part, rows[part])
+    store.flush()
+os._exit(0)
+"""
 EXAMPLE_LIMIT_S = 60
 TALLY = {"examples": 0, "mutations": 0, "errors": 0, "clean": 0, "fsck_findings": 0,
          "slowest_ms": 0}
@@ -46,6 +63,11 @@ def build(root: Path) -> tuple[dict[str, Path], np.ndarray]:
         with embstore.open(path, tables=[spec], tiers=[embstore.TierSpec(backend)]) as store:
             store.update("t", np.arange(ROWS), rows)
         stores[backend] = path
+    crashed = root / "template-rocksdb-crashed"
+    subprocess.run([sys.executable, "-c", CRASHED_WRITER % (ROWS, DIM, DIM), str(crashed)],
+                   check=True)
+    assert any(p.stat().st_size for p in crashed.glob("tier0-rocksdb/*.log"))
+    stores["rocksdb-crashed"] = crashed
     return stores, rows
 
 
@@ -55,7 +77,7 @@ def files_of(path: Path) -> list[Path]:
 
 mutation = st.tuples(
     st.integers(0, 10_000),                                 # which file (modulo)
-    st.sampled_from(["flip", "set", "zero8", "truncate", "extend", "delete"]),
+    st.sampled_from(["flip", "set", "zero8", "truncate", "extend", "record", "delete"]),
     st.one_of(st.integers(0, 4095), st.integers(0, 1 << 24)),  # where: headers first
     st.integers(0, 255),                                    # a byte value / bit
 )
@@ -73,6 +95,9 @@ def damage(path: Path, muts: list[tuple[int, str, int, int]]) -> None:
             continue
         if kind == "extend":
             data += bytes([value]) * (where % 8192 + 1)
+        elif kind == "record":  # a log record's header (RocksDB's WAL and MANIFEST framing)
+            data += struct.pack("<IHB", where & 0xFFFFFFFF, where % 64, value % 16)
+            data += bytes([value]) * (where % 64)
         elif not data:
             continue
         elif kind == "truncate":
@@ -119,7 +144,7 @@ def main() -> None:
     @seed(run_seed)
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck), print_blob=True)
-    @given(backend=st.sampled_from(BACKENDS), muts=st.lists(mutation, min_size=1, max_size=3))
+    @given(backend=st.sampled_from(TEMPLATES), muts=st.lists(mutation, min_size=1, max_size=3))
     def fuzz(backend: str, muts: list[tuple[int, str, int, int]]) -> None:
         counter[0] += 1
         copy = work / f"case{counter[0]}"

@@ -9,7 +9,10 @@ only embstore errors and no wrong row. CI runs 150 examples; the slow test 3,000
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,23 +24,31 @@ FUZZER = Path(__file__).with_name("_fuzz_damage.py")
 
 def _fuzz(tmp_path: Path, examples: int, seed: int, timeout: int) -> dict[str, int]:
     current = tmp_path / "current-example.json"
+    # a session of its own: on failure or timeout its whole process group goes, fsck's
+    # scanner children included (the child's own exit leaves them running)
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(FUZZER), str(tmp_path),
+                             str(examples), str(seed)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run([sys.executable, "-X", "faulthandler", str(FUZZER), str(tmp_path),
-                               str(examples), str(seed)], capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as slow:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
         # the child stops itself on an example that hangs; this is a run that was slow overall
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
         example = current.read_text() if current.exists() else "(none recorded)"
         pytest.fail(f"the fuzzer ran past {timeout} s; the example running: {example}\n"
-                    f"stderr: {str(slow.stderr or '')[-5000:]}", pytrace=False)
+                    f"stderr: {stderr[-5000:]}", pytrace=False)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     if proc.returncode != 0:
         # in full (an assertion's message is cut short): the fault handler's trace and the
         # example that was running
         example = current.read_text() if current.exists() else "(none recorded)"
         pytest.fail(f"the fuzzer exited with {proc.returncode}; the example running: "
-                    f"{example}\nstdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}",
+                    f"{example}\nstdout: {stdout[-3000:]}\nstderr: {stderr[-5000:]}",
                     pytrace=False)
-    tally: dict[str, int] = json.loads(proc.stdout.strip().splitlines()[-1])
+    tally: dict[str, int] = json.loads(stdout.strip().splitlines()[-1])
     print(f"damage fuzz: {tally}")
     assert tally["examples"] == examples
     return tally
