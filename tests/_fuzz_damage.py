@@ -40,8 +40,8 @@ CRASHED_WRITER = """
 import os, sys
 import numpy as np
 import embstore
-rows = np.random.default_rng(1).standard_normal((%d, %d)).astype(np.float32)
-store = embstore.open(sys.argv[1], tables=[embstore.TableSpec("t", dim=%d)],
+rows = np.load(sys.argv[2])
+store = embstore.open(sys.argv[1], tables=[embstore.TableSpec("t", dim=rows.shape[1])],
                       tiers=[embstore.TierSpec("rocksdb")])
 for part in np.array_split(np.arange(len(rows)), 4):
     store.update("t", part, rows[part])
@@ -64,7 +64,8 @@ def build(root: Path) -> tuple[dict[str, Path], np.ndarray]:
             store.update("t", np.arange(ROWS), rows)
         stores[backend] = path
     crashed = root / "template-rocksdb-crashed"
-    subprocess.run([sys.executable, "-c", CRASHED_WRITER % (ROWS, DIM, DIM), str(crashed)],
+    np.save(root / "rows.npy", rows)  # the same rows as the other templates
+    subprocess.run([sys.executable, "-c", CRASHED_WRITER, str(crashed), str(root / "rows.npy")],
                    check=True)
     assert any(p.stat().st_size for p in crashed.glob("tier0-rocksdb/*.log"))
     stores["rocksdb-crashed"] = crashed
