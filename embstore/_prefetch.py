@@ -5,8 +5,9 @@ trains. Reading them from the bottom tier (RocksDB, LMDB) is the slow part, and 
 the store's lock would stall the training thread's own calls for as long. So the read runs
 unlocked, in three steps:
 
-1. `begin` (lock held): the distinct ids the DRAM tier lacks, less those with a write-back
-   still queued for the bottom (their stored value is not the latest yet); the job is then
+1. `begin` (lock held): the distinct ids the DRAM tier lacks; those with a write-back still
+   queued for the bottom (their stored value is not the latest yet) are promoted at once
+   from the queue, which holds the latest, and the rest make the job, which is then
    registered with the chain, which tells it every id written to or deleted from the bottom
    from now on (`TableChain.note_bottom_write`);
 2. `read` (no lock): the bottom backend's own `get`, concurrently with the training thread
@@ -72,13 +73,19 @@ def begin(chain: TableChain, ids: np.ndarray) -> tuple[int, PrefetchJob | None]:
     if (not len(missing) or len(chain.tiers) != 2 or writer is None
             or not raw.supports_concurrent_reads):
         return chain.prefetch(ids), None
-    pending = writer.pending_ids()
-    if len(pending):
-        queued = IdIndex(2 * len(pending))
-        queued.add(IdGroups(pending).unique)
-        missing = np.ascontiguousarray(missing[queued.find(missing) < 0])
+    queued = writer.queued_rows(missing)
+    if queued is None:  # a failed write-back waits for its retry: read under the lock
+        return chain.prefetch(ids), None
+    if queued[0].any():
+        # their stored value is not the latest yet: the queue's is, and is promoted now
+        n = len(missing)
+        bottom.counters["lookups"] += len(queued[1])
+        bottom.counters["hits"] += len(queued[1])
+        chain.promote(np.ascontiguousarray(missing[queued[0]]), queued[1],
+                      np.full(len(queued[1]), bottom.level, dtype=np.int64))
+        missing = np.ascontiguousarray(missing[~queued[0]])
         if not len(missing):
-            return 0, None
+            return n, None
     job = PrefetchJob(missing, raw)
     chain.watchers.append(job)
     return len(missing), job

@@ -69,6 +69,33 @@ class BackgroundWriter:
             jobs = [ids for ids, _ in self._jobs]
         return np.concatenate(jobs) if jobs else np.zeros(0, dtype=np.int64)
 
+    def queued_rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where queued writes hold `ids` (int64[N]): (queued bool[N], their rows [Q, dim]).
+
+        A queued id's row is the one its newest queued write stores, which is what the bottom
+        will hold once the queue is applied. None while a failed write waits for its retry.
+        """
+        with self._cond:
+            if self._error is not None:
+                return None
+            jobs = list(self._jobs)
+        queued = np.zeros(len(ids), dtype=bool)
+        if not jobs:
+            return queued, np.zeros((0, self._backend.spec.dim), self._backend.spec.dtype)
+        jobs.reverse()  # newest first: np.unique's first index is then the newest write
+        held, first = np.unique(np.concatenate([job_ids for job_ids, _ in jobs]),
+                                return_index=True)
+        pos = np.minimum(np.searchsorted(held, ids), len(held) - 1)
+        queued = held[pos] == ids
+        src = first[pos[queued]]
+        starts = np.cumsum([0] + [len(job_ids) for job_ids, _ in jobs])
+        job_of = np.searchsorted(starts, src, side="right") - 1
+        rows = np.empty((len(src), jobs[0][1].shape[1]), dtype=jobs[0][1].dtype)
+        for j in np.unique(job_of).tolist():
+            sel = np.flatnonzero(job_of == j)
+            rows[sel] = jobs[j][1][src[sel] - starts[j]]
+        return queued, rows
+
     def retarget(self, backend: Backend) -> None:
         """Write into `backend` from now on (queued writes too)."""
         with self._cond:
@@ -157,9 +184,29 @@ class DrainedBackend(Backend):
         """
         self._writer.retarget(backend)
 
+    def _queued(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """`BackgroundWriter.queued_rows`, where the medium serves reads beside the writer.
+
+        Else None, once the queue is drained (which retries and raises a failed write).
+        """
+        queued = (self._writer.queued_rows(ids) if self.wrapped.supports_concurrent_reads
+                  else None)
+        if queued is None:
+            self._writer.drain()
+        return queued
+
     def _get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        self._writer.drain()
-        return self.wrapped.get(ids)
+        queued = self._queued(ids)
+        if queued is None or not queued[0].any():
+            return self.wrapped.get(ids)
+        mask, queued_rows = queued
+        rows = np.empty((len(ids), self.spec.dim), dtype=self.spec.dtype)
+        found = np.ones(len(ids), dtype=bool)
+        rows[mask] = queued_rows
+        rest = np.flatnonzero(~mask)
+        if len(rest):
+            rows[rest], found[rest] = self.wrapped.get(np.ascontiguousarray(ids[rest]))
+        return rows, found
 
     def _put(self, ids: np.ndarray, rows: np.ndarray) -> None:
         self._writer.drain()
@@ -170,8 +217,14 @@ class DrainedBackend(Backend):
         return self.wrapped.delete(ids)
 
     def _contains(self, ids: np.ndarray) -> np.ndarray:
-        self._writer.drain()
-        return self.wrapped.contains(ids)
+        queued = self._queued(ids)
+        if queued is None or not queued[0].any():
+            return self.wrapped.contains(ids)
+        found = queued[0].copy()
+        rest = np.flatnonzero(~found)
+        if len(rest):
+            found[rest] = self.wrapped.contains(np.ascontiguousarray(ids[rest]))
+        return found
 
     def _refresh(self) -> None:
         self._writer.drain()

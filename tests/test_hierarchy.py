@@ -4,6 +4,8 @@ feature admission and expiry in the bottom tier, and policy configuration errors
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -69,7 +71,7 @@ def _failing_puts(backend, failures: int):  # type: ignore[no-untyped-def]
     medium.put = put
 
 
-@pytest.mark.parametrize("bottom", ["lmdb", "pmem"])
+@pytest.mark.parametrize("bottom", ["lmdb", "pmem", "rocksdb"])
 def test_a_failed_background_write_back_is_raised_and_kept_until_it_succeeds(tmp_path, bottom):
     """Write-backs into the bottom run on a second thread: a failure surfaces at the next use
     of the bottom, and the rows stay queued, never lost nor shadowed by an older value.
@@ -82,6 +84,11 @@ def test_a_failed_background_write_back_is_raised_and_kept_until_it_succeeds(tmp
         store.flush()  # the bottom holds zeros for every id
         _failing_puts(store._tables["t"].chain.tiers[-1].backend, failures=2)
         store.update("t", ids, rows)  # 6 dirty rows evicted: their write fails in the thread
+        writer = store._tables["t"].chain.writer
+        deadline = time.monotonic() + 10
+        while writer._error is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # until then a medium read beside the writer (rocksdb) reads
+            # the queued rows from the queue, right but not yet failed
         with pytest.raises(E.CapacityError, match="injected"):
             store.lookup("t", ids)  # misses read the bottom: the retry fails too
         # the disk has room again: the queued rows land before any read of the bottom
