@@ -62,7 +62,11 @@ def _key(i: int) -> bytes:
 @pytest.mark.parametrize("bad", [{"compression": "gzip"}, {"block_cache_bytes": 10},
                                  {"row_cache_bytes": -1}, {"bloom_bits_per_key": 1.5},
                                  {"write_buffer_bytes": True}, {"no_such_option": 1},
-                                 {"mmap_reads": 1}])
+                                 {"mmap_reads": 1}, {"memtable_bloom_ratio": 0.5},
+                                 {"memtable_bloom_ratio": -0.1},
+                                 {"memtable_bloom_ratio": True},
+                                 {"memtable_bloom_ratio": float("nan")},
+                                 {"memtable_bloom_ratio": "0.1"}])
 def test_invalid_options_raise_config_error(tmp_path, bad):
     with pytest.raises(ConfigError):
         _open(tmp_path / "tier", **bad)
@@ -77,6 +81,7 @@ def test_no_path_raises_config_error():
     {"compression": "lz4", "row_cache_bytes": 0, "bloom_bits_per_key": 0},
     {"sync_writes": True, "block_size_bytes": 16384, "write_buffer_bytes": 1 << 20},
     {"mmap_reads": True},
+    {"memtable_bloom_ratio": 0.1, "write_buffer_bytes": 1 << 16},
 ])
 def test_other_options_store_and_reopen_the_rows(tmp_path, options):
     ids = np.arange(-500, 500, dtype=np.int64) * 7919
@@ -85,7 +90,8 @@ def test_other_options_store_and_reopen_the_rows(tmp_path, options):
         assert b.statistics()["options"] == {
             **{"block_cache_bytes": 128 << 20, "row_cache_bytes": 64 << 20,
                "bloom_bits_per_key": 10, "compression": "none", "write_buffer_bytes": 64 << 20,
-               "block_size_bytes": 4096, "max_background_jobs": 2, "mmap_reads": False},
+               "block_size_bytes": 4096, "max_background_jobs": 2, "mmap_reads": False,
+               "memtable_bloom_ratio": 0.0},
             **{k: v for k, v in options.items() if k != "sync_writes"}}
     with _open(tmp_path / "tier", **options) as b:
         got, found = b.get(ids)
