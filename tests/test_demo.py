@@ -69,6 +69,24 @@ def test_resume_continues_where_the_first_run_stopped(tmp_path,
     assert rc == 0 and json.loads(out)["step"] == 9
 
 
+def test_a_run_kept_with_other_rocksdb_options_resumes_with_its_own(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run kept by a version of the demo with other tier options (a store's chain is fixed
+    at creation) goes on with the chain it was made with."""
+    from embstore.tools import _dlrm
+
+    path = str(tmp_path / "run")
+    monkeypatch.setattr(_dlrm, "ROCKSDB_OPTIONS", {"block_cache_bytes": 8 << 20})
+    rc, out = _demo(capsys, "--steps", "3", "--path", path)
+    assert rc == 0, out
+    monkeypatch.undo()
+    rc, out = _demo(capsys, "--steps", "2", "--path", path)
+    assert rc == 0, out
+    assert "resuming at step 3" in out
+    rc, fresh = _demo(capsys, "--steps", "5")
+    assert rc == 0 and _digest(out) == _digest(fresh)
+
+
 def test_resume_with_other_settings_is_refused(tmp_path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     path = str(tmp_path / "run")

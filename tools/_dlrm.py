@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import embstore
 from embstore import TableSpec, TierSpec
+from embstore.manifest import MANIFEST_NAME
 
 __all__ = ["Batch", "ClickStream", "DemoConfig", "auc", "build_model", "make_store",
            "table_digest", "table_bytes"]
@@ -78,10 +80,11 @@ def table_bytes(cfg: DemoConfig) -> int:
     return cfg.features * cfg.rows * (cfg.dim + 1) * 4
 
 
-ROCKSDB_OPTIONS = {"block_cache_bytes": 8 << 20, "row_cache_bytes": 0, "mmap_reads": True}
+ROCKSDB_OPTIONS = {"block_cache_bytes": 8 << 20, "row_cache_bytes": 0, "mmap_reads": True,
+                   "memtable_bloom_ratio": 0.1}
 """RocksDB's own DRAM caches kept small, so the DRAM tier is most of the DRAM the rows use;
-table files read through a memory map, as suits the random point reads of the DRAM tier's
-misses."""
+table files read through a memory map, and a bloom filter of the memtable's keys, as suit the
+random point reads of the DRAM tier's misses beside its write-backs."""
 
 
 def make_store(cfg: DemoConfig, path: Any, *, all_dram: bool,
@@ -89,8 +92,11 @@ def make_store(cfg: DemoConfig, path: Any, *, all_dram: bool,
     """Open (or create) the demo's store: one table per feature.
 
     By default each table is on rocksdb behind a DRAM tier of `dram_fraction` of its rows;
-    `all_dram` keeps every row in DRAM.
+    `all_dram` keeps every row in DRAM. A store already at `path` reopens with the tables
+    and tiers it was made with, so a run kept by an earlier version resumes with its options.
     """
+    if path is not None and (Path(path) / MANIFEST_NAME).exists():
+        return embstore.open(path)
     tables = [TableSpec(name, dim=cfg.dim,
                         init=embstore.init.Uniform(-0.05, 0.05, seed=cfg.seed * 1000 + i),
                         optimizer=embstore.optim.RowWiseAdagrad(lr=cfg.lr))
