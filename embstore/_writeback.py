@@ -79,10 +79,11 @@ class BackgroundWriter:
             if self._error is not None:
                 return None
             jobs = list(self._jobs)
-        queued = np.zeros(len(ids), dtype=bool)
+        # newest first, so that np.unique's first occurrence of an id is its newest write
+        jobs = [job for job in reversed(jobs) if len(job[0])]
         if not jobs:
-            return queued, np.zeros((0, self._backend.spec.dim), self._backend.spec.dtype)
-        jobs.reverse()  # newest first: np.unique's first index is then the newest write
+            return (np.zeros(len(ids), dtype=bool),
+                    np.zeros((0, self._backend.spec.dim), self._backend.spec.dtype))
         held, first = np.unique(np.concatenate([job_ids for job_ids, _ in jobs]),
                                 return_index=True)
         pos = np.minimum(np.searchsorted(held, ids), len(held) - 1)
