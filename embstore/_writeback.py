@@ -63,12 +63,6 @@ class BackgroundWriter:
             if self._error is not None:
                 self._retry()
 
-    def pending_ids(self) -> np.ndarray:
-        """Ids of every write queued or being applied (int64, duplicates possible)."""
-        with self._cond:
-            jobs = [ids for ids, _ in self._jobs]
-        return np.concatenate(jobs) if jobs else np.zeros(0, dtype=np.int64)
-
     def queued_rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Where queued writes hold `ids` (int64[N]): (queued bool[N], their rows [Q, dim]).
 

@@ -72,7 +72,8 @@ def test_resume_continues_where_the_first_run_stopped(tmp_path,
 def test_a_run_kept_with_other_rocksdb_options_resumes_with_its_own(
         tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A run kept by a version of the demo with other tier options (a store's chain is fixed
-    at creation) goes on with the chain it was made with."""
+    at creation) goes on with the chain it was made with.
+    """
     from embstore.tools import _dlrm
 
     path = str(tmp_path / "run")
