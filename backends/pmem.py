@@ -53,6 +53,7 @@ import numpy as np
 
 from embstore import _libpmem
 from embstore._kernels import _pmem_records
+from embstore._unique import unique_sorted
 from embstore.backend import Backend, BackendSpec
 from embstore.checksum import crc32c, row_checksums
 from embstore.errors import CapacityError, ConfigError, CorruptStoreError, StoreLockedError
@@ -731,7 +732,7 @@ class PmemBackend(Backend):
         """
         if self._map is None or not (self._touched or self._retire):
             return
-        touched = (np.unique(np.concatenate(self._touched)) if self._touched
+        touched = (unique_sorted(np.concatenate(self._touched)) if self._touched
                    else np.zeros(0, dtype=np.int64))
         self._persist_slots(touched, 0, self._rec)
         self._watermark = self._next_seq - 1

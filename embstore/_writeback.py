@@ -23,6 +23,7 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from . import _crash
+from ._unique import unique_first, unique_sorted
 from .backend import Backend
 
 __all__ = ["BackgroundWriter", "DrainedBackend"]
@@ -73,20 +74,19 @@ class BackgroundWriter:
             if self._error is not None:
                 return None
             jobs = list(self._jobs)
-        # newest first, so that np.unique's first occurrence of an id is its newest write
+        # newest first, so that an id's first occurrence is its newest write
         jobs = [job for job in reversed(jobs) if len(job[0])]
         if not jobs:
             return (np.zeros(len(ids), dtype=bool),
                     np.zeros((0, self._backend.spec.dim), self._backend.spec.dtype))
-        held, first = np.unique(np.concatenate([job_ids for job_ids, _ in jobs]),
-                                return_index=True)
+        held, first = unique_first(np.concatenate([job_ids for job_ids, _ in jobs]))
         pos = np.minimum(np.searchsorted(held, ids), len(held) - 1)
         queued = held[pos] == ids
         src = first[pos[queued]]
         starts = np.cumsum([0] + [len(job_ids) for job_ids, _ in jobs])
         job_of = np.searchsorted(starts, src, side="right") - 1
         rows = np.empty((len(src), jobs[0][1].shape[1]), dtype=jobs[0][1].dtype)
-        for j in np.unique(job_of).tolist():
+        for j in unique_sorted(job_of).tolist():
             sel = np.flatnonzero(job_of == j)
             rows[sel] = jobs[j][1][src[sel] - starts[j]]
         return queued, rows

@@ -57,6 +57,7 @@ from typing import Final
 import numpy as np
 
 from . import _crash
+from ._unique import unique_sorted
 from .errors import CorruptStoreError
 from .index import IdIndex
 from .manifest import fsync_dir, read_bytes_nofollow, write_atomic, write_atomic_many
@@ -211,7 +212,7 @@ class WrittenIds:
                 break  # a torn append: the delete it announced never reached the medium
             parts.append(np.frombuffer(body, "<i8").astype(np.int64))
             at += 8 + 8 * count
-        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        return unique_sorted(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
 
     def _append_journal(self, ids: np.ndarray) -> None:
         body = np.ascontiguousarray(ids, dtype="<i8").tobytes()
@@ -382,7 +383,7 @@ def write_record(file: Path, num_embeddings: int | None, ids: np.ndarray) -> Non
     Raises:
         CorruptStoreError: an id outside [0, num_embeddings).
     """
-    ids = np.unique(np.asarray(ids, dtype=np.int64))
+    ids = unique_sorted(np.asarray(ids, dtype=np.int64))
     if num_embeddings is not None and len(ids) and (ids[0] < 0 or ids[-1] >= num_embeddings):
         raise CorruptStoreError(f"written-id record {file}: ids outside [0, {num_embeddings}); "
                                 "restore the table from a checkpoint")

@@ -28,6 +28,7 @@ import numpy as np
 
 from ._dirty import DirtyIds, DirtySet, DirtySlots
 from ._slot_memo import SlotMemo
+from ._unique import unique_sorted
 from ._writeback import BackgroundWriter, DrainedBackend
 from .backend import Backend, SupportsBulkLoad, SupportsLeadingColumns, SupportsSlots
 from .index import IdGroups, IdIndex, copy_rows
@@ -598,7 +599,7 @@ class TableChain:
         bottom = self.tiers[-1].backend
         n = len(bottom)
         if dirty:
-            ids = np.unique(np.concatenate(dirty))
+            ids = unique_sorted(np.concatenate(dirty))
             if len(ids):
                 n += int(len(ids) - np.count_nonzero(bottom.contains(ids)))
         return n

@@ -16,6 +16,7 @@ import numpy as np
 
 from embstore._kernels._policy_kernels import ffi as _ffi
 from embstore._kernels._policy_kernels import lib as _kernels
+from embstore._unique import unique_sorted
 from embstore.index import IdIndex, _ptr
 from embstore.policy import EvictionPolicy, as_ids
 
@@ -169,7 +170,7 @@ class Tracked:
         """Untrack `ids` (absent ones ignored); returns the freed slots."""
         if not len(ids):
             return np.zeros(0, dtype=np.int32)
-        ids = np.unique(as_ids(ids))
+        ids = unique_sorted(as_ids(ids))
         if self._owns_index:
             slots = self.index.remove(ids)
             slots = slots[slots >= 0]

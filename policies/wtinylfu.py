@@ -6,6 +6,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
+from embstore._unique import unique_sorted
 from embstore.errors import ConfigError
 
 from ._hashing import positions
@@ -225,7 +226,7 @@ class WTinyLFUEviction(TrackedEviction):
     # --- the policy interface -----------------------------------------------------------------
 
     def _access(self, slots: np.ndarray, now: float) -> None:
-        slots = np.unique(slots)
+        slots = unique_sorted(slots)
         slots = slots_by_id(self._t.ids[slots], slots)  # id order: same as with a shared index
         self._hits += len(slots)
         self._count(self._t.ids[slots])

@@ -35,6 +35,7 @@ import numpy as np
 
 from embstore import registry
 from embstore._build import build_chain
+from embstore._unique import unique_sorted
 from embstore.errors import ConfigError
 from embstore.policy import AdmissionPolicy, EvictionPolicy
 from embstore.spec import TableSpec, TierSpec
@@ -108,7 +109,7 @@ class Trace:
         self.ids, dense = np.unique(flat, return_inverse=True)
         bounds = np.cumsum([0] + [len(b) for b in self.batches])
         self.dense = [dense[bounds[i]:bounds[i + 1]] for i in range(len(self.batches))]
-        self.unique = [np.unique(d) for d in self.dense]
+        self.unique = [unique_sorted(d) for d in self.dense]
         self.accesses = int(len(flat))
         self.lookups = int(sum(len(u) for u in self.unique))
 
