@@ -23,12 +23,21 @@ from typing import TypeVar
 
 from .errors import ConfigError
 
-__all__ = ["MIN_ROWS_PER_THREAD", "get_num_threads", "run_ranges", "set_num_threads"]
+__all__ = ["MIN_ROWS_PER_THREAD", "available_cores", "get_num_threads", "run_ranges",
+           "set_num_threads"]
 
 MIN_ROWS_PER_THREAD = 8192
 _MAX_DEFAULT = 8
 
 T = TypeVar("T")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _default_threads() -> int:
@@ -37,11 +46,7 @@ def _default_threads() -> int:
         if not raw.strip().isdigit() or int(raw) < 1:
             raise ConfigError(f"EMBSTORE_NUM_THREADS={raw!r}: expected a whole number >= 1")
         return int(raw)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, _MAX_DEFAULT))
+    return max(1, min(available_cores(), _MAX_DEFAULT))
 
 
 _lock = threading.Lock()

@@ -297,3 +297,15 @@ def test_an_unlocked_prefetch_never_promotes_a_row_changed_meanwhile(tmp_path):
         np.testing.assert_array_equal(store.lookup("t", np.array([3, 4])),
                                       [[5.0] * 8, [0.0] * 8])
         assert chain.tiers[0].backend.contains(np.array([4]))[0]  # the others came up
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 2), (16, 4)])
+def test_the_default_read_threads_leave_the_training_thread_its_core(monkeypatch, cores,
+                                                                     threads):
+    import embstore.torch.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "available_cores", lambda: cores)
+    assert pipeline.default_read_threads() == threads
+    with et.TrainPipeline([], inputs=lambda b: {}) as pipe:
+        workers = 1 if pipe._readers is None else pipe._readers._max_workers
+    assert workers == threads
