@@ -52,17 +52,6 @@ def count_accesses_saturating(freq: np.ndarray, top: int, slots: np.ndarray) -> 
                                        len(slots))
 
 
-def sketch_add_saturating(cells: np.ndarray, top: int, pos: np.ndarray) -> None:
-    """`cells[p] = min(cells[p] + 1, top)` (uint16, C-contiguous) per occurrence of each p."""
-    if cells.dtype != np.uint16 or not cells.flags.c_contiguous:
-        raise TypeError("sketch cells must be a C-contiguous uint16 array")
-    pos = np.ascontiguousarray(pos, dtype=np.int64)
-    if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= cells.size):
-        raise IndexError("sketch position out of range")
-    _kernels.sketch_add_saturating(_ptr("uint16_t *", cells), top, _ptr("int64_t *", pos),
-                                   len(pos))
-
-
 class Tracked:
     """Tracked ids with per-slot numpy columns.
 

@@ -9,8 +9,8 @@ import numpy as np
 from embstore._unique import unique_sorted
 from embstore.errors import ConfigError
 
-from ._hashing import positions
-from ._tracked import SlotLog, Tracked, TrackedEviction, sketch_add_saturating, slots_by_id
+from ._hashing import sketch_count, sketch_estimate
+from ._tracked import SlotLog, Tracked, TrackedEviction, slots_by_id
 
 __all__ = ["WTinyLFUEviction"]
 
@@ -146,15 +146,11 @@ class WTinyLFUEviction(TrackedEviction):
 
     # --- frequency sketch -------------------------------------------------------------------
 
-    def _cells(self, ids: np.ndarray) -> np.ndarray:
-        pos = positions(ids, self.seed, _DEPTH, self._bits)
-        return pos + (np.arange(_DEPTH, dtype=np.int64) << self._bits)[:, None]
-
     def _count(self, ids: np.ndarray) -> None:
         """Add distinct `ids` to the sketch (4-bit saturating), halving it when a sample ends."""
         if not len(ids):
             return
-        sketch_add_saturating(self._sketch.reshape(-1), 15, self._cells(ids).ravel())
+        sketch_count(self._sketch, ids, self.seed, 15)
         self._added += len(ids)
         if self._added >= self._sketch_period():
             self._sketch >>= 1
@@ -170,7 +166,7 @@ class WTinyLFUEviction(TrackedEviction):
         return base * max(0.1, 1.0 - _AGE_COUPLING * self._center)
 
     def _estimate(self, ids: np.ndarray) -> np.ndarray:
-        return self._sketch.reshape(-1)[self._cells(ids)].min(axis=0)
+        return sketch_estimate(self._sketch, ids, self.seed)
 
     def _fit_sketch(self) -> None:
         """Grow the sketch to 4 counters per row per id of capacity (Caffeine's sizing).

@@ -8,7 +8,7 @@ import pytest
 from embstore import TableSpec, TierSpec, registry
 from embstore._build import build_chain
 from embstore.errors import ConfigError
-from embstore.policies._tracked import sketch_add_saturating
+from embstore.policies._hashing import positions, sketch_count, sketch_estimate
 from embstore.tools.simulator import Trace, belady, parse_policy, run_policies
 from embstore.tools.traces import synthesize
 
@@ -126,19 +126,27 @@ def test_hold_new_keeps_this_calls_inserts_until_a_later_call() -> None:
     assert np.isin([7, 8], held.choose_victims(2, 3)).all()
 
 
-def test_the_sketch_increment_saturates_as_an_add_at_and_a_clip_would() -> None:
-    rng = np.random.default_rng(5)
-    cells = rng.integers(0, 16, 4096).astype(np.uint16)
-    pos = rng.integers(0, 4096, 20_000)  # about 5 occurrences per cell: many saturate
-    pos[:40] = 7  # one cell hit 40 times in a row
-    want = cells.astype(np.int64)
-    np.add.at(want, pos, 1)
-    sketch_add_saturating(cells, 15, pos)
-    np.testing.assert_array_equal(cells, np.minimum(want, 15))
+@pytest.mark.parametrize("seed", [0, 7, 2**40 + 3])
+def test_the_sketch_counts_and_estimates_as_the_numpy_hashes_address_it(seed: int) -> None:
+    rng = np.random.default_rng(seed % 1000)
+    depth, bits = 4, 8
+    sketch = rng.integers(0, 16, (depth, 1 << bits)).astype(np.uint16)
+    ids = rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64)
+    ids[:40] = ids[40]  # one id 41 times: its counters saturate
+    cells = positions(ids, seed, depth, bits) + (np.arange(depth) << bits)[:, None]
+    want = sketch.astype(np.int64).reshape(-1)
+    np.add.at(want, cells.ravel(), 1)
+    want = np.minimum(want, 15).reshape(depth, -1)
+    sketch_count(sketch, ids, seed, 15)
+    np.testing.assert_array_equal(sketch, want)
+    est = sketch_estimate(sketch, ids, seed)
+    np.testing.assert_array_equal(est, want.reshape(-1)[cells].min(axis=0))
+    assert est.dtype == np.uint16
 
 
-def test_the_sketch_increment_rejects_positions_outside_the_sketch() -> None:
-    cells = np.zeros(8, dtype=np.uint16)
-    with pytest.raises(IndexError):
-        sketch_add_saturating(cells, 15, np.array([3, 8]))
-    np.testing.assert_array_equal(cells, 0)
+def test_a_sketch_of_another_shape_or_type_is_refused() -> None:
+    ids = np.array([1, 2], dtype=np.int64)
+    for bad in (np.zeros((4, 12), np.uint16), np.zeros((4, 16), np.uint8),
+                np.zeros((4, 32), np.uint16)[:, ::2]):
+        with pytest.raises((TypeError, ValueError)):
+            sketch_count(bad, ids, 0, 15)
