@@ -46,13 +46,14 @@ def positions(ids: np.ndarray, seed: int, k: int, bits: int) -> np.ndarray:
 
 
 def _sketch_args(sketch: np.ndarray, ids: np.ndarray, seed: int) -> tuple[Any, ...]:
-    if sketch.dtype != np.uint16 or sketch.ndim != 2 or not sketch.flags.c_contiguous:
-        raise TypeError("a sketch is a C-contiguous uint16 array [depth, 2**bits]")
+    if sketch.dtype != np.uint8 or sketch.ndim != 2 or not sketch.flags.c_contiguous:
+        raise TypeError("a sketch is a C-contiguous uint8 array [depth, 2**bits / 2] of "
+                        "4-bit counters")
     depth, width = sketch.shape
-    bits = width.bit_length() - 1
-    if width != 1 << bits:
-        raise ValueError(f"a sketch row holds a power of two counters, not {width}")
-    return (_ffi.cast("uint16_t *", sketch.ctypes.data), bits, depth,
+    bits = (2 * width).bit_length() - 1
+    if 2 * width != 1 << bits:
+        raise ValueError(f"a sketch row holds a power of two counters, not {2 * width}")
+    return (_ffi.cast("uint8_t *", sketch.ctypes.data), bits, depth,
             _ffi.cast("int64_t *", ids.ctypes.data), len(ids), seed_key(seed),
             seed_key(seed + _SECOND))
 
@@ -60,17 +61,27 @@ def _sketch_args(sketch: np.ndarray, ids: np.ndarray, seed: int) -> tuple[Any, .
 def sketch_count(sketch: np.ndarray, ids: np.ndarray, seed: int, top: int) -> None:
     """Add one per occurrence of each of `ids` to its counters in `sketch`, at most `top`.
 
-    `sketch` is uint16[depth, 2**bits]; an id's counter in row r is at `positions(ids, seed,
-    depth, bits)[r]`, so this is ``np.add.at`` over those cells and a clip at `top`, in C.
+    `sketch` is uint8[depth, 2**bits / 2], two 4-bit counters a byte (counter i of a row in
+    byte i // 2, the low nibble when i is even). An id's counter in row r is counter
+    `positions(ids, seed, depth, bits)[r]` of that row: this is ``np.add.at`` over those
+    counters and a clip at `top` (<= 15), in C.
     """
+    if not 0 <= top <= 15:
+        raise ValueError(f"4-bit counters saturate at 15 at most, not {top}")
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     _kernels.sketch_count(*_sketch_args(sketch, ids, seed), top)
 
 
 def sketch_estimate(sketch: np.ndarray, ids: np.ndarray, seed: int) -> np.ndarray:
-    """The least of each id's counters in `sketch` (uint16[N]): its count-min estimate."""
+    """The least of each id's counters in `sketch` (uint8[N]): its count-min estimate."""
     ids = np.ascontiguousarray(ids, dtype=np.int64)
-    out = np.empty(len(ids), dtype=np.uint16)
+    out = np.empty(len(ids), dtype=np.uint8)
     _kernels.sketch_estimate(*_sketch_args(sketch, ids, seed),
-                             _ffi.cast("uint16_t *", out.ctypes.data))
+                             _ffi.cast("uint8_t *", out.ctypes.data))
     return out
+
+
+def sketch_halve(sketch: np.ndarray) -> None:
+    """Halve every 4-bit counter of `sketch` in place (TinyLFU's ageing)."""
+    np.right_shift(sketch, 1, out=sketch)
+    np.bitwise_and(sketch, 0x77, out=sketch)  # drop the bit each high nibble shifted down

@@ -9,7 +9,7 @@ import numpy as np
 from embstore._unique import unique_sorted
 from embstore.errors import ConfigError
 
-from ._hashing import sketch_count, sketch_estimate
+from ._hashing import sketch_count, sketch_estimate, sketch_halve
 from ._tracked import SlotLog, Tracked, TrackedEviction, slots_by_id
 
 __all__ = ["WTinyLFUEviction"]
@@ -122,7 +122,7 @@ class WTinyLFUEviction(TrackedEviction):
         self._stamp = {_WINDOW: "stamp_w", _PROBATION: "stamp_p", _PROTECTED: "stamp_r"}
         self._sizes = {_WINDOW: 0, _PROBATION: 0, _PROTECTED: 0}
         self._bits = 10
-        self._sketch = np.zeros((_DEPTH, 1 << self._bits), dtype=np.uint16)
+        self._sketch = np.zeros((_DEPTH, 1 << (self._bits - 1)), dtype=np.uint8)  # 4-bit pairs
         self._added = 0
         self._capacity = 0  # largest number of ids tracked after an eviction
         self._share = self.window_share
@@ -153,7 +153,7 @@ class WTinyLFUEviction(TrackedEviction):
         sketch_count(self._sketch, ids, self.seed, 15)
         self._added += len(ids)
         if self._added >= self._sketch_period():
-            self._sketch >>= 1
+            sketch_halve(self._sketch)
             self._added //= 2
 
     def _sketch_period(self) -> float:
@@ -169,10 +169,12 @@ class WTinyLFUEviction(TrackedEviction):
         return sketch_estimate(self._sketch, ids, self.seed)
 
     def _fit_sketch(self) -> None:
-        """Grow the sketch to 4 counters per row per id of capacity (Caffeine's sizing).
+        """Grow the sketch to `_WIDTH` counters per row per id of capacity.
 
-        Tiling keeps every estimate: a position at the wider mask is the old one plus
-        high bits, and each copy starts from the old counter.
+        Two 4-bit counters a byte: 32-64 bytes per id of capacity over the 4 rows (the row
+        length is a power of two). Tiling keeps every estimate: a position at the wider
+        mask is the old one plus high bits, and each copy starts from the old counter; a
+        row's length is even, so a counter keeps its nibble.
         """
         want = max(10, int(_WIDTH * self._capacity - 1).bit_length())
         if want > self._bits:

@@ -79,10 +79,10 @@ int slots_by_id(const int64_t *ids, const int32_t *slots, int64_t n,
 void count_accesses(double *count, int64_t *seen, int64_t call, const int32_t *slots,
                     int64_t n);
 void count_accesses_saturating(uint8_t *freq, uint8_t max, const int32_t *slots, int64_t n);
-void sketch_count(uint16_t *sketch, int bits, int depth, const int64_t *ids, int64_t n,
-                  uint64_t key1, uint64_t key2, uint16_t top);
-void sketch_estimate(const uint16_t *sketch, int bits, int depth, const int64_t *ids,
-                     int64_t n, uint64_t key1, uint64_t key2, uint16_t *out);
+void sketch_count(uint8_t *sketch, int bits, int depth, const int64_t *ids, int64_t n,
+                  uint64_t key1, uint64_t key2, uint8_t top);
+void sketch_estimate(const uint8_t *sketch, int bits, int depth, const int64_t *ids,
+                     int64_t n, uint64_t key1, uint64_t key2, uint8_t *out);
 int64_t shards_keep(const int64_t *ids, int64_t n, uint64_t key, int bits, uint64_t threshold,
                     int64_t *out, uint8_t *keep);
 """

@@ -133,35 +133,42 @@ static inline uint64_t keyed_splitmix64(int64_t id, uint64_t key) {
     return x ^ (x >> 31);
 }
 
-/* A count-min sketch of `depth` rows of 2**bits uint16 counters, row r at r << bits (W-TinyLFU's
- * 4-bit counters). An id's counter in row r is at (h1 + r * h2) mod 2**bits, h1 and h2 (forced
- * odd) its hashes under key1 and key2: policies/_hashing.py's positions(), so either side may
- * read what the other wrote. sketch_count adds 1 to each of an id's counters, saturating at
- * `top`, per occurrence; sketch_estimate writes the least of them. One pass where numpy made a
- * dozen over [depth, n] temporaries and np.add.at went through the ufunc machinery per
- * element (55 ns an element on a sketch of 8M cells). */
-void sketch_count(uint16_t *sketch, int bits, int depth, const int64_t *ids, int64_t n,
-                  uint64_t key1, uint64_t key2, uint16_t top) {
+/* A count-min sketch of `depth` rows of 2**bits 4-bit counters (W-TinyLFU's), two to a byte:
+ * counter i of the flattened rows (row r starts at r << bits) is the low nibble of byte i / 2
+ * when i is even, the high one when odd. An id's counter in row r is at (h1 + r * h2) mod
+ * 2**bits, h1 and h2 (forced odd) its hashes under key1 and key2: policies/_hashing.py's
+ * positions(), so either side may read what the other wrote. sketch_count adds 1 to each of
+ * an id's counters, saturating at `top` (<= 15), per occurrence; sketch_estimate writes the
+ * least of them. One pass where numpy made a dozen over [depth, n] temporaries and np.add.at
+ * went through the ufunc machinery per element (55 ns an element on a sketch of 8M cells). */
+static inline uint64_t sketch_cell(int bits, int r, uint64_t h1, uint64_t h2, uint64_t mask) {
+    return ((uint64_t)r << bits) + ((h1 + (uint64_t)r * h2) & mask);
+}
+
+void sketch_count(uint8_t *sketch, int bits, int depth, const int64_t *ids, int64_t n,
+                  uint64_t key1, uint64_t key2, uint8_t top) {
     const uint64_t mask = ((uint64_t)1 << bits) - 1;
     for (int64_t j = 0; j < n; j++) {
         uint64_t h1 = keyed_splitmix64(ids[j], key1);
         uint64_t h2 = keyed_splitmix64(ids[j], key2) | 1;
         for (int r = 0; r < depth; r++) {
-            uint16_t *c = &sketch[((uint64_t)r << bits) + ((h1 + (uint64_t)r * h2) & mask)];
-            if (*c < top) (*c)++;
+            uint64_t i = sketch_cell(bits, r, h1, h2, mask);
+            int shift = (int)(i & 1) << 2;
+            if (((sketch[i >> 1] >> shift) & 15) < top) sketch[i >> 1] += (uint8_t)(1 << shift);
         }
     }
 }
 
-void sketch_estimate(const uint16_t *sketch, int bits, int depth, const int64_t *ids,
-                     int64_t n, uint64_t key1, uint64_t key2, uint16_t *out) {
+void sketch_estimate(const uint8_t *sketch, int bits, int depth, const int64_t *ids,
+                     int64_t n, uint64_t key1, uint64_t key2, uint8_t *out) {
     const uint64_t mask = ((uint64_t)1 << bits) - 1;
     for (int64_t j = 0; j < n; j++) {
         uint64_t h1 = keyed_splitmix64(ids[j], key1);
         uint64_t h2 = keyed_splitmix64(ids[j], key2) | 1;
-        uint16_t least = UINT16_MAX;
+        uint8_t least = 15;
         for (int r = 0; r < depth; r++) {
-            uint16_t c = sketch[((uint64_t)r << bits) + ((h1 + (uint64_t)r * h2) & mask)];
+            uint64_t i = sketch_cell(bits, r, h1, h2, mask);
+            uint8_t c = (sketch[i >> 1] >> ((int)(i & 1) << 2)) & 15;
             if (c < least) least = c;
         }
         out[j] = least;

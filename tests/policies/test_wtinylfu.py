@@ -8,7 +8,7 @@ import pytest
 from embstore import TableSpec, TierSpec, registry
 from embstore._build import build_chain
 from embstore.errors import ConfigError
-from embstore.policies._hashing import positions, sketch_count, sketch_estimate
+from embstore.policies._hashing import positions, sketch_count, sketch_estimate, sketch_halve
 from embstore.tools.simulator import Trace, belady, parse_policy, run_policies
 from embstore.tools.traces import synthesize
 
@@ -126,27 +126,43 @@ def test_hold_new_keeps_this_calls_inserts_until_a_later_call() -> None:
     assert np.isin([7, 8], held.choose_victims(2, 3)).all()
 
 
+def _unpacked(sketch: np.ndarray) -> np.ndarray:
+    """The 4-bit counters of a packed sketch, [depth, 2**bits] (low nibble first)."""
+    return np.stack([sketch & 15, sketch >> 4], axis=-1).reshape(sketch.shape[0], -1)
+
+
 @pytest.mark.parametrize("seed", [0, 7, 2**40 + 3])
 def test_the_sketch_counts_and_estimates_as_the_numpy_hashes_address_it(seed: int) -> None:
     rng = np.random.default_rng(seed % 1000)
     depth, bits = 4, 8
-    sketch = rng.integers(0, 16, (depth, 1 << bits)).astype(np.uint16)
+    sketch = rng.integers(0, 256, (depth, 1 << (bits - 1))).astype(np.uint8)
     ids = rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64)
     ids[:40] = ids[40]  # one id 41 times: its counters saturate
     cells = positions(ids, seed, depth, bits) + (np.arange(depth) << bits)[:, None]
-    want = sketch.astype(np.int64).reshape(-1)
+    want = _unpacked(sketch).astype(np.int64).reshape(-1)
     np.add.at(want, cells.ravel(), 1)
     want = np.minimum(want, 15).reshape(depth, -1)
     sketch_count(sketch, ids, seed, 15)
-    np.testing.assert_array_equal(sketch, want)
+    np.testing.assert_array_equal(_unpacked(sketch), want)
     est = sketch_estimate(sketch, ids, seed)
     np.testing.assert_array_equal(est, want.reshape(-1)[cells].min(axis=0))
-    assert est.dtype == np.uint16
+    assert est.dtype == np.uint8
 
 
-def test_a_sketch_of_another_shape_or_type_is_refused() -> None:
+def test_halving_halves_each_counter_of_a_byte_on_its_own() -> None:
+    sketch = np.array([[0x00, 0x01, 0x10, 0xFF, 0x9A]], dtype=np.uint8)
+    want = _unpacked(sketch) >> 1
+    sketch_halve(sketch)
+    np.testing.assert_array_equal(_unpacked(sketch), want)
+
+
+def test_a_sketch_of_another_shape_or_type_or_a_top_over_15_is_refused() -> None:
     ids = np.array([1, 2], dtype=np.int64)
-    for bad in (np.zeros((4, 12), np.uint16), np.zeros((4, 16), np.uint8),
-                np.zeros((4, 32), np.uint16)[:, ::2]):
+    for bad in (np.zeros((4, 12), np.uint8), np.zeros((4, 16), np.uint16),
+                np.zeros((4, 32), np.uint8)[:, ::2]):
         with pytest.raises((TypeError, ValueError)):
             sketch_count(bad, ids, 0, 15)
+    sketch = np.zeros((4, 16), np.uint8)
+    with pytest.raises(ValueError):
+        sketch_count(sketch, ids, 0, 16)
+    np.testing.assert_array_equal(sketch, 0)
