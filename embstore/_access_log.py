@@ -76,8 +76,8 @@ def threshold_of(rate: float) -> int:
     return int(rate * (1 << HASH_BITS))
 
 
-def _seed_key(seed: int) -> int:
-    """The xor key of splitmix64 with `seed`, as embstore.policies._hashing derives it."""
+def seed_key(seed: int) -> int:
+    """The xor key of splitmix64 with `seed` (embstore.policies._hashing's hashes use it too)."""
     return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**64
 
 
@@ -99,7 +99,7 @@ def _sampled(ids: np.ndarray, threshold: int, seed: int = HASH_SEED,
         return ids
     out = np.empty(len(ids), dtype=np.int64)
     kept = _kernels.shards_keep(
-        _ffi.cast("int64_t *", ids.ctypes.data), len(ids), _seed_key(seed), HASH_BITS,
+        _ffi.cast("int64_t *", ids.ctypes.data), len(ids), seed_key(seed), HASH_BITS,
         threshold, _ffi.cast("int64_t *", out.ctypes.data),
         _ffi.NULL if keep is None else _ffi.cast("uint8_t *", keep.ctypes.data))
     return out[:kept]

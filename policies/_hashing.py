@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from embstore._access_log import seed_key
 from embstore._kernels._policy_kernels import ffi as _ffi
 from embstore._kernels._policy_kernels import lib as _kernels
 
@@ -17,11 +18,6 @@ _M2 = np.uint64(0x94D049BB133111EB)
 
 
 _SECOND = 0x5BD1E995  # the second hash's seed offset
-
-
-def seed_key(seed: int) -> int:
-    """The key `splitmix64` xors ids with for `seed`."""
-    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**64
 
 
 def splitmix64(ids: np.ndarray, seed: int) -> np.ndarray:
