@@ -21,6 +21,7 @@ __all__ = ["available_backend_names", "backend_names", "load_backend", "load_pol
            "policy_names"]
 
 _PACKAGES = {"backends": "embstore.backends", "policies": "embstore.policies"}
+_SINGULAR = {"backends": "backend", "policies": "policy"}
 
 
 @cache
@@ -35,7 +36,7 @@ def _sources(kind: str) -> dict[str, str]:
     for ep in entry_points(group=_PACKAGES[kind]):
         if ep.name in found:
             raise ConfigError(
-                f"{kind[:-1]} name {ep.name!r} is registered twice ({found[ep.name]!r} and "
+                f"{_SINGULAR[kind]} name {ep.name!r} is registered twice ({found[ep.name]!r} and "
                 f"entry point {ep.value!r}); uninstall one of the packages providing it"
             )
         found[ep.name] = ep.value
@@ -46,7 +47,7 @@ def _load(kind: str, name: str, base: type) -> Any:
     sources = _sources(kind)
     if name not in sources:
         raise UnknownNameError(
-            f"unknown {kind[:-1]} {name!r}; registered: {sorted(sources)!r}"
+            f"unknown {_SINGULAR[kind]} {name!r}; registered: {sorted(sources)!r}"
         )
     target = sources[name]
     module_name, _, attr = target.partition(":")
@@ -55,7 +56,7 @@ def _load(kind: str, name: str, base: type) -> Any:
     except ImportError as exc:
         missing = exc.name or str(exc)
         raise BackendUnavailableError(
-            f"{kind[:-1]} {name!r} cannot be loaded: the module {missing!r} is missing "
+            f"{_SINGULAR[kind]} {name!r} cannot be loaded: the module {missing!r} is missing "
             f"({exc}); install it (`pip install {missing}`) or reinstall embstore with its "
             "dependencies"
         ) from exc

@@ -122,9 +122,9 @@ def test_invalid_specs_raise_config_error(make):
 
 
 def test_unknown_backend_and_policy_names_are_config_errors(tmp_path):
-    with pytest.raises(E.UnknownNameError, match="registered"):
+    with pytest.raises(E.UnknownNameError, match="unknown backend 'tape'; registered"):
         embstore.open(None, tables=[TableSpec("t", dim=2)], tiers=[TierSpec("tape")])
-    with pytest.raises(E.UnknownNameError):
+    with pytest.raises(E.UnknownNameError, match="unknown policy 'nope'"):
         embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=2)],
                       tiers=[TierSpec("dram", capacity=4, eviction="nope"), TierSpec("lmdb")])
     assert not list(tmp_path.iterdir())  # the failed create left nothing behind
