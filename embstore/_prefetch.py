@@ -5,11 +5,12 @@ trains. Reading them from the bottom tier (RocksDB, LMDB) is the slow part, and 
 the store's lock would stall the training thread's own calls for as long. So the read runs
 unlocked, in three steps:
 
-1. `begin` (lock held): the distinct ids the DRAM tier lacks; those with a write-back still
-   queued for the bottom (their stored value is not the latest yet) are promoted at once
-   from the queue, which holds the latest, and the rest make the job, which is then
-   registered with the chain, which tells it every id written to or deleted from the bottom
-   from now on (`TableChain.note_bottom_write`);
+1. `begin` (lock held): the distinct ids the DRAM tier lacks (those it holds count as read
+   by its policy, so that promoting later batches' rows does not evict them before their
+   batch runs); those with a write-back still queued for the bottom (their stored value is
+   not the latest yet) are promoted at once from the queue, which holds the latest, and the
+   rest make the job, which is then registered with the chain, which tells it every id
+   written to or deleted from the bottom from now on (`TableChain.note_bottom_write`);
 2. `read` (no lock): the bottom backend's own `get`, concurrently with the training thread
    and the write-back thread; only backends with `supports_concurrent_reads` are read so;
 3. `end` (lock held): rows of ids that were written or deleted meanwhile, or that reached
@@ -66,8 +67,8 @@ def begin(chain: TableChain, ids: np.ndarray) -> tuple[int, PrefetchJob | None]:
     if len(chain.tiers) == 1:
         return 0, None
     u = IdGroups(np.ascontiguousarray(ids)).unique
-    top, bottom = chain.tiers[0], chain.tiers[-1]
-    missing = np.ascontiguousarray(u[~top.backend.contains(u)])
+    bottom = chain.tiers[-1]
+    missing = np.ascontiguousarray(u[~chain.touch_top(u)])
     raw = getattr(bottom.backend, "wrapped", bottom.backend)
     writer = chain.writer
     if (not len(missing) or len(chain.tiers) != 2 or writer is None

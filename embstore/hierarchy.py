@@ -226,10 +226,30 @@ class TableChain:
         if len(self.tiers) == 1:
             return 0
         u = IdGroups(np.ascontiguousarray(ids)).unique
-        missing = np.ascontiguousarray(u[~self.tiers[0].backend.contains(u)])
+        missing = np.ascontiguousarray(u[~self.touch_top(u)])
         if len(missing):
             self._read_below(missing, self._tick())
         return len(missing)
+
+    def touch_top(self, u: np.ndarray) -> np.ndarray:
+        """bool[N]: which distinct `u` the top tier holds; its policy sees those read now.
+
+        A prefetch runs ahead of its batch's lookups, and the rows it finds up must stay up
+        until then, as the rows it promotes do: promoting the next batches' rows evicts, and
+        CLOCK's hand would take a row whose bit the batch had not yet set. The hit counts are
+        left to the lookup itself.
+        """
+        tier = self.tiers[0]
+        if tier.shares_index:
+            slots = tier.slot_backend.index.find(u)
+            held = slots >= 0
+            if held.any():
+                tier.shared.record_access_slots(slots[held], self._tick())
+            return held
+        held = tier.backend.contains(u)
+        if tier.eviction is not None and held.any():
+            tier.eviction.record_access(np.ascontiguousarray(u[held]), self._tick())
+        return held
 
     @property
     def writer(self) -> BackgroundWriter | None:

@@ -426,8 +426,10 @@ class EmbeddingStore:
         """Bring the rows of `ids` into the table's fast tiers ahead of a lookup.
 
         Rows the top tier lacks are read from the tiers below and promoted as a lookup would
-        promote them; nothing else changes, so a later lookup returns the same values, only
-        sooner. A pipeline calls it for the next batches while the current one trains.
+        promote them; those it holds count as read by its eviction policy (not in the hit
+        statistics), so that prefetching the batches after keeps them up. No value changes:
+        a later lookup returns the same values, only sooner. A pipeline calls it for the next
+        batches while the current one trains.
         Returns the number of distinct ids the top tier lacked (0 for a one-tier table).
 
         Raises:
