@@ -2,8 +2,10 @@
 
 A dirty row evicted from the tier just above the bottom must reach the bottom before anyone
 can miss it there. `BackgroundWriter` applies those writes in submission order on one
-thread, while the caller goes on with the cache tiers; the C kernels under `put` release the
-GIL, so on a second core the write costs the caller nothing. `DrainedBackend` stands for the
+thread, while the caller goes on with the cache tiers on a second core. Only the parts of
+`put` that release the GIL overlap the caller's Python: embstore's C kernels do, but
+rocksdict's `write` holds the GIL while RocksDB inserts into its memtable (the reason the
+demo keeps RocksDB's memtables small). `DrainedBackend` stands for the
 bottom backend everywhere else: each use first waits until every queued write is applied, so
 every read, flush, statistic or close sees exactly what the synchronous chain would (the same
 puts, in the same order: tables stay bit-identical).
