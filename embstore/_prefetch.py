@@ -62,7 +62,7 @@ def begin(chain: TableChain, ids: np.ndarray) -> tuple[int, PrefetchJob | None]:
 
     Returns the number of distinct ids the top tier lacks, and the job to read them without
     the lock, or None when there is nothing to read or the chain cannot be read so (then the
-    rows were brought up under the lock, as `TableChain.prefetch` does).
+    rows were brought up under the lock, by `TableChain.bring_up`).
     """
     if len(chain.tiers) == 1:
         return 0, None
@@ -73,10 +73,10 @@ def begin(chain: TableChain, ids: np.ndarray) -> tuple[int, PrefetchJob | None]:
     writer = chain.writer
     if (not len(missing) or len(chain.tiers) != 2 or writer is None
             or not raw.supports_concurrent_reads):
-        return chain.prefetch(ids), None
+        return chain.bring_up(missing), None
     queued = writer.queued_rows(missing)
     if queued is None:  # a failed write-back waits for its retry: read under the lock
-        return chain.prefetch(ids), None
+        return chain.bring_up(missing), None
     if queued[0].any():
         # their stored value is not the latest yet: the queue's is, and is promoted now
         n = len(missing)

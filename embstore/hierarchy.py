@@ -127,14 +127,22 @@ class Tier:
         c["lookups"] += len(ids)
         c["hits"] += hits
         c["misses"] += len(ids) - hits
-        if self.eviction is not None and hits:
-            if self.shares_index:
-                assert slots is not None  # a backend sharing its index reports slots
-                self.shared.record_access_slots(slots if hits == len(ids) else slots[found],
-                                                now)
+        if hits:
+            assert slots is not None or not self.shares_index  # sharing its index: slots
+            if hits == len(ids):
+                self.record_reads(ids, slots, now)
             else:
-                self.eviction.record_access(ids if hits == len(ids) else ids[found], now)
+                self.record_reads(ids[found], None if slots is None else slots[found], now)
         return rows, found, hits, slots
+
+    def record_reads(self, ids: np.ndarray, slots: np.ndarray | None, now: int) -> None:
+        """Tell the eviction policy, if any, that distinct `ids` were read (at `slots`)."""
+        if self.eviction is None:
+            return
+        if self.shares_index and slots is not None:
+            self.shared.record_access_slots(slots, now)
+        else:
+            self.eviction.record_access(ids, now)
 
     def statistics(self) -> TierStatistics:
         """A snapshot of this tier's counters and size."""
@@ -217,16 +225,13 @@ class TableChain:
         found[miss_pos] = (level_of >= 0)[groups.inverse]
         return rows, found
 
-    def prefetch(self, ids: np.ndarray) -> int:
-        """Bring the rows of `ids` that the top tier lacks up from the tiers below.
+    def bring_up(self, missing: np.ndarray) -> int:
+        """Read distinct `missing`, which the top tier lacks, from below and promote them.
 
-        They move as a read would move them; returns how many were missing. Values are
-        unchanged, so a prefetch ahead of a lookup makes it cheaper and never different.
+        They move as a read would move them; returns how many there were. Values are
+        unchanged, so a prefetch ahead of a lookup makes it cheaper and never different
+        (`embstore._prefetch` reads without the store's lock where the chain allows it).
         """
-        if len(self.tiers) == 1:
-            return 0
-        u = IdGroups(np.ascontiguousarray(ids)).unique
-        missing = np.ascontiguousarray(u[~self.touch_top(u)])
         if len(missing):
             self._read_below(missing, self._tick())
         return len(missing)
@@ -240,15 +245,11 @@ class TableChain:
         left to the lookup itself.
         """
         tier = self.tiers[0]
-        if tier.shares_index:
-            slots = tier.slot_backend.index.find(u)
-            held = slots >= 0
-            if held.any():
-                tier.shared.record_access_slots(slots[held], self._tick())
-            return held
-        held = tier.backend.contains(u)
+        slots = tier.slot_backend.index.find(u) if tier.shares_index else None
+        held = tier.backend.contains(u) if slots is None else slots >= 0
         if tier.eviction is not None and held.any():
-            tier.eviction.record_access(np.ascontiguousarray(u[held]), self._tick())
+            tier.record_reads(np.ascontiguousarray(u[held]),
+                              None if slots is None else slots[held], self._tick())
         return held
 
     @property
@@ -346,11 +347,7 @@ class TableChain:
         now = self._tick()
         tier.counters["lookups"] += len(ids)
         tier.counters["hits"] += len(ids)
-        if tier.eviction is not None:
-            if tier.shares_index:
-                tier.shared.record_access_slots(slots, now)
-            else:
-                tier.eviction.record_access(ids, now)
+        tier.record_reads(ids, slots, now)
 
     def put_top_slots(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray | None, *,
                       row_slots: np.ndarray | None = None) -> None:
@@ -368,11 +365,7 @@ class TableChain:
         tier = self.tiers[0]
         if rows is not None:
             cast(Any, tier.backend).write_at(slots if row_slots is None else row_slots, rows)
-        if tier.eviction is not None:
-            if tier.shares_index:
-                tier.shared.record_access_slots(slots, now)
-            else:
-                tier.eviction.record_access(ids, now)
+        tier.record_reads(ids, slots, now)
         if tier.dirty is not None:
             tier.dirty.mark(ids, slots)
         self._enforce_capacity(tier, now)
@@ -462,10 +455,7 @@ class TableChain:
             tier.backend.put(ids, rows)
         if tier.eviction is not None and existed is not None:  # (it is set then)
             if existed.any():
-                if tier.shares_index and slots is not None:
-                    tier.shared.record_access_slots(slots[existed], now)
-                else:
-                    tier.eviction.record_access(ids[existed], now)
+                tier.record_reads(ids[existed], None if slots is None else slots[existed], now)
             if not existed.all():
                 new = ~existed
                 if tier.shares_index and slots is not None:

@@ -10,7 +10,7 @@ from embstore import TableSpec, TierSpec
 
 
 # rocksdb is read without the store's lock (`embstore._prefetch`), lmdb under it
-# (`TableChain.prefetch`); CLOCK and LRU are the policies whose choice an access changes
+# (`TableChain.bring_up`); CLOCK and LRU are the policies whose choice an access changes
 @pytest.mark.parametrize("bottom", ["rocksdb", "lmdb"])
 @pytest.mark.parametrize("eviction", ["clock", "lru"])
 def test_rows_a_prefetch_finds_up_outlast_the_rows_promoted_after_them(
