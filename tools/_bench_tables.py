@@ -161,8 +161,8 @@ class _WorkClock:
         return call
 
 
-_CHAIN_WORK = ("get", "put", "top_slots", "put_top_slots", "count_top_read", "prefetch",
-               "write_back_all", "sync", "delete", "contains")
+_CHAIN_WORK = ("get", "put", "top_slots", "put_top_slots", "count_top_read", "touch_top",
+               "bring_up", "write_back_all", "sync", "delete", "contains")
 _KERNELS = ("step_in_place", "gather_step", "step_rows")
 
 
