@@ -18,7 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example: embstore simulate trace.npy --policy lru,lfu --capacity 1%,5%",
         description="Replay TRACE batch by batch through a cache of each capacity run by every "
                     "eviction x admission pair; print miss ratios (per distinct id per batch) "
-                    "beside Belady's MIN and an infinite cache.")
+                    "beside Belady's MIN and an infinite cache, and for a synth: trace a "
+                    "cache that knows each id's true popularity (the oracle: about the best "
+                    "a policy that does not see the future can do).")
     p.add_argument("trace", metavar="TRACE",
                    help="a .npy (2-D: a batch per row; 1-D: cut by --batch-size), a .npz with "
                         "'ids' and 'offsets', or synth:key=value,... (e.g. "
@@ -76,6 +78,11 @@ def _table(report: dict[str, Any]) -> str:
                   f"{cap['capacity']:>10} {'belady (MIN)':<16} {'-':<16} "
                   f"{best['miss_ratio']:>7.4f} {best['hit_ratio']:>7.4f} {1.0:>6.3f} "
                   f"{best['seconds']:>8.2f}"]
+        oracle = cap.get("oracle")
+        if oracle is not None:  # a synthetic trace: the best an online policy can hope for
+            lines.append(f"{cap['capacity']:>10} {'oracle':<16} {'(popularity)':<16} "
+                         f"{oracle['miss_ratio']:>7.4f} {oracle['hit_ratio']:>7.4f} "
+                         f"{oracle['miss_vs_belady']:>6.3f} {oracle['seconds']:>8.2f}")
         for row in sorted(cap["policies"], key=lambda r: r["misses"]):
             lines.append(f"{cap['capacity']:>10} {row['eviction']:<16} {row['admission']:<16} "
                          f"{row['miss_ratio']:>7.4f} {row['hit_ratio']:>7.4f} "

@@ -26,10 +26,10 @@ Example::
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from embstore.errors import ConfigError
 from embstore.policy import AdmissionPolicy, EvictionPolicy
 from embstore.spec import TableSpec, TierSpec
 
+if TYPE_CHECKING:
+    from .traces import SynthStream
+
 __all__ = [
     "SimResult",
     "Trace",
@@ -48,6 +51,7 @@ __all__ = [
     "load_trace",
     "parse_capacities",
     "parse_policy",
+    "popularity_oracle",
     "run_policies",
     "simulate_trace",
 ]
@@ -100,9 +104,13 @@ class Trace:
 
     Args:
         batches: the batches, in order (each a 1-D integer array; empty ones are allowed).
+        popularity: for a synthetic trace, makes a fresh `SynthStream` that draws the same
+            batches and knows each id's true popularity (`popularity_oracle` replays it).
     """
 
-    def __init__(self, batches: Sequence[np.ndarray]) -> None:
+    def __init__(self, batches: Sequence[np.ndarray],
+                 popularity: Callable[[], SynthStream] | None = None) -> None:
+        self.popularity = popularity
         self.batches = [np.ascontiguousarray(b, dtype=np.int64).reshape(-1) for b in batches]
         flat = np.concatenate(self.batches) if self.batches else np.zeros(0, np.int64)
         # dense ids 0..distinct-1 let the simulator keep residency in one bool array
@@ -130,7 +138,7 @@ def load_trace(spec: str, batch_size: int = 4096) -> Trace:
         ConfigError: the file or spec cannot be read as a trace.
     """
     if spec.startswith("synth"):
-        from .traces import synthesize
+        from .traces import SynthStream, synthesize
 
         _, _, args = spec.partition(":")
         kwargs: dict[str, Any] = {}
@@ -139,8 +147,9 @@ def load_trace(spec: str, batch_size: int = 4096) -> Trace:
             if not eq:
                 raise ConfigError(f"trace spec {spec!r}: expected key=value, got {item!r}")
             kwargs[key.strip().replace("-", "_")] = _number(value.strip())
+        stream = {k: v for k, v in kwargs.items() if k != "batches"}
         try:
-            return Trace(list(synthesize(**kwargs)))
+            return Trace(list(synthesize(**kwargs)), popularity=lambda: SynthStream(**stream))
         except TypeError as exc:
             raise ConfigError(
                 f"trace spec {spec!r}: {exc}; see embstore.tools.traces.synthesize") from exc
@@ -290,6 +299,50 @@ def belady(trace: Trace, capacity: int) -> SimResult:
                      time.perf_counter() - start)
 
 
+def popularity_oracle(trace: Trace, capacity: int) -> SimResult:
+    """A cache that knows every id's true popularity, for a synthetic trace.
+
+    After each batch it keeps the `capacity` ids, of those it held and those the batch read,
+    most likely to be read by the next batch (the trace's `SynthStream`, which drift updates
+    batch by batch: a retired id is worth nothing). No online policy knows that popularity;
+    it can only estimate it from the ids it has seen. When ids are drawn independently from
+    a fixed popularity, keeping the most probable ones is the optimal policy among those that
+    do not see the future (Aho, Denning and Ullman's A0, 1971); with batches and drift this
+    is its natural extension. So the oracle's misses are about the fewest an eviction policy
+    can reach on these traces, and a target below them is out of reach of any.
+
+    Raises:
+        ConfigError: `capacity` is not positive, or the trace is not synthetic.
+    """
+    if capacity < 1:
+        raise ConfigError(f"capacity must be >= 1 id, got {capacity}")
+    if trace.popularity is None:
+        raise ConfigError("the popularity oracle needs a synthetic trace (synth:...): only "
+                          "its generator knows each id's popularity")
+    start = time.perf_counter()
+    stream = trace.popularity()
+    resident = np.zeros(trace.distinct, dtype=bool)
+    cache = np.zeros(0, dtype=np.int64)  # dense ids
+    misses = 0
+    for b, dense in enumerate(trace.unique):
+        drawn = stream.next_batch()  # the stream's state moves on to the next batch
+        if len(drawn) != len(trace.batches[b]) or not np.array_equal(drawn, trace.batches[b]):
+            raise ConfigError(f"batch {b} of the trace is not what its generator draws: the "
+                              "popularity oracle replays only an unmodified synthetic trace")
+        misses += len(dense) - int(np.count_nonzero(resident[dense]))
+        cand = np.union1d(cache, dense)
+        chance = stream.read_probability(trace.ids[cand])
+        live = chance > 0
+        cand, chance = cand[live], chance[live]
+        if len(cand) > capacity:
+            cand = cand[np.argpartition(-chance, capacity - 1)[:capacity]]
+        resident[cache] = False
+        resident[cand] = True
+        cache = cand
+    return SimResult("oracle", "-", capacity, trace.accesses, trace.lookups, misses,
+                     time.perf_counter() - start)
+
+
 def infinite(trace: Trace) -> SimResult:
     """An unbounded cache: only each id's first batch misses."""
     return SimResult("infinite", "-", trace.distinct, trace.accesses, trace.lookups,
@@ -301,6 +354,9 @@ def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str]
                    seed: int = 0) -> dict[str, Any]:
     """Every eviction x admission pair at every capacity, with Belady and the infinite cache.
 
+    A synthetic trace (`load_trace("synth:...")`) also gets the popularity oracle, the
+    fewest misses a policy that does not see the future can hope for.
+
     Args:
         trace: a `Trace` or a sequence of id batches.
         evictions: eviction policy specs (``name[:key=value...]``).
@@ -310,7 +366,8 @@ def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str]
 
     Returns:
         {"accesses", "lookups", "distinct", "batches", "infinite": result dict, "capacities": [
-        {"capacity", "belady": result dict, "policies": [result dicts]}]}.
+        {"capacity", "belady": result dict, "oracle": result dict (synthetic traces
+        only), "policies": [result dicts]}]}; every result but Belady's has "miss_vs_belady".
 
     Raises:
         ConfigError: a bad policy spec or capacity.
@@ -324,15 +381,21 @@ def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str]
     }
     for capacity in parse_capacities(capacities, trace.distinct):
         best = belady(trace, capacity)
+
+        def versus_belady(result: SimResult) -> dict[str, Any]:
+            row = result.as_dict()
+            row["miss_vs_belady"] = (result.misses / best.misses if best.misses  # noqa: B023
+                                     else float("inf") if result.misses else 1.0)
+            return row
+
         rows = []
         for ev in evictions:
             for ad in admissions:
-                result = run_policies(trace, parse_policy(ev, "eviction", seed),  # type: ignore[arg-type]
-                                      parse_policy(ad, "admission", seed), capacity)  # type: ignore[arg-type]
-                row = result.as_dict()
-                row["miss_vs_belady"] = (result.misses / best.misses if best.misses
-                                         else float("inf") if result.misses else 1.0)
-                rows.append(row)
-        report["capacities"].append(
-            {"capacity": capacity, "belady": best.as_dict(), "policies": rows})
+                rows.append(versus_belady(run_policies(
+                    trace, parse_policy(ev, "eviction", seed),  # type: ignore[arg-type]
+                    parse_policy(ad, "admission", seed), capacity)))  # type: ignore[arg-type]
+        entry = {"capacity": capacity, "belady": best.as_dict(), "policies": rows}
+        if trace.popularity is not None:
+            entry["oracle"] = versus_belady(popularity_oracle(trace, capacity))
+        report["capacities"].append(entry)
     return report

@@ -34,6 +34,7 @@ __all__ = [
     "PROFILES",
     "LocalityStats",
     "SynthParams",
+    "SynthStream",
     "calibrate",
     "load_locality_stats",
     "mean_histograms",
@@ -215,11 +216,89 @@ def _table_cdfs(params: SynthParams) -> list[np.ndarray]:
     return cdfs
 
 
+_KEY_MULT = 0x9E3779B97F4B  # odd: a bijection on row keys mod 2**40
+_KEY_MASK = (1 << _TABLE_SHIFT) - 1
+_KEY_MULT_INV = pow(_KEY_MULT, -1, 1 << _TABLE_SHIFT)
+
+
 def _row_keys(ranks: np.ndarray, epochs: np.ndarray, rows: int) -> np.ndarray:
     # an odd multiplier is a bijection mod 2**40: popular rows get scattered, distinct keys
     raw = ranks.astype(np.uint64) + np.uint64(rows) * epochs[ranks].astype(np.uint64)
-    return ((raw * np.uint64(0x9E3779B97F4B)) & np.uint64((1 << _TABLE_SHIFT) - 1)).astype(
-        np.int64)
+    return ((raw * np.uint64(_KEY_MULT)) & np.uint64(_KEY_MASK)).astype(np.int64)
+
+
+class SynthStream:
+    """The generator behind `synthesize`, which also knows every id's true popularity.
+
+    `next_batch` draws a batch, then lets the hot set drift; `read_probability` then gives
+    the chance that each id is read by the next batch (0 for an id whose rank drift has
+    given a new id). That is what a cache that knew the true popularity would rank ids by:
+    `embstore.tools.simulator.popularity_oracle`, about the best an online policy can hope
+    for on these traces.
+
+    Args: those of `synthesize`, less `batches`.
+
+    Raises:
+        ConfigError: unknown profile or bad value.
+    """
+
+    def __init__(self, seed: int = 0, profile: str = "2021", lookups: int | None = None,
+                 drift: float = 0.0, params: SynthParams | None = None) -> None:
+        if params is None:
+            profile = str(profile)  # "synth:profile=2021" parses the year as a number
+            if profile not in PROFILES:
+                raise ConfigError(f"unknown trace profile {profile!r}; known: {sorted(PROFILES)}")
+            params = PROFILES[profile]
+        if lookups is not None:
+            params = replace(params, lookups=int(lookups))
+        if not 0 <= drift <= 1 or params.lookups < params.tables:
+            raise ConfigError(f"synthesize: need 0 <= drift <= 1 and lookups >= tables, got "
+                              f"drift={drift}, lookups={params.lookups}")
+        self.params = params
+        self.drift = float(drift)
+        self._rng = np.random.default_rng(seed)
+        self._cdfs = _table_cdfs(params)
+        self._per_table = params.table_lookups()
+        self._rows = params.table_rows()
+        self._epochs = [np.zeros(r, dtype=np.int64) for r in self._rows]
+
+    def next_batch(self) -> np.ndarray:
+        """The next batch: int64 ids, table in the bits above 40, row key below."""
+        rng = self._rng
+        parts = []
+        for t, cdf in enumerate(self._cdfs):
+            ranks = np.searchsorted(cdf, rng.random(self._per_table[t]), side="right")
+            ranks = np.minimum(ranks, self._rows[t] - 1)
+            parts.append((t << _TABLE_SHIFT) | _row_keys(ranks, self._epochs[t],
+                                                         int(self._rows[t])))
+        # samples interleave tables in a real batch; a consumer may cut batches into pieces
+        batch = rng.permutation(np.concatenate(parts))
+        if self.drift:
+            for e in self._epochs:
+                e[rng.random(len(e)) < self.drift] += 1
+        return batch
+
+    def read_probability(self, ids: np.ndarray) -> np.ndarray:
+        """float64 chance that each of `ids` (int64) is read by the next batch.
+
+        0 for ids this stream never makes (another table, an epoch drift has retired).
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        table = ids >> _TABLE_SHIFT
+        raw = ((ids & _KEY_MASK).astype(np.uint64) * np.uint64(_KEY_MULT_INV)) & np.uint64(
+            _KEY_MASK)
+        out = np.zeros(len(ids))
+        for t in np.unique(table[(table >= 0) & (table < len(self._rows))]):
+            sel = np.flatnonzero(table == t)
+            rows = int(self._rows[t])
+            rank = (raw[sel] % np.uint64(rows)).astype(np.int64)
+            epoch = (raw[sel] // np.uint64(rows)).astype(np.int64)
+            cdf = self._cdfs[t]
+            p = cdf[rank] - np.where(rank > 0, cdf[np.maximum(rank - 1, 0)], 0.0)
+            with np.errstate(divide="ignore"):  # p == 1: a one-row table, read every batch
+                read = -np.expm1(self._per_table[t] * np.log1p(-np.minimum(p, 1.0)))
+            out[sel] = np.where(self._epochs[t][rank] == epoch, read, 0.0)
+        return out
 
 
 def synthesize(batches: int = 20, seed: int = 0, profile: str = "2021",
@@ -239,33 +318,12 @@ def synthesize(batches: int = 20, seed: int = 0, profile: str = "2021",
     Raises:
         ConfigError: unknown profile or bad value.
     """
-    if params is None:
-        profile = str(profile)  # "synth:profile=2021" parses the year as a number
-        if profile not in PROFILES:
-            raise ConfigError(f"unknown trace profile {profile!r}; known: {sorted(PROFILES)}")
-        params = PROFILES[profile]
-    if lookups is not None:
-        params = replace(params, lookups=int(lookups))
-    if not 0 <= drift <= 1 or batches < 0 or params.lookups < params.tables:
-        raise ConfigError(f"synthesize: need 0 <= drift <= 1, batches >= 0 and lookups >= "
-                          f"tables, got drift={drift}, batches={batches}, "
-                          f"lookups={params.lookups}")
-    rng = np.random.default_rng(seed)
-    cdfs = _table_cdfs(params)
-    per_table = params.table_lookups()
-    table_rows = params.table_rows()
-    epochs = [np.zeros(r, dtype=np.int64) for r in table_rows]
+    if batches < 0:
+        raise ConfigError(f"synthesize: need batches >= 0, got batches={batches}")
+    stream = SynthStream(seed=seed, profile=profile, lookups=lookups, drift=drift,
+                         params=params)
     for _ in range(batches):
-        parts = []
-        for t, cdf in enumerate(cdfs):
-            ranks = np.searchsorted(cdf, rng.random(per_table[t]), side="right")
-            ranks = np.minimum(ranks, table_rows[t] - 1)
-            parts.append((t << _TABLE_SHIFT) | _row_keys(ranks, epochs[t], int(table_rows[t])))
-        # samples interleave tables in a real batch; a consumer may cut batches into pieces
-        yield rng.permutation(np.concatenate(parts))
-        if drift:
-            for e in epochs:
-                e[rng.random(len(e)) < drift] += 1
+        yield stream.next_batch()
 
 
 def calibrate(rows_target: np.ndarray, access_target: np.ndarray, seed: int = 0,
