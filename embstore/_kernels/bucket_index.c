@@ -98,8 +98,17 @@ void bk_insert(bucket_t *t, uint64_t nb, const int64_t *ids, const int32_t *slot
 int64_t bk_remove(bucket_t *t, uint64_t nb, const int64_t *ids, int64_t n, int32_t *out_slots) {
     const uint64_t cap = nb * BK;
     int64_t removed = 0;
+    uint64_t home[BK_AHEAD];  /* home buckets prefetched ahead, as in bk_find */
+    for (int64_t j = 0; j < n && j < BK_AHEAD; j++) {
+        home[j] = bk_home(ids[j], nb);
+        __builtin_prefetch(&t[home[j]], 1);
+    }
     for (int64_t j = 0; j < n; j++) {
-        uint64_t p = bk_home(ids[j], nb) * BK;
+        uint64_t p = home[j % BK_AHEAD] * BK;
+        if (j + BK_AHEAD < n) {
+            home[j % BK_AHEAD] = bk_home(ids[j + BK_AHEAD], nb);
+            __builtin_prefetch(&t[home[j % BK_AHEAD]], 1);
+        }
         for (;;) {
             bucket_t *bk = &t[p / BK];
             int k = (int)(p % BK);
@@ -119,7 +128,9 @@ int64_t bk_remove(bucket_t *t, uint64_t nb, const int64_t *ids, int64_t n, int32
             int kq = (int)(q % BK);
             if (bq->val[kq] < 0) break;
             uint64_t h = bk_home(bq->key[kq], nb) * BK;
-            uint64_t dist_h = (q + cap - h) % cap, dist_hole = (q + cap - hole) % cap;
+            /* cyclic distances back from q, without a division */
+            uint64_t dist_h = q >= h ? q - h : q + cap - h;
+            uint64_t dist_hole = q >= hole ? q - hole : q + cap - hole;
             if (dist_h < dist_hole) continue;
             bucket_t *bh = &t[hole / BK];
             bh->key[hole % BK] = bq->key[kq];
