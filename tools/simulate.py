@@ -79,7 +79,7 @@ def _table(report: dict[str, Any]) -> str:
                   f"{best['miss_ratio']:>7.4f} {best['hit_ratio']:>7.4f} {1.0:>6.3f} "
                   f"{best['seconds']:>8.2f}"]
         oracle = cap.get("oracle")
-        if oracle is not None:  # a synthetic trace: the best an online policy can hope for
+        if oracle is not None:  # a synthetic trace: about the best an online policy can do
             lines.append(f"{cap['capacity']:>10} {'oracle':<16} {'(popularity)':<16} "
                          f"{oracle['miss_ratio']:>7.4f} {oracle['hit_ratio']:>7.4f} "
                          f"{oracle['miss_vs_belady']:>6.3f} {oracle['seconds']:>8.2f}")

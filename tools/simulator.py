@@ -354,8 +354,8 @@ def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str]
                    seed: int = 0) -> dict[str, Any]:
     """Every eviction x admission pair at every capacity, with Belady and the infinite cache.
 
-    A synthetic trace (`load_trace("synth:...")`) also gets the popularity oracle, the
-    fewest misses a policy that does not see the future can hope for.
+    A synthetic trace (`load_trace("synth:...")`) also gets the popularity oracle: about the
+    fewest misses (in expectation) a policy that does not see the future can hope for.
 
     Args:
         trace: a `Trace` or a sequence of id batches.

@@ -252,8 +252,8 @@ class SynthStream:
         if lookups is not None:
             params = replace(params, lookups=int(lookups))
         if not 0 <= drift <= 1 or params.lookups < params.tables:
-            raise ConfigError(f"synthesize: need 0 <= drift <= 1 and lookups >= tables, got "
-                              f"drift={drift}, lookups={params.lookups}")
+            raise ConfigError(f"synthetic trace: need 0 <= drift <= 1 and lookups >= tables, "
+                              f"got drift={drift}, lookups={params.lookups}")
         self.params = params
         self.drift = float(drift)
         self._rng = np.random.default_rng(seed)
@@ -279,16 +279,19 @@ class SynthStream:
         return batch
 
     def read_probability(self, ids: np.ndarray) -> np.ndarray:
-        """float64 chance that each of `ids` (int64) is read by the next batch.
+        """float64[N] chance that each of `ids` (int64[N]) is read by the next batch.
 
-        0 for ids this stream never makes (another table, an epoch drift has retired).
+        0 for ids this stream never makes (another table, an epoch drift has retired) and for
+        rows of a table the batch does not read.
         """
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         table = ids >> _TABLE_SHIFT
         raw = ((ids & _KEY_MASK).astype(np.uint64) * np.uint64(_KEY_MULT_INV)) & np.uint64(
             _KEY_MASK)
         out = np.zeros(len(ids))
         for t in np.unique(table[(table >= 0) & (table < len(self._rows))]):
+            if not self._per_table[t]:
+                continue  # no lookups (a profile at very few lookups): never read
             sel = np.flatnonzero(table == t)
             rows = int(self._rows[t])
             rank = (raw[sel] % np.uint64(rows)).astype(np.int64)
