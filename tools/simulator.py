@@ -349,6 +349,14 @@ def infinite(trace: Trace) -> SimResult:
                      trace.distinct, 0.0)
 
 
+def _versus(best: SimResult, result: SimResult) -> dict[str, Any]:
+    """`result` as a dict, with its misses over Belady's (`best`) as "miss_vs_belady"."""
+    row = result.as_dict()
+    row["miss_vs_belady"] = (result.misses / best.misses if best.misses
+                             else float("inf") if result.misses else 1.0)
+    return row
+
+
 def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str],
                    admissions: Sequence[str], capacities: Sequence[float],
                    seed: int = 0) -> dict[str, Any]:
@@ -381,21 +389,14 @@ def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str]
     }
     for capacity in parse_capacities(capacities, trace.distinct):
         best = belady(trace, capacity)
-
-        def versus_belady(result: SimResult) -> dict[str, Any]:
-            row = result.as_dict()
-            row["miss_vs_belady"] = (result.misses / best.misses if best.misses  # noqa: B023
-                                     else float("inf") if result.misses else 1.0)
-            return row
-
         rows = []
         for ev in evictions:
             for ad in admissions:
-                rows.append(versus_belady(run_policies(
+                rows.append(_versus(best, run_policies(
                     trace, parse_policy(ev, "eviction", seed),  # type: ignore[arg-type]
                     parse_policy(ad, "admission", seed), capacity)))  # type: ignore[arg-type]
         entry = {"capacity": capacity, "belady": best.as_dict(), "policies": rows}
         if trace.popularity is not None:
-            entry["oracle"] = versus_belady(popularity_oracle(trace, capacity))
+            entry["oracle"] = _versus(best, popularity_oracle(trace, capacity))
         report["capacities"].append(entry)
     return report

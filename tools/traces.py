@@ -258,6 +258,8 @@ class SynthStream:
         self.drift = float(drift)
         self._rng = np.random.default_rng(seed)
         self._cdfs = _table_cdfs(params)
+        # chance of each rank per lookup: `next_batch` draws rank r where cdf[r-1] <= u < cdf[r]
+        self._pmfs = [np.diff(cdf, prepend=0.0) for cdf in self._cdfs]
         self._per_table = params.table_lookups()
         self._rows = params.table_rows()
         self._epochs = [np.zeros(r, dtype=np.int64) for r in self._rows]
@@ -296,8 +298,7 @@ class SynthStream:
             rows = int(self._rows[t])
             rank = (raw[sel] % np.uint64(rows)).astype(np.int64)
             epoch = (raw[sel] // np.uint64(rows)).astype(np.int64)
-            cdf = self._cdfs[t]
-            p = cdf[rank] - np.where(rank > 0, cdf[np.maximum(rank - 1, 0)], 0.0)
+            p = self._pmfs[t][rank]
             with np.errstate(divide="ignore"):  # p == 1: a one-row table, read every batch
                 read = -np.expm1(self._per_table[t] * np.log1p(-np.minimum(p, 1.0)))
             out[sel] = np.where(self._epochs[t][rank] == epoch, read, 0.0)
