@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("torch")
 
+from embstore._parallel import available_cores  # noqa: E402
 from embstore.tools.cli import main  # noqa: E402
 
 
@@ -21,6 +24,16 @@ def test_bench_torch_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ratio tiered in line / all-DRAM:" in out
     assert "ratio compute alone / all-DRAM:" in out
     assert "tables are identical" in out
+    # cores busy: the process's CPU time over wall time, so within (0, the machine's cores]
+    cores = available_cores()
+    busy = {}
+    for line in out.splitlines():
+        m = re.match(r"\s+(tiered|all DRAM|compute)(.*?)\s{2,}[\d,]+\s+[\d.]+x\s+([\d.]+)$",
+                     line)
+        if m:
+            busy[m.group(1) + m.group(2)] = float(m.group(3))
+    assert len(busy) == 5, out
+    assert all(0 < v <= cores + 0.05 for v in busy.values()), busy
 
 
 def test_bench_torch_bad_parts(capsys: pytest.CaptureFixture[str]) -> None:

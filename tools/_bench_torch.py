@@ -26,11 +26,13 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 import embstore
+from embstore._parallel import available_cores
 
 from ._benchutil import interleaved_medians, print_table
 
@@ -297,6 +299,17 @@ def _dram_fill(store: Any) -> float:
     return sum(t.rows for t in top) / max(sum(t.capacity_rows or 0 for t in top), 1)
 
 
+def _metered(fn: Callable[[int], None], name: str, cpu: dict[str, float],
+             wall: dict[str, float]) -> Callable[[int], None]:
+    """`fn`, adding the process's CPU seconds and the wall seconds of each call to `name`'s."""
+    def call(i: int) -> None:
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn(i)
+        cpu[name] += time.process_time() - c0
+        wall[name] += time.perf_counter() - t0
+    return call
+
+
 def _demo_part(args: argparse.Namespace, torch: Any) -> int:
     from ._dlrm import ClickStream, DemoConfig, build_model, make_store, table_digest
 
@@ -375,6 +388,11 @@ def _demo_part(args: argparse.Namespace, torch: Any) -> int:
     # still sees the same chunks in the same order
     fns = {name: (lambda i, c=c: c.train(chunks[i])) for name, c in contenders.items()}
     fns["compute alone"] = compute_alone
+    # CPU time of every thread of the process (training, pipeline, write-back, RocksDB's own)
+    # over wall time: how many cores a contender keeps busy, so a step bound by the cores
+    # can be told from one whose threads wait on each other (the GIL, a queue)
+    cpu, wall = dict.fromkeys(fns, 0.0), dict.fromkeys(fns, 0.0)
+    fns = {name: _metered(fn, name, cpu, wall) for name, fn in fns.items()}
     med = interleaved_medians(fns, reps)
     samples = chunk * args.demo_batch
     base_name = min(("all DRAM, pipelined", "all DRAM, in line"), key=lambda n: med[n])
@@ -382,10 +400,13 @@ def _demo_part(args: argparse.Namespace, torch: Any) -> int:
     print(f"demo: DLRM training steps ({cfg.features} tables of {cfg.rows:,} x {cfg.dim}, "
           f"{args.demo_batch:,} samples per step, {chunk} steps per repeat); ratios to the "
           "faster all-DRAM run")
-    print(f"  {'contender':<44}{'samples/s':>14}{'ratio':>9}")
+    print(f"  {'contender':<44}{'samples/s':>14}{'ratio':>9}{'cores busy':>12}")
     for name in fns:
         label = f"{name}{' [baseline]' if name == base_name else ''}"
-        print(f"  {label:<44}{samples / med[name]:>14,.0f}{base / med[name]:>8.2f}x")
+        print(f"  {label:<44}{samples / med[name]:>14,.0f}{base / med[name]:>8.2f}x"
+              f"{cpu[name] / max(wall[name], 1e-9):>12.2f}")
+    print(f"demo: cores busy: CPU time of all the process's threads over wall time, of "
+          f"{available_cores()} cores")
     for name, (hits0, lookups0) in before.items():
         hits, lookups = tier0(stores[name])
         print(f"demo: {name}: hit ratio of the DRAM tier over the timed steps "
