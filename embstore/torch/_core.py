@@ -188,7 +188,7 @@ def _position_grads(tp: TablePlan, fp: FeaturePlan, mode: str, grad: torch.Tenso
     n = len(fp.bags.ids)
     inv = tp.inverse[fp.start: fp.start + n]
     if mode == "none":
-        return grad.reshape(n, -1), None
+        return grad.reshape(n, grad.shape[-1]), None  # [..., dim]; n may be 0
     _, bag_size, _ = saved
     # torch's sum mode leaves offset2bag empty: the bag of each position, from the offsets
     offsets = fp.bags.offsets
@@ -228,8 +228,10 @@ def _max_grads(tp: TablePlan, grad: torch.Tensor, saved: Any) -> torch.Tensor:
     """Per distinct row [U, dim]: each pooled column's gradient goes to the row that won it."""
     assert tp.rows is not None
     _, bag_size, max_indices = saved
-    won = (bag_size > 0)[:, None]  # an empty bag has no winner (torch reports row 0)
     out = torch.zeros_like(tp.rows)
+    if not len(out):  # every bag empty: no row won anything
+        return out
+    won = (bag_size > 0)[:, None]  # an empty bag has no winner (torch reports row 0)
     return out.scatter_add_(0, max_indices, grad * won)
 
 
@@ -330,6 +332,16 @@ def _apply(store: Any, updates: dict[str, tuple[np.ndarray, np.ndarray]], finite
         store.apply_gradients_many(updates)
 
 
+def _graph_token() -> torch.Tensor:
+    """An empty tensor saved for backward, so that autograd frees it with the graph.
+
+    A second backward through a graph already freed (no ``retain_graph``) then raises torch's
+    own error when the backward reads it, as it does for torch.nn.EmbeddingBag, instead of
+    applying the table's optimizer a second time.
+    """
+    return torch.empty(0)
+
+
 class _TableFunction(torch.autograd.Function):
     """Forward: pooled outputs of one table's features. Backward: the store's update."""
 
@@ -339,10 +351,12 @@ class _TableFunction(torch.autograd.Function):
         outs, saved = _forward_outputs(tp, mode, store)
         ctx.store, ctx.tp, ctx.mode, ctx.saved = store, tp, mode, saved
         ctx.set_materialize_grads(True)
+        ctx.save_for_backward(_graph_token())
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.saved_tensors  # noqa: B018  # torch raises here on a second pass through a freed graph
         unique, distinct, weight_grads, finite = _table_update(ctx.tp, ctx.mode, grads,
                                                                ctx.saved)
         _apply(ctx.store, {ctx.tp.table: (unique, distinct)}, finite)
@@ -370,10 +384,12 @@ class _TablesFunction(torch.autograd.Function):
         ctx.collective = bool(getattr(store, "collective", False))
         ctx.set_materialize_grads(ctx.collective)
         ctx.outputs = [(o.shape, o.dtype, o.device) for o in outs]
+        ctx.save_for_backward(_graph_token())
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        ctx.saved_tensors  # noqa: B018  # torch raises here on a second pass through a freed graph
         updates: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         weight_grads: list[torch.Tensor | None] = []
         finite = True

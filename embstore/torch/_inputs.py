@@ -60,9 +60,20 @@ def flat_ids(what: str, tensor: object, device: torch.device) -> np.ndarray:
     ids = tensor.detach().reshape(-1)
     if ids.device.type != "cpu":
         ids = ids.cpu()
+    if ids.dtype == torch.uint64:
+        wide = ids.numpy()
+        big = np.flatnonzero(wide > np.iinfo(np.int64).max)
+        if len(big):
+            raise InvalidIdsError(f"{what} holds id {int(wide[big[0]])}, beyond the largest "
+                                  f"id a table can hold ({np.iinfo(np.int64).max})")
     if ids.dtype != torch.int64:
         ids = ids.to(torch.int64)
     return np.ascontiguousarray(ids.numpy())
+
+
+def _integer_tensor(tensor: torch.Tensor) -> bool:
+    return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex
+                or tensor.dtype == torch.bool)
 
 
 def _offsets(offsets: object, n: int, include_last_offset: bool,
@@ -71,7 +82,7 @@ def _offsets(offsets: object, n: int, include_last_offset: bool,
         raise InvalidIdsError(f"offsets must be a 1-D integer torch.Tensor, got "
                               f"{type(offsets).__name__}")
     _check_device("offsets", offsets, device)
-    if offsets.dim() != 1 or offsets.dtype.is_floating_point or offsets.dtype == torch.bool:
+    if offsets.dim() != 1 or not _integer_tensor(offsets):
         raise InvalidIdsError(
             f"offsets must be a 1-D integer tensor, got dtype {offsets.dtype} and shape "
             f"{tuple(offsets.shape)}"
@@ -88,6 +99,11 @@ def _offsets(offsets: object, n: int, include_last_offset: bool,
             )
     else:
         off = np.append(off, n)
+    if len(off) == 1 and n:
+        # torch returns no bags here, as if the ids were not there; they would be looked up
+        # and updated by no bag's gradient, so the caller must mean something else
+        raise InvalidIdsError(f"offsets hold no bag but the input has {n} ids; give each bag's "
+                              "start (offsets[0] = 0)")
     if len(off) > 1 and off[0] != 0:
         raise InvalidIdsError(f"offsets[0] must be 0 (the first bag starts at the input's "
                               f"start), got {int(off[0])}")
@@ -101,7 +117,7 @@ def _offsets(offsets: object, n: int, include_last_offset: bool,
     return np.ascontiguousarray(off)
 
 
-def _weights(per_sample_weights: object, n: int, device: torch.device,
+def _weights(per_sample_weights: object, shape: tuple[int, ...], device: torch.device,
              dtype: torch.dtype) -> torch.Tensor:
     w = per_sample_weights
     if not isinstance(w, torch.Tensor):
@@ -112,10 +128,10 @@ def _weights(per_sample_weights: object, n: int, device: torch.device,
         raise InvalidValuesError(
             f"per_sample_weights must have the table's dtype {dtype}, got {w.dtype}"
         )
-    if w.numel() != n:
+    if tuple(w.shape) != shape:
         raise InvalidValuesError(
-            f"per_sample_weights must have one weight per id ({n}), got shape "
-            f"{tuple(w.shape)}"
+            f"per_sample_weights must have the shape of the ids, {shape} (one weight per id), "
+            f"got {tuple(w.shape)}"
         )
     return w.reshape(-1)
 
@@ -148,7 +164,7 @@ def bag_input(input: object, offsets: object, per_sample_weights: object, *, mod
                                   "None then (pass a 1-D input to use offsets)")
         b, length = input.shape
         ids = flat_ids("input", input, device)
-        off = np.arange(0, (b + 1) * length, length, dtype=np.int64)[: b + 1]
+        off = np.arange(b + 1, dtype=np.int64) * length  # [B, 0]: B empty bags
     elif input.dim() == 1:
         if offsets is None:
             raise InvalidIdsError("a 1-D input needs offsets (where each bag starts); or pass "
@@ -165,7 +181,7 @@ def bag_input(input: object, offsets: object, per_sample_weights: object, *, mod
                 f"per_sample_weights are only supported with mode='sum' (as in torch), "
                 f"got mode={mode!r}"
             )
-        weights = _weights(per_sample_weights, len(ids), device, dtype)
+        weights = _weights(per_sample_weights, tuple(input.shape), device, dtype)
     return BagInput(ids, off, weights)
 
 
@@ -173,8 +189,12 @@ def jagged_input(feature: str, values: object, lengths: object, device: torch.de
                  dtype: torch.dtype, weights: object = None) -> BagInput:
     """Check one feature of a jagged batch: `values` LongTensor [N], `lengths` [B]."""
     ids = flat_ids(f"feature {feature!r} values", values, device)
+    assert isinstance(values, torch.Tensor)  # flat_ids refused anything else
+    if values.dim() != 1:
+        raise InvalidIdsError(f"feature {feature!r}: values must be a 1-D tensor of ids, got "
+                              f"shape {tuple(values.shape)}")
     if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 \
-            or lengths.dtype.is_floating_point:
+            or not _integer_tensor(lengths):
         raise InvalidIdsError(f"feature {feature!r}: lengths must be a 1-D integer tensor")
     _check_device(f"feature {feature!r} lengths", lengths, device)
     lens = lengths.detach().cpu().to(torch.int64).numpy()
@@ -186,5 +206,5 @@ def jagged_input(feature: str, values: object, lengths: object, device: torch.de
     if off[-1] != len(ids):
         raise InvalidIdsError(f"feature {feature!r}: lengths add up to {int(off[-1])} but "
                               f"there are {len(ids)} values")
-    w = None if weights is None else _weights(weights, len(ids), device, dtype)
+    w = None if weights is None else _weights(weights, (len(ids),), device, dtype)
     return BagInput(ids, off, w)

@@ -1,7 +1,9 @@
 """torch.nn modules whose embedding tables live in an embstore store.
 
 The modules hold no parameters: a forward looks up the rows it needs in the store, and in
-training the backward applies each table's fused optimizer in the store. A model that holds
+training the backward applies each table's fused optimizer in the store: one step per
+backward through each forward call (two calls reading one table in one loss are two steps,
+not one step of their summed gradients as with torch.optim). A model that holds
 them saves its dense part with ``torch.save(model.state_dict())`` as usual and its tables with
 ``store.checkpoint``.
 """
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ConfigError, InvalidIdsError
+from ..errors import ConfigError, InvalidIdsError, InvalidValuesError
 from ..store import EmbeddingStore
 from ._core import MODES, ForwardPlan, fetch, pool_in_store, prepare, run
 from ._inputs import BagInput, bag_input, flat_ids, jagged_input
@@ -340,7 +342,9 @@ class EmbeddingBagCollection(_StoreModule):
         for f in self.feature_names:
             values, lengths, weights = given[f]
             if weights is not None and self.mode != "sum":
-                raise InvalidIdsError(f"feature {f!r}: per-sample weights need mode='sum'")
+                raise InvalidValuesError(f"feature {f!r}: per-sample weights are only "
+                                         f"supported with mode='sum' (as in torch), got "
+                                         f"mode={self.mode!r}")
             bags = jagged_input(f, values, lengths, self.device, self._dtype, weights)
             if batch is None:
                 batch = bags.num_bags

@@ -219,6 +219,13 @@ BAD_CALLS = [
     ("input on another device", lambda b: b.to("meta")(torch.tensor([1]), torch.tensor([0])),
      DeviceMismatchError),
     ("ids not a tensor", lambda b: b([1, 2], torch.tensor([0])), InvalidIdsError),
+    # ids 1 and 2 are in the DRAM tier, where a sum pools in place: no bag must reach it
+    ("ids but no bag", lambda b: b(torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)),
+     InvalidIdsError),
+    ("weights of another shape", lambda b: b(torch.tensor([1, 2]), torch.tensor([0]),
+                                             torch.ones(1, 2)), InvalidValuesError),
+    ("complex offsets", lambda b: b(torch.tensor([1, 2]), torch.tensor([0j])),
+     InvalidIdsError),
 ]
 
 
@@ -234,11 +241,94 @@ def test_bad_input_raises_and_changes_nothing(what, call, error):
     np.testing.assert_array_equal(_table(store)[0], before[0])
 
 
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_no_bag_holding_ids_is_refused_even_for_rows_in_dram(include_last_offset):
+    store = _store(embstore.optim.SGD(lr=0.1))
+    bag = et.EmbeddingBag(store, "t", mode="sum", include_last_offset=include_last_offset)
+    bag(torch.tensor([1, 2, 3]), torch.tensor([0, 3] if include_last_offset else [0])) \
+        .sum().backward()
+    before = _table(store)
+    offsets = torch.tensor([3] if include_last_offset else [], dtype=torch.long)
+    with pytest.raises(InvalidIdsError):
+        bag(torch.tensor([1, 2, 3]), offsets)
+    np.testing.assert_array_equal(_table(store)[0], before[0])
+    # no ids and no bag is an empty batch
+    assert bag(torch.tensor([], dtype=torch.long), offsets[:0] if not include_last_offset
+               else torch.tensor([0])).shape == (0, DIM)
+
+
+def test_unsigned_ids_past_the_largest_id_are_named_as_given():
+    store = _store(embstore.optim.SGD(lr=0.1))
+    bag = et.EmbeddingBag(store, "t", mode="sum")
+    with pytest.raises(InvalidIdsError, match="18446744073709551615"):  # not wrapped to -1
+        bag(torch.tensor([1, 2**64 - 1], dtype=torch.uint64), torch.tensor([0]))
+    out = bag(torch.tensor([1, 2], dtype=torch.uint64), torch.tensor([0]))
+    assert torch.equal(out, bag(torch.tensor([1, 2]), torch.tensor([0])))
+
+
+def _torch_bag(store, mode):
+    """torch.nn.EmbeddingBag holding the table's weights now."""
+    return torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(_table(store)[0].copy()),
+                                                 freeze=False, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_batches_without_ids_train_like_torch(mode):
+    """Bags that are all empty, an unpooled input of no ids, and a 2-D input of empty bags."""
+    store = _store(embstore.optim.Adagrad(lr=0.1))
+    ref = _torch_bag(store, mode)
+    bag = et.EmbeddingBag(store, "t", mode=mode)
+    empty = torch.tensor([], dtype=torch.long)
+    for ours, theirs in ((bag(empty, torch.tensor([0, 0])), ref(empty, torch.tensor([0, 0]))),
+                         (bag(torch.zeros(3, 0, dtype=torch.long)),
+                          ref(empty, torch.tensor([0, 0, 0])))):
+        assert torch.equal(ours, theirs) and ours.shape[1] == DIM
+        ours.sum().backward()
+    unpooled = et.Embedding(store, "t")(torch.zeros(2, 0, dtype=torch.long))
+    assert unpooled.shape == (2, 0, DIM)
+    unpooled.sum().backward()
+    assert store.num_rows("t") == 0
+
+
+def test_a_second_backward_through_a_freed_graph_is_refused_as_torch_refuses_it():
+    store = _store(embstore.optim.Adagrad(lr=0.1))
+    for module in (et.EmbeddingBag(store, "t", mode="sum"),
+                   et.EmbeddingBagCollection(store, {"a": "t", "b": "t"})):
+        if isinstance(module, et.EmbeddingBag):
+            loss = module(torch.tensor([1, 2]), torch.tensor([0])).sum()
+        else:
+            loss = module({"a": (torch.tensor([1]), torch.tensor([1])),
+                           "b": (torch.tensor([2]), torch.tensor([1]))}).values().sum()
+        loss.backward()
+        once = _table(store)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+        np.testing.assert_array_equal(_table(store)[0], once[0])  # one step, not two
+        np.testing.assert_array_equal(_table(store)[1], once[1])
+
+
+@pytest.mark.parametrize("bad,error", [
+    ({"a": (torch.tensor([[1]]), torch.tensor([1]))}, InvalidIdsError),  # 2-D values
+    ({"a": (torch.tensor([1]), torch.tensor([True]))}, InvalidIdsError),  # bool lengths
+    ({"a": (torch.tensor([1]), torch.tensor([1j]))}, InvalidIdsError),  # complex lengths
+    ({"a": (torch.tensor([1]), torch.tensor([1]), torch.ones(1, 1))}, InvalidValuesError),
+])
+def test_collection_refuses_malformed_features(bad, error):
+    store = _store(embstore.optim.SGD(lr=0.1))
+    ebc = et.EmbeddingBagCollection(store, {"a": "t"})
+    with pytest.raises(error):
+        ebc(bad)
+    assert store.num_rows("t") == 0
+
+
 def test_weights_with_max_pooling_are_refused():
     store = _store(embstore.optim.SGD(lr=0.1))
     bag = et.EmbeddingBag(store, "t", mode="max")
     with pytest.raises(InvalidValuesError, match="mode='sum'"):
         bag(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))
+    ebc = et.EmbeddingBagCollection(store, {"a": "t"}, mode="mean")
+    with pytest.raises(InvalidValuesError, match="mode='sum'"):
+        ebc({"a": (torch.tensor([1, 2]), torch.tensor([2]), torch.ones(2))})
     assert store.num_rows("t") == 0
 
 
