@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from . import _counters, _crash, registry
-from ._written import write_record
+from ._written import WrittenIds, write_record
 from .backend import Backend, BackendSpec, SupportsBulkLoad
-from .errors import ConfigError, StoreNotFoundError
+from .errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from .layout import (
     bottom_dir,
     lock,
@@ -46,8 +46,8 @@ from .layout import (
 from .manifest import fsync_dir, fsync_tree
 from .spec import TableSpec, TierSpec
 
-__all__ = ["RowSource", "open_bottom", "page_rows", "read_store", "replace_store",
-           "store_rows", "write_store"]
+__all__ = ["RowSource", "keeps_written_record", "open_bottom", "page_rows", "read_store",
+           "replace_store", "store_rows", "write_store"]
 
 BATCH_ROWS = 65536
 PAGE_BYTES = 4 << 20
@@ -104,18 +104,39 @@ def read_store(root: Path) -> tuple[dict[str, Any], list[TableSpec], tuple[TierS
             tuple(TierSpec.from_json(t) for t in doc["tiers"]))
 
 
+def keeps_written_record(spec: TableSpec, default_tiers: Sequence[TierSpec]) -> bool:
+    """Whether table `spec` keeps a written-id record (embstore._written).
+
+    It does where its store of record persists and keeps every row: no policy of its own
+    drops writes (admission) or rows (eviction).
+    """
+    bottom = table_chain(spec, default_tiers)[-1]
+    return (registry.load_backend(bottom.backend).supports_persistence
+            and bottom.eviction is None and bottom.admission is None)
+
+
 def store_rows(root: Path, default_tiers: Sequence[TierSpec],
-               specs: Sequence[TableSpec]) -> RowSource:
+               specs: Sequence[TableSpec], *, check_written: bool = True) -> RowSource:
     """A row source reading each table's store of record at `root` (read-only).
 
     `specs` are the tables as the store at `root` has them; the source is asked by name, so
-    the new store may give a table another chain.
+    the new store may give a table another chain. With `check_written`, a table whose
+    written-id record holds ids its store of record lacks (a lost file, lost rows) raises
+    `CorruptStoreError` once its last page is read, before anything is swapped in: a copy
+    must not turn rows the medium lost into rows that were never written.
     """
     by_name = {s.name: s for s in specs}
+    listed = read_manifest(root).get("written_records", []) if check_written else []
 
     def source(spec: TableSpec) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
-        backend = open_bottom(root, by_name[spec.name], default_tiers, read_only=True,
-                              scan=True)
+        old = by_name[spec.name]
+        record = None
+        if (check_written and isinstance(listed, list) and old.name in listed
+                and keeps_written_record(old, default_tiers)):
+            record = WrittenIds(written_file(root, old.name), old.num_embeddings,
+                                lambda: np.zeros(0, np.int64), read_only=True,
+                                must_exist=True)
+        backend = open_bottom(root, old, default_tiers, read_only=True, scan=True)
         try:
             count = len(backend)
         except BaseException:
@@ -123,10 +144,31 @@ def store_rows(root: Path, default_tiers: Sequence[TierSpec],
             raise
 
         def pages() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            held = 0
             with backend:
-                yield from backend.items(page_rows(spec))
+                for ids, rows in backend.items(page_rows(spec)):
+                    if record is not None:
+                        held += int(np.count_nonzero(record.holds(ids)))
+                    yield ids, rows
+                if record is not None:
+                    _check_nothing_lost(root, old, record, held, backend)
         return count, pages()
     return source
+
+
+def _check_nothing_lost(root: Path, spec: TableSpec, record: WrittenIds, held: int,
+                        backend: Backend) -> None:
+    """Raise if the scan of `backend` met fewer of `record`'s ids (`held`) than it holds."""
+    written = record.ids()
+    if held == len(written):
+        return
+    lost = written[~backend.contains(np.ascontiguousarray(written))]
+    example = f", e.g. id {int(lost[0])}" if len(lost) else ""
+    raise CorruptStoreError(
+        f"table {spec.name!r}: {len(written) - held} row(s) its written-id record holds are "
+        f"gone from its store of record{example} (a lost file or lost rows); nothing was "
+        f"changed. Run `embstore fsck {root}` to list them, then restore the table from a "
+        "checkpoint or repair the store (`embstore fsck --repair`, which keeps a backup)")
 
 
 class _ClosablePages:
@@ -183,9 +225,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
             if compact is not None:
                 compact()
             target.flush()
-            bottom = table_chain(spec, default_tiers)[-1]
-            keeps_record = (registry.load_backend(bottom.backend).supports_persistence
-                            and bottom.eviction is None and bottom.admission is None)
+            keeps_record = keeps_written_record(spec, default_tiers)
         counts[spec.name] = n
         if keeps_record:  # every row just written counts as written (embstore._written)
             file = written_file(dest, spec.name)

@@ -82,6 +82,43 @@ def test_a_row_lost_by_the_medium_raises_naming_table_id_and_file(tmp_path, back
     assert any("1234" in f.message for f in findings), findings
 
 
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name not in ("LOG", "lock.mdb") and not p.name.startswith("LOG.")}
+
+
+@pytest.mark.parametrize("how", ["rows", "file"])
+@pytest.mark.parametrize("backend", PERSISTENT)
+def test_compact_migrate_and_export_refuse_a_store_whose_medium_lost_rows(tmp_path, backend,
+                                                                          how):
+    """A copy of the store must not turn rows the medium lost into rows never written."""
+    from embstore._export import export_store
+    from embstore._rebuild import replace_store
+
+    _make(tmp_path / "s", backend, True)
+    where = _drop_from_medium(tmp_path / "s", backend, np.array([7, 1234]))
+    if how == "file":  # the table's whole file or directory is gone
+        shutil.rmtree(where)
+        where.mkdir()
+    before = _tree(tmp_path / "s")
+    for copy in (lambda: replace_store(tmp_path / "s"),  # compact
+                 lambda: replace_store(tmp_path / "s", default_tiers=[  # migrate
+                     embstore.TierSpec("dram", capacity=200), embstore.TierSpec(backend)]),
+                 lambda: export_store(tmp_path / "s", tmp_path / "ex")):
+        # a missing file may be refused on opening the medium, before the record is read
+        with pytest.raises(CorruptStoreError if how == "rows" else EmbstoreError,
+                           match="table .t.: .* gone from its store" if how == "rows" else None):
+            copy()
+        assert _tree(tmp_path / "s") == before
+        assert not (tmp_path / "ex").exists() or not any((tmp_path / "ex").iterdir())
+    assert fsck.check(tmp_path / "s")  # fsck says what is wrong
+    if how == "rows":  # fsck --repair still drops what is lost (and says so), keeping a backup
+        fsck.check(tmp_path / "s", repair=True)
+        with embstore.open(tmp_path / "s") as store:
+            assert store.num_rows("t") == ROWS - 2
+            assert store.lost_rows("t").tolist() == []
+
+
 @pytest.mark.parametrize("bounded", [True, False], ids=["bitmap", "idlist"])
 @pytest.mark.parametrize("tiers", [[("dram", None)], [("dram", 100), ("rocksdb", None)]],
                          ids=["in-place", "gathered"])
