@@ -218,3 +218,48 @@ def test_policy_specs_read_true_and_false_as_booleans() -> None:
     assert fixed.config()["climb"] is False and fixed.config()["hold_new"] is True
     with pytest.raises(ConfigError, match="climb must be true or false"):
         parse_policy("wtinylfu:climb=no", "eviction")
+
+
+def _bad_trace_files(tmp_path: Path) -> dict[str, Path]:
+    """Files that are no trace: each must be refused by name, with no library message."""
+    good = tmp_path / "good.npy"
+    np.save(good, np.arange(400).reshape(4, 100))
+    files = {"empty": b"", "text": b"garbage\n", "truncated npy": good.read_bytes()[:100]}
+    out = {}
+    for name, raw in files.items():
+        out[name] = tmp_path / f"{name.replace(' ', '_')}.npy"
+        out[name].write_bytes(raw)
+    out["objects"] = tmp_path / "objects.npy"
+    np.save(out["objects"], np.array([{}], dtype=object), allow_pickle=True)
+    out["float offsets"] = tmp_path / "float_offsets.npz"
+    np.savez(out["float offsets"], ids=np.arange(10), offsets=np.array([0.0, 5.0, 10.0]))
+    out["truncated npz"] = tmp_path / "truncated.npz"
+    out["truncated npz"].write_bytes(out["float offsets"].read_bytes()[:100])
+    return out
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["trace", "stats"], ["profile"]])
+def test_unreadable_trace_files_are_refused_by_name(tmp_path: Path, command: list[str],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    for what, file in _bad_trace_files(tmp_path).items():
+        extra = ["-o", str(tmp_path / "p.json")] if command == ["profile"] else []
+        assert main([*command, str(file), *extra]) == 2, what
+        err = capsys.readouterr().err
+        assert f"trace {str(file)!r}" in err, (what, err)
+        assert "internal error" not in err and "Traceback" not in err, (what, err)
+        assert not (tmp_path / "p.json").exists()
+
+
+def test_a_trace_file_named_like_a_synthetic_spec_is_read_as_a_file(tmp_path: Path) -> None:
+    file = tmp_path / "synth_trace.npy"
+    np.save(file, np.arange(6).reshape(2, 3))
+    assert load_trace(str(file)).distinct == 6  # not the default synthetic trace
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_trace("synthx:seed=1")
+
+
+@pytest.mark.parametrize("spec", ["synth:batches=2,lookups=abc", "synth:batches=2,lookups=nan",
+                                  "synth:batches=2,seed=-1", "synth:nosuch=1"])
+def test_bad_synthetic_specs_are_config_errors(spec: str) -> None:
+    with pytest.raises(ConfigError, match="trace spec"):
+        load_trace(spec)

@@ -65,30 +65,26 @@ def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
                               "read_trace and pass its rates to build_profile")
         return tables
     path = Path(spec)
-    if path.suffix == ".npz" and path.exists():
-        with np.load(path) as data:
-            names = sorted({k.rsplit(".", 1)[0] for k in data.files if k.endswith(".ids")})
-            if names:
-                out = {}
-                for name in names:
-                    if f"{name}.offsets" not in data.files:
-                        raise ConfigError(f"trace {spec!r}: table {name!r} has ids but no "
-                                          f"'{name}.offsets'; save both arrays per table")
-                    ids = np.asarray(data[f"{name}.ids"])
-                    off = np.asarray(data[f"{name}.offsets"], dtype=np.int64)
-                    if not np.issubdtype(ids.dtype, np.integer) or off.ndim != 1 or len(
-                            off) < 1 or off[0] != 0 or off[-1] != len(ids) or (
-                            np.diff(off) < 0).any():
-                        raise ConfigError(
-                            f"trace {spec!r}: table {name!r} needs integer ids and offsets "
-                            "rising from 0 to len(ids)")
-                    out[name] = [ids[off[i]:off[i + 1]].astype(np.int64)
-                                 for i in range(len(off) - 1)]
-                if len({len(b) for b in out.values()}) != 1:
-                    raise ConfigError(f"trace {spec!r}: tables have different batch counts "
-                                      f"({ {k: len(v) for k, v in out.items()} })")
-                return out
-    from embstore.tools.simulator import load_trace
+    from embstore.tools.simulator import check_batches, load_trace, read_arrays
+
+    if path.suffix == ".npz" and path.is_file():
+        data = read_arrays(path)
+        names = (sorted({k.rsplit(".", 1)[0] for k in data if k.endswith(".ids")})
+                 if isinstance(data, dict) else [])
+        if isinstance(data, dict) and names:
+            out = {}
+            for name in names:
+                if f"{name}.offsets" not in data:
+                    raise ConfigError(f"trace {spec!r}: table {name!r} has ids but no "
+                                      f"'{name}.offsets'; save both arrays per table")
+                ids, off = data[f"{name}.ids"], data[f"{name}.offsets"]
+                check_batches(f"{spec}, table {name}", ids, off)
+                out[name] = [ids[off[i]:off[i + 1]].astype(np.int64)
+                             for i in range(len(off) - 1)]
+            if len({len(b) for b in out.values()}) != 1:
+                raise ConfigError(f"trace {spec!r}: tables have different batch counts "
+                                  f"({ {k: len(v) for k, v in out.items()} })")
+            return out
 
     out = split_tables(load_trace(spec).batches)
     if not out:

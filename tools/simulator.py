@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -137,7 +138,8 @@ def load_trace(spec: str, batch_size: int = 4096) -> Trace:
     Raises:
         ConfigError: the file or spec cannot be read as a trace.
     """
-    if spec.startswith("synth"):
+    path = Path(spec)
+    if not path.exists() and (spec == "synth" or spec.startswith("synth:")):
         from .traces import SynthStream, synthesize
 
         _, _, args = spec.partition(":")
@@ -150,19 +152,19 @@ def load_trace(spec: str, batch_size: int = 4096) -> Trace:
         stream = {k: v for k, v in kwargs.items() if k != "batches"}
         try:
             return Trace(list(synthesize(**kwargs)), popularity=lambda: SynthStream(**stream))
-        except TypeError as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # a value of the wrong kind
             raise ConfigError(
                 f"trace spec {spec!r}: {exc}; see embstore.tools.traces.synthesize") from exc
-    path = Path(spec)
     if not path.exists():
         raise ConfigError(f"trace {spec!r} does not exist; give a .npy/.npz file or "
                           "synth:seed=1,batches=50")
-    data = np.load(path)
-    if isinstance(data, np.lib.npyio.NpzFile):
+    data = read_arrays(path)
+    if isinstance(data, dict):
         if "ids" not in data or "offsets" not in data:
             raise ConfigError(f"trace {spec!r}: a .npz trace needs arrays 'ids' and 'offsets', "
-                              f"found {sorted(data.files)}")
+                              f"found {sorted(data)}")
         ids, offsets = data["ids"], data["offsets"]
+        check_batches(spec, ids, offsets)
         return Trace([ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)])
     if not np.issubdtype(data.dtype, np.integer):
         raise ConfigError(f"trace {spec!r} holds {data.dtype} values, expected integer ids")
@@ -171,6 +173,43 @@ def load_trace(spec: str, batch_size: int = 4096) -> Trace:
     if data.ndim == 1:
         return Trace([data[i:i + batch_size] for i in range(0, len(data), batch_size)])
     raise ConfigError(f"trace {spec!r} has {data.ndim} dimensions, expected 1 or 2")
+
+
+def read_arrays(path: Path) -> np.ndarray | dict[str, np.ndarray]:
+    """The array of a .npy file, or every array of a .npz file by name.
+
+    Raises:
+        ConfigError: the file is not a numpy file this can read (empty, truncated, of
+            pickled objects, or not numpy's format at all).
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+            if head and not head.startswith((b"\x93NUMPY", b"PK\x03\x04")):
+                raise ValueError("it is neither a .npy array nor a .npz archive")
+            f.seek(0)
+            data = np.load(f)
+            if isinstance(data, np.lib.npyio.NpzFile):
+                with data:
+                    return {name: data[name] for name in data.files}
+            return np.asarray(data)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ConfigError(f"trace {str(path)!r} is not a readable .npy/.npz file: "
+                          f"{exc}") from exc
+
+
+def check_batches(spec: str, ids: np.ndarray, offsets: np.ndarray) -> None:
+    """Raise unless `ids` are integers and `offsets` rise from 0 to len(ids) (1-D, integer).
+
+    Raises:
+        ConfigError: naming the trace `spec`.
+    """
+    if (not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1
+            or not np.issubdtype(offsets.dtype, np.integer) or offsets.ndim != 1
+            or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(ids)
+            or (np.diff(offsets) < 0).any()):
+        raise ConfigError(f"trace {spec!r}: needs 1-D integer ids and integer offsets rising "
+                          "from 0 to len(ids) (batch b is ids[offsets[b]:offsets[b + 1]])")
 
 
 def _number(text: str) -> Any:
