@@ -11,7 +11,7 @@ from typing import Any
 
 from . import layout
 from ._access_log import AccessRecorder, check_rates
-from .errors import ConfigError, CorruptStoreError, ReadOnlyError, StoreNotFoundError
+from .errors import ConfigError, ReadOnlyError, StoreNotFoundError
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
 from .manifest import make_dirs
 from .placement import apply_placement
@@ -19,24 +19,6 @@ from .spec import TableSpec, TierSpec
 from .store import DEFAULT_TIERS, EmbeddingStore
 
 __all__ = ["open"]
-
-
-def _parse_manifest(directory: Path, doc: dict[str, object]
-                    ) -> tuple[tuple[TierSpec, ...], list[TableSpec]]:
-    """The default tiers and tables of a manifest that passed its checksum.
-
-    Raises:
-        CorruptStoreError: a field is missing or of the wrong kind (a manifest written by
-            hand or by a foreign tool).
-    """
-    try:
-        tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])  # type: ignore[attr-defined]
-        tables = [TableSpec.from_json(t) for t in doc["tables"]]  # type: ignore[attr-defined]
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptStoreError(
-            f"{directory / MANIFEST_NAME} passes its checksum but does not describe a store "
-            f"({type(exc).__name__}: {exc}); restore it from a checkpoint") from exc
-    return tiers, tables
 
 
 _LEFTOVER = re.compile(r"^(tier\d+-\w+|cache|written|MANIFEST\.json\.tmp)$")
@@ -172,7 +154,7 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
                     f"{directory} is an incremental checkpoint (only changed rows); materialise "
                     "it with embstore.restore(src, new_path) and open that"
                 )
-            stored_tiers, stored = _parse_manifest(directory, doc)
+            stored_tiers, stored = layout.parse_manifest(directory, doc)
             if tier_specs is not None and tier_specs != stored_tiers:
                 raise ConfigError(
                     f"{directory} was created with tiers {stored_tiers}; a store's default chain "

@@ -36,6 +36,7 @@ from .layout import (
     lock,
     manifest_body,
     parked_store,
+    parse_manifest,
     read_manifest,
     recover_swap,
     release,
@@ -46,8 +47,8 @@ from .layout import (
 from .manifest import fsync_dir, fsync_tree
 from .spec import TableSpec, TierSpec
 
-__all__ = ["RowSource", "keeps_written_record", "open_bottom", "page_rows", "read_store",
-           "replace_store", "store_rows", "write_store"]
+__all__ = ["RowSource", "check_chains", "keeps_written_record", "open_bottom", "page_rows",
+           "read_store", "replace_store", "store_rows", "write_store"]
 
 BATCH_ROWS = 65536
 PAGE_BYTES = 4 << 20
@@ -100,8 +101,8 @@ def read_store(root: Path) -> tuple[dict[str, Any], list[TableSpec], tuple[TierS
     if (doc.get("checkpoint") or {}).get("kind") == "incremental":
         raise ConfigError(f"{root} is an incremental checkpoint; materialise it with "
                           "embstore.restore(src, new_path) first")
-    return (doc, [TableSpec.from_json(t) for t in doc["tables"]],
-            tuple(TierSpec.from_json(t) for t in doc["tiers"]))
+    tiers, tables = parse_manifest(root, doc)
+    return doc, tables, tiers
 
 
 def keeps_written_record(spec: TableSpec, default_tiers: Sequence[TierSpec]) -> bool:
@@ -136,6 +137,10 @@ def store_rows(root: Path, default_tiers: Sequence[TierSpec],
             record = WrittenIds(written_file(root, old.name), old.num_embeddings,
                                 lambda: np.zeros(0, np.int64), read_only=True,
                                 must_exist=True)
+        where = bottom_dir(root, old, default_tiers)
+        if not where.is_dir():  # every store of record has its directory from the start
+            raise CorruptStoreError(f"table {old.name!r}: its store of record {where} is "
+                                    f"missing; nothing was changed. Run `embstore fsck {root}`")
         backend = open_bottom(root, old, default_tiers, read_only=True, scan=True)
         try:
             count = len(backend)
@@ -198,7 +203,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
         history: counters to carry over (`_counters`).
         progress: called as progress(table, rows) after each page.
     """
-    _check_chains(specs, default_tiers)
+    check_chains(specs, default_tiers)
     counts: dict[str, int] = {}
     for spec in specs:
         total, pages = source(spec)
@@ -246,7 +251,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
     return counts
 
 
-def _check_chains(specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec]) -> None:
+def check_chains(specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec]) -> None:
     """Raise what opening the new store would raise for its chains, before writing anything."""
     from ._build import make_policy
     from .policy import AdmissionPolicy, EvictionPolicy

@@ -49,7 +49,13 @@ from ._fsck_common import Finding, RowDump, TableScan
 from ._fsck_pmem import scan_pmem
 from ._fsck_repair import closed_cleanly, dropped_finding, record_ids
 from ._lmdb_walk import walk as walk_lmdb
-from ._rebuild import read_store, replace_store, store_rows
+from ._rebuild import (
+    check_chains,
+    keeps_written_record,
+    read_store,
+    replace_store,
+    store_rows,
+)
 from .errors import EmbstoreError, StoreLockedError
 from .layout import (
     MANIFEST_NAME,
@@ -57,6 +63,7 @@ from .layout import (
     lock,
     lock_for_reading,
     parked_store,
+    read_manifest,
     recover_swap,
     release,
     table_chain,
@@ -164,9 +171,18 @@ def _lost_rows(root: Path, parsed: _Parsed, *, live: bool) -> list[Finding]:
     """
     specs, tiers = parsed
     out = []
+    listed = read_manifest(root).get("written_records", [])
     for spec in specs:
         file = written_file(root, spec.name)
         if not file.is_file():
+            if (isinstance(listed, list) and spec.name in listed
+                    and keeps_written_record(spec, tiers)):
+                # the store refuses to open without it: lost rows could no longer be told
+                # from rows never written
+                out.append(Finding(spec.name, "the written-id record is missing (files of the "
+                                   "store were removed): restore the store from a checkpoint, "
+                                   "or, if the rows are known to be intact, rebuild it with "
+                                   "embstore.rebuild_written_records(path)", file=str(file)))
             continue
         try:
             lost = _lost_ids(root, spec, tiers, file, tries=_LIVE_TRIES if live else 1)
@@ -261,6 +277,10 @@ def _check_manifest(root: Path) -> tuple[list[Finding], _Parsed | None]:
         return [Finding(None, f"manifest: an entry is invalid ({type(exc).__name__}: {exc})",
                         file=str(file))], None
     findings: list[Finding] = []
+    try:  # policies and capacities the store's open would refuse
+        check_chains(specs, tiers)
+    except EmbstoreError as exc:
+        return [Finding(None, f"manifest: {exc}", file=str(file))], None
     real_root = root.resolve()
     known = set(registry.backend_names())
     for spec in specs:

@@ -47,6 +47,31 @@ def written_file(root: Path, table: str) -> Path:
     return root / WRITTEN_DIR / f"{table}.ids"
 
 
+def parse_manifest(directory: Path, doc: dict[str, Any]
+                   ) -> tuple[tuple[TierSpec, ...], list[TableSpec]]:
+    """The default tiers and tables of a manifest that passed its checksum.
+
+    Raises:
+        CorruptStoreError: a field is missing, empty where it cannot be, or of the wrong
+            kind (a manifest written by hand or by a foreign tool).
+    """
+    try:
+        tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
+        tables = [TableSpec.from_json(t) for t in doc["tables"]]
+        if not tiers:
+            raise ValueError("the default tier chain is empty")
+        listed = doc.get("written_records", [])
+        stray = sorted(set(listed) - {t.name for t in tables})
+        if stray:  # tables dropped from the list, their rows still on disk
+            raise ValueError(f"written-id records are listed for tables {stray} that the "
+                             "manifest does not have")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptStoreError(
+            f"{directory / MANIFEST_NAME} passes its checksum but does not describe a store "
+            f"({type(exc).__name__}: {exc}); restore it from a checkpoint") from exc
+    return tiers, tables
+
+
 def tier_dir(root: Path, level: int, backend: str, *, is_bottom: bool) -> Path:
     """The directory of tier `level` (backend `backend`) of a store rooted at `root`.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import stat
 import struct
 import subprocess
@@ -135,7 +136,9 @@ def test_fsck_refuses_an_implausibly_large_manifest(tmp_path):
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda doc: doc["tables"][0].pop("dim"), "invalid"),
+    (lambda doc: doc["tables"][0].pop("dim"), "does not describe a store"),
+    (lambda doc: doc.__setitem__("tiers", []), "does not describe a store"),
+    (lambda doc: doc.__setitem__("tables", []), "does not have"),  # rows left unlisted
     (lambda doc: doc["tiers"].__setitem__(1, {**doc["tiers"][1], "backend": "tape"}), "tape"),
     (lambda doc: doc.__setitem__("tiers", "dram"), "'tiers'"),
 ])
@@ -368,3 +371,35 @@ def test_many_files_written_atomically_at_once_are_whole_and_private(tmp_path):
         assert file.read_bytes() == data
         assert stat.S_IMODE(file.stat().st_mode) == 0o600
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda doc: doc["tables"][0].__setitem__("dtype", "zz"),
+    lambda doc: doc["tables"].__setitem__(0, None),
+    lambda doc: doc["tables"][0]["optimizer"]["config"].__setitem__("lr", "x"),
+    lambda doc: doc.__setitem__("tiers", []),
+    lambda doc: doc.__setitem__("tables", []),
+    lambda doc: doc.__setitem__("tiers", doc["tiers"][::-1]),  # a store of record not there
+], ids=["dtype", "null table", "lr string", "no tiers", "no tables", "tiers swapped"])
+def test_copies_refuse_a_manifest_that_does_not_describe_the_store(tmp_path, edit):
+    """compact, migrate and export refuse by name what fsck reports, and change nothing."""
+    from embstore._export import export_store
+    from embstore._rebuild import replace_store
+
+    path = _store(tmp_path / "s")
+    _edit_manifest(path, edit)
+    before = sorted((p, p.stat().st_size) for p in path.rglob("*") if p.is_file())
+    assert fsck.check(path)
+    for copy in (lambda: replace_store(path), lambda: export_store(path, tmp_path / "ex"),
+                 lambda: replace_store(path, default_tiers=[TierSpec("dram")])):
+        with pytest.raises(CorruptStoreError):
+            copy()
+    assert sorted((p, p.stat().st_size) for p in path.rglob("*") if p.is_file()) == before
+
+
+def test_fsck_reports_written_records_removed_with_their_directory(tmp_path):
+    path = _store(tmp_path / "s")
+    shutil.rmtree(path / "written")
+    findings = fsck.check(path)
+    assert any("written-id record is missing" in f.message for f in findings), findings
+    assert fsck.exit_code(findings) == 4
