@@ -99,6 +99,23 @@ def test_resume_with_other_settings_is_refused(tmp_path,
     assert "without --all-dram" in capsys.readouterr().err
 
 
+def test_a_kept_run_that_lost_its_store_or_dense_part_is_refused(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    path = tmp_path / "run"
+    assert _demo(capsys, "--steps", "1", "--path", str(path))[0] == 0
+    shutil.rmtree(path / "store")  # new tables under the old dense part would be no resume
+    assert main(["demo", *SMALL, "--steps", "1", "--path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "is gone" in err and len(err.strip().splitlines()) == 1
+    assert not (path / "store").exists()
+    (path / "dense.pt").write_bytes(b"garbage")  # torch's message is many lines long
+    assert main(["demo", *SMALL, "--steps", "1", "--path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     for bad in (["--steps", "-1"], ["--batch-size", "0"], ["--rows", "x"]):
         assert main(["demo", *bad]) == 2  # main returns the code; it never raises SystemExit

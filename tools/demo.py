@@ -295,7 +295,13 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
             saved = torch.load(dense_path, weights_only=True)  # tensors and plain data: no pickle
             saved_cfg, saved_layout = saved["config"], saved["layout"]
         except Exception as exc:  # a damaged or foreign file: say so, no traceback
-            return _fail(f"cannot read {dense_path} ({exc}); remove {run_dir} to start over")
+            # torch's message runs to many lines of advice about pickles: its first says it
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            return _fail(f"cannot read {dense_path} ({why}); remove {run_dir} to start over")
+        if not (store_path / "MANIFEST.json").exists():
+            return _fail(f"{dense_path} holds a run at step {saved.get('step')} but its store "
+                         f"{store_path} is gone; resuming would train new tables under the "
+                         f"old dense part: remove {run_dir} to start over")
         if saved_cfg != cfg.to_json():
             diff = ", ".join(f"{k} {saved_cfg.get(k)} (now {v})"
                              for k, v in cfg.to_json().items() if saved_cfg.get(k) != v)
