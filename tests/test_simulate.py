@@ -263,3 +263,24 @@ def test_a_trace_file_named_like_a_synthetic_spec_is_read_as_a_file(tmp_path: Pa
 def test_bad_synthetic_specs_are_config_errors(spec: str) -> None:
     with pytest.raises(ConfigError, match="trace spec"):
         load_trace(spec)
+
+
+def test_capacities_past_the_distinct_ids_are_the_infinite_cache() -> None:
+    # a count far past the trace's ids must not allocate for it (it used to: MemoryError)
+    assert parse_capacities([1e10, 5.0], distinct=10) == [10, 5]
+    for bad in ([float("nan")], [float("inf")], [0.0], "x,1"):
+        with pytest.raises(ConfigError):
+            parse_capacities(bad, distinct=10)
+
+
+def test_trace_stats_refuses_a_trace_without_ids_and_empty_production_stats(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.npy"
+    np.save(empty, np.zeros((3, 0), np.int64))
+    assert main(["trace", "stats", str(empty)]) == 2
+    assert "holds no ids" in capsys.readouterr().err
+    good, stats = tmp_path / "good.npy", tmp_path / "stats.txt"
+    np.save(good, np.arange(40).reshape(4, 10))
+    stats.write_text("\n")
+    assert main(["trace", "stats", str(good), "--production", str(stats)]) == 2
+    assert "no locality-stats block" in capsys.readouterr().err

@@ -228,12 +228,16 @@ def parse_capacities(text: str | Sequence[float], distinct: int) -> list[int]:
     Raises:
         ConfigError: a value is not positive.
     """
-    values = [float(v) for v in text.split(",")] if isinstance(text, str) else list(text)
+    try:
+        values = [float(v) for v in text.split(",")] if isinstance(text, str) else list(text)
+    except ValueError as exc:
+        raise ConfigError(f"capacities {text!r}: expected numbers, e.g. 0.01,0.05,1000") from exc
     out = []
     for v in values:
-        if v <= 0:
+        if not v > 0 or not np.isfinite(v):
             raise ConfigError(f"capacity {v!r} must be > 0 (a fraction < 1 or a count)")
-        out.append(max(1, round(v * distinct)) if v < 1 else int(v))
+        # a cache of every distinct id misses each once: larger ones behave the same
+        out.append(max(1, round(v * distinct)) if v < 1 else int(min(v, max(distinct, 1))))
     return out
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from embstore.errors import ConfigError
+
 __all__ = ["register"]
 
 
@@ -60,6 +62,8 @@ def _stats(args: argparse.Namespace) -> int:
 
     trace = load_trace(args.trace)
     hists = [reuse_histograms(b) for b in trace.batches if len(b)]
+    if not hists:
+        raise ConfigError(f"trace {args.trace!r} holds no ids")
     rows = np.mean([h[0] for h in hists], axis=0)
     access = np.mean([h[1] for h in hists], axis=0)
     target = mean_histograms(load_locality_stats(args.production)) if args.production else None

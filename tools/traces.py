@@ -82,6 +82,8 @@ def load_locality_stats(path: str | Path) -> list[LocalityStats]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read locality stats {str(path)!r}: {exc}") from exc
+    if not text.strip():
+        raise ConfigError(f"{str(path)!r} holds no locality-stats block")
     out = []
     for block in re.split(r"\n\s*\n", text.strip()):
         lines = block.strip().splitlines()
@@ -94,7 +96,10 @@ def load_locality_stats(path: str | Path) -> list[LocalityStats]:
             raise ConfigError(f"{str(path)!r}: block {name!r} is not a locality-stats block "
                               f"(expected a name, averages and two {N_BINS}-bin histograms)")
         values = np.array(bins, dtype=np.float64).reshape(2, N_BINS)
-        values /= values.sum(axis=1, keepdims=True)
+        sums = values.sum(axis=1, keepdims=True)
+        if not (sums > 0).all():
+            raise ConfigError(f"{str(path)!r}: block {name!r} has a histogram of zeros")
+        values /= sums
         out.append(LocalityStats(
             name=name, tables=int(m.group(1)), batch_size=int(m.group(2)),
             indices=int(float(fields["Avg # of indices"].group(1))),  # type: ignore[union-attr]
