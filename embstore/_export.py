@@ -13,14 +13,17 @@ The format (no pickle; readable with numpy alone, or any language)::
                       keeps them: the weights (dim values) then the optimizer state; a
                       half-precision table's rows are its stored bytes (embstore._precision)
 
-CRC-32 (zlib's) of each file's bytes guards the copy. Rows stream page by page both ways
-(about 4 MiB of rows at a time), so memory stays bounded whatever a table's size. Export writes
-`.OUT.tmp-<pid>` and renames it, import builds `.PATH.tmp-<pid>` and renames it: a crash
-leaves no half-written export or store behind.
+CRC-32 (zlib's) of each file's bytes guards the copy; import also checks every field of the
+header and every page against its table's spec (ids in range, values finite where the spec
+forbids NaN and infinity), refusing the whole import at the first fault. Rows stream page by
+page both ways (about 4 MiB of rows at a time), so memory stays bounded whatever a table's
+size. Export writes `.OUT.tmp-<pid>` and renames it, import builds `.PATH.tmp-<pid>` and
+renames it: a crash leaves no half-written export or store behind (errors name OUT or PATH).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -31,6 +34,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ._precision import RowCodec
 from ._rebuild import page_rows, read_store, store_rows, write_store
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
 from .layout import lock
@@ -42,20 +46,79 @@ __all__ = ["FORMAT", "export_store", "import_store", "read_header"]
 FORMAT = "embstore-export"
 VERSION = 1
 HEADER = "header.json"
+_TABLE_FIELDS = ("spec", "rows", "row_width", "dtype", "ids_file", "rows_file", "ids_crc32",
+                 "rows_crc32")
+_SPEC_FIELDS = ("name", "dim", "dtype", "init", "optimizer", "num_embeddings",
+                "allow_nonfinite", "tiers")
+_TIER_FIELDS = ("backend", "capacity", "eviction", "admission", "eviction_options",
+                "admission_options", "options")
+_MISSING = object()
 
 
 def _le(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
 
 
-def _fresh(dest: Path) -> Path:
+def _fresh(dest: Path) -> tuple[Path, list[Path]]:
+    """A new private directory to build `dest` in, and the parents of `dest` made for it.
+
+    Raises:
+        StoreExistsError: `dest` exists and is not an empty directory.
+        OSError: `dest` cannot be made there; the message names `dest`, not the private path.
+    """
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise StoreExistsError(f"{dest} exists; choose a new path (nothing is overwritten)")
-    make_dirs(dest.parent)  # new parents' entries must survive with what is published
+    made: list[Path] = []  # nearest first, so that a failure can remove them in order
+    d = dest.parent
+    while not d.exists() and d != d.parent:
+        made.append(d)
+        d = d.parent
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    try:
+        make_dirs(dest.parent)  # new parents' entries must survive with what is published
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o700)  # an export holds every row: as private as the store
+    except OSError as exc:
+        _discard(tmp, made)
+        raise _cannot_make(exc, dest) from exc
+    return tmp, made
+
+
+def _cannot_make(exc: OSError, dest: Path) -> OSError:
+    """`exc`, met making `dest` or its private directory, as an error naming `dest`."""
+    why = exc.strerror or type(exc).__name__
+    if exc.errno == errno.ENOTDIR:  # say which of the user's path components is a file
+        blocker = next((p for p in reversed(dest.parents) if p.exists() and not p.is_dir()),
+                       None)
+        if blocker is not None:
+            why = f"{blocker} is not a directory"
+    return OSError(exc.errno, f"cannot create {dest}: {why}")
+
+
+def _public(exc: OSError, tmp: Path, dest: Path) -> OSError:
+    """`exc` naming `dest` where it names the private `tmp` or a file in it, else `exc`.
+
+    The private name (`.out.tmp-<pid>`) means nothing to the user and is gone once raised.
+    """
+    def private(name: object) -> bool:
+        if not isinstance(name, (str, bytes, os.PathLike)):
+            return False  # a file descriptor, or no file at all
+        text = os.fsdecode(name)
+        return text == str(tmp) or text.startswith(f"{tmp}{os.sep}")
+
+    if not (private(exc.filename) or private(exc.filename2)):
+        return exc
+    return OSError(exc.errno, f"cannot write {dest}: {exc.strerror or type(exc).__name__}")
+
+
+def _discard(tmp: Path, made: Sequence[Path]) -> None:
+    """Remove the private directory `tmp` and the (still empty) parents `made` for it."""
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(mode=0o700)  # an export holds every row: as private as the store
-    return tmp
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:  # not empty: someone else put something there meanwhile
+            break
 
 
 def _private(file: Path) -> BinaryIO:
@@ -80,6 +143,7 @@ def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     Raises:
         StoreNotFoundError, StoreLockedError, CorruptStoreError: from the store.
         StoreExistsError: `out` exists and is not an empty directory.
+        OSError: `out` cannot be made or written (the message names `out`).
     """
     root, dest = Path(src), Path(out)
     if not root.is_dir():
@@ -88,7 +152,7 @@ def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     fd = lock(root, read_only=True)
     try:
         doc, specs, tiers = read_store(root)
-        tmp = _fresh(dest)
+        tmp, made = _fresh(dest)
         try:
             source = store_rows(root, tiers, specs)
             tables = []
@@ -102,8 +166,11 @@ def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
                       "tables": tables}
             write_atomic(tmp / HEADER, json.dumps(header, indent=1).encode())
             _commit(tmp, dest)
+        except OSError as exc:
+            _discard(tmp, made)
+            raise _public(exc, tmp, dest) from exc
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp, made)
             raise
     finally:
         os.close(fd)
@@ -138,6 +205,9 @@ def _export_table(tmp: Path, i: int, spec: TableSpec,
 def read_header(src: Path) -> dict[str, Any]:
     """The checked header of the export directory `src`.
 
+    Every field the reader uses is checked for its type and value here, so that a damaged
+    header is refused before anything is made, with the file and the field named.
+
     Raises:
         StoreNotFoundError: no export there.
         CorruptStoreError: the header is damaged, of another format, or names files that are
@@ -146,26 +216,184 @@ def read_header(src: Path) -> dict[str, Any]:
     file = src / HEADER
     if not file.is_file() or file.is_symlink():
         raise StoreNotFoundError(f"{src} holds no embstore export (no {HEADER})")
+    doc = _parse(file)
+    if not isinstance(doc, dict):
+        raise CorruptStoreError(f"{file} is damaged: it must hold a JSON object, got "
+                                f"{_show(doc)}")
+    if doc.get("format") != FORMAT or not _is_int(doc.get("version")) \
+            or doc["version"] != VERSION:
+        raise CorruptStoreError(f"{file} is not an embstore export of version {VERSION}")
+    if doc.get("byte_order", _MISSING) != "little":
+        raise _bad(file, "byte_order", '"little" (the only byte order this reader reads)',
+                   doc.get("byte_order", _MISSING))
+    tiers = doc.get("tiers", _MISSING)
+    if not isinstance(tiers, list) or not tiers:
+        raise _bad(file, "tiers", "a non-empty list of tiers", tiers)
+    for i, t in enumerate(tiers):
+        _check_tier(file, f"tiers[{i}]", t)
+    step = doc.get("step", _MISSING)
+    if step is not None and not _is_int(step):
+        raise _bad(file, "step", "a step (an int) or null", step)
+    _check_extras(file, doc.get("extras", _MISSING))
+    tables = doc.get("tables", _MISSING)
+    if not isinstance(tables, list):
+        raise _bad(file, "tables", "a list of tables", tables)
+    names: set[str] = set()
+    files: set[str] = set()
+    for i, t in enumerate(tables):
+        spec = _check_table(file, f"tables[{i}]", t)
+        if spec.name in names:
+            raise CorruptStoreError(f"{file} is damaged: tables[{i}] names table "
+                                    f"{spec.name!r} again")
+        names.add(spec.name)
+        for key in ("ids_file", "rows_file"):
+            if t[key] in files:
+                raise CorruptStoreError(f"{file} is damaged: tables[{i}].{key} names "
+                                        f"{t[key]!r}, which another field names too")
+            files.add(t[key])
+        _check_files(src, file, spec, t)
+    return doc
+
+
+def _parse(file: Path) -> Any:
+    """The JSON document in `file`, or CorruptStoreError saying where it stops being JSON."""
     try:
-        doc = json.loads(file.read_bytes())
-        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-            raise CorruptStoreError(f"{file} is not an embstore export of version {VERSION}")
-        for t in doc["tables"]:
-            spec = TableSpec.from_json(t["spec"])
-            for key, width in (("ids_file", 8), ("rows_file", spec.storage_width
-                                                 * np.dtype(t["dtype"]).itemsize)):
-                name = t[key]
-                path = src / name
-                if "/" in name or name.startswith(".") or path.is_symlink() \
-                        or not path.is_file():
-                    raise CorruptStoreError(f"{file} names {name!r}, which is missing or "
-                                            "not a plain file of the export")
-                if path.stat().st_size != t["rows"] * width:
-                    raise CorruptStoreError(f"{path} holds {path.stat().st_size} bytes, the "
-                                            f"header says {t['rows']} rows of {width} bytes")
-    except (KeyError, TypeError, ValueError, ConfigError) as exc:
-        raise CorruptStoreError(f"{file} is damaged ({type(exc).__name__}: {exc})") from exc
-    return doc  # type: ignore[no-any-return]
+        return json.loads(file.read_bytes())
+    except UnicodeDecodeError as exc:
+        why = f"it is not UTF-8 text (byte {exc.start})"
+    except json.JSONDecodeError as exc:
+        why = f"it is not valid JSON (line {exc.lineno}, column {exc.colno})"
+    except RecursionError:
+        why = "its JSON is nested too deeply"
+    raise CorruptStoreError(f"{file} is damaged: {why}; export the store again")
+
+
+def _is_int(value: Any) -> bool:
+    """Whether `value` is a JSON integer (`true` is an int to Python, not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    """`value` spelt as in the JSON file, cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _bad(file: Path, field: str, want: str, got: Any) -> CorruptStoreError:
+    """The error for field `field` of header `file`: `want` expected, `got` found."""
+    if got is _MISSING:
+        return CorruptStoreError(f"{file} is damaged: {field} is missing")
+    return CorruptStoreError(f"{file} is damaged: {field} must be {want}, got {_show(got)}")
+
+
+def _check_extras(file: Path, extras: Any) -> None:
+    """Raise unless `extras` is an object whose fields a new store would keep are sound."""
+    if not isinstance(extras, dict):
+        raise _bad(file, "extras", "an object", extras)
+    steps = extras.get("gradient_steps", {})  # seeds stochastic rounding when reopened
+    if not isinstance(steps, dict) or not all(_is_int(n) and n >= 0 for n in steps.values()):
+        raise _bad(file, "extras.gradient_steps", "an object of step counts (ints >= 0)", steps)
+
+
+def _check_tier(file: Path, field: str, data: Any) -> TierSpec:
+    """The tier `data` of header `file` (at `field`), or CorruptStoreError."""
+    if not isinstance(data, dict) or not isinstance(data.get("backend"), str):
+        raise _bad(file, field, "a tier (an object with a backend name)", data)
+    unknown = sorted(set(data) - set(_TIER_FIELDS))
+    if unknown:
+        raise CorruptStoreError(f"{file} is damaged: {field} has unknown field(s) {unknown}")
+    for key in ("eviction", "admission"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise _bad(file, f"{field}.{key}", "a policy name or null", data[key])
+    for key in ("eviction_options", "admission_options", "options"):
+        if not isinstance(data.get(key, {}), dict):
+            raise _bad(file, f"{field}.{key}", "an object", data[key])
+    try:
+        return TierSpec.from_json(data)
+    except ConfigError as exc:
+        raise CorruptStoreError(f"{file} is damaged: {field}: {exc}") from exc
+
+
+def _check_spec(file: Path, field: str, data: Any) -> TableSpec:
+    """The table spec `data` of header `file` (at `field`), or CorruptStoreError."""
+    if not isinstance(data, dict):
+        raise _bad(file, field, "a table spec (an object)", data)
+    for key in _SPEC_FIELDS:
+        if key not in data:
+            raise CorruptStoreError(f"{file} is damaged: {field}.{key} is missing")
+    for key in ("init", "optimizer"):
+        part = data[key]
+        if not (isinstance(part, dict) and isinstance(part.get("name"), str)
+                and isinstance(part.get("config"), dict)):
+            raise _bad(file, f"{field}.{key}", 'an object {"name": str, "config": object}',
+                       part)
+    if not isinstance(data["dtype"], str):
+        raise _bad(file, f"{field}.dtype", "a dtype name", data["dtype"])
+    if not isinstance(data["allow_nonfinite"], bool):  # a truthy string must not allow NaN
+        raise _bad(file, f"{field}.allow_nonfinite", "true or false", data["allow_nonfinite"])
+    if data["tiers"] is not None:
+        if not isinstance(data["tiers"], list) or not data["tiers"]:
+            raise _bad(file, f"{field}.tiers", "a non-empty list of tiers or null",
+                       data["tiers"])
+        for j, t in enumerate(data["tiers"]):
+            _check_tier(file, f"{field}.tiers[{j}]", t)
+    try:
+        return TableSpec.from_json(data)
+    except (ConfigError, TypeError, ValueError) as exc:  # a name or a setting refused
+        raise CorruptStoreError(f"{file} is damaged: {field} is not a valid table spec "
+                                f"({' '.join(str(exc).split())})") from exc
+
+
+def _check_table(file: Path, field: str, t: Any) -> TableSpec:
+    """The spec of table entry `t` of header `file` (at `field`), its fields checked."""
+    if not isinstance(t, dict):
+        raise _bad(file, field, "a table (an object)", t)
+    for key in _TABLE_FIELDS:
+        if key not in t:
+            raise CorruptStoreError(f"{file} is damaged: {field}.{key} is missing")
+    spec = _check_spec(file, f"{field}.spec", t["spec"])
+    if not _is_int(t["rows"]) or t["rows"] < 0:
+        raise _bad(file, f"{field}.rows", "a row count (an int >= 0)", t["rows"])
+    if not _is_int(t["row_width"]) or t["row_width"] != spec.storage_width:
+        raise _bad(file, f"{field}.row_width",
+                   f"{spec.storage_width} (the row width of table {spec.name!r})",
+                   t["row_width"])
+    dtype = _le(spec.storage_dtype)
+    if not isinstance(t["dtype"], str) or _dtype(t["dtype"]) != dtype:
+        raise _bad(file, f"{field}.dtype",
+                   f'"{dtype.str}" (the stored dtype of table {spec.name!r}, little-endian)',
+                   t["dtype"])
+    for key in ("ids_crc32", "rows_crc32"):
+        if not _is_int(t[key]) or not 0 <= t[key] < 1 << 32:
+            raise _bad(file, f"{field}.{key}", "a CRC-32 (an int in [0, 2**32))", t[key])
+    for key in ("ids_file", "rows_file"):
+        name = t[key]
+        if not isinstance(name, str) or not name or name == HEADER or "/" in name \
+                or "\0" in name or name.startswith("."):
+            raise _bad(file, f"{field}.{key}", "the name of a file in the export", name)
+    return spec
+
+
+def _dtype(name: str) -> np.dtype | None:
+    """The numpy dtype spelt `name`, None where numpy knows no such dtype."""
+    try:
+        return np.dtype(name)
+    except (TypeError, ValueError, SyntaxError):  # numpy's ways of refusing a name
+        return None
+
+
+def _check_files(src: Path, file: Path, spec: TableSpec, t: dict[str, Any]) -> None:
+    """Raise unless the files table entry `t` names are plain files of the right size."""
+    for key, width in (("ids_file", 8),
+                       ("rows_file", spec.storage_width * spec.storage_dtype.itemsize)):
+        name = t[key]
+        path = src / name
+        if path.is_symlink() or not path.is_file():
+            raise CorruptStoreError(f"{file} names {name!r}, which is missing or not a plain "
+                                    "file of the export")
+        if path.stat().st_size != t["rows"] * width:
+            raise CorruptStoreError(f"{path} holds {path.stat().st_size} bytes, the header "
+                                    f"says {t['rows']} rows of {width} bytes")
 
 
 def import_store(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
@@ -176,8 +404,10 @@ def import_store(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
     Returns rows per table. Tables that had their own chain keep it unless `tiers` is given.
 
     Raises:
-        StoreNotFoundError, CorruptStoreError: no export, or a damaged one (checksums).
+        StoreNotFoundError, CorruptStoreError: no export, or a damaged one (its header, its
+            checksums, or a row its table's spec forbids); no store is left at `dest`.
         StoreExistsError: `dest` exists and is not an empty directory.
+        OSError: `dest` cannot be made or written (the message names `dest`).
     """
     root, out = Path(src), Path(dest)
     doc = read_header(root)
@@ -191,25 +421,34 @@ def import_store(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
     def source(spec: TableSpec) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
         return entries[spec.name]["rows"], _pages(root, entries[spec.name], spec)
 
-    tmp = _fresh(out)
+    # the new store lists its own written-id records (write_store): a stale or damaged list
+    # carried over would require records it lacks or stop checking ones it has
+    extras = {k: v for k, v in doc["extras"].items() if k != "written_records"}
+    extras["imported_from"] = {"export": str(root), "step": doc["step"]}
+    tmp, made = _fresh(out)
     try:
-        extras = dict(doc.get("extras") or {})
-        extras["imported_from"] = {"export": str(root), "step": doc.get("step")}
         counts = write_store(tmp, chain, specs, source, extras=extras, progress=progress)
         _commit(tmp, out)
+    except OSError as exc:
+        _discard(tmp, made)
+        raise _public(exc, tmp, out) from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp, made)
         raise
     return counts
 
 
 def _pages(root: Path, entry: dict[str, Any], spec: TableSpec
            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The pages of table `spec` of the export at `root` (`entry`: its checked header entry).
+
+    Each page is checked against the spec before it is given out (ids in range, values
+    finite where the table forbids NaN and infinity); the CRC-32s once the last is read.
+    """
     n, width = entry["rows"], entry["row_width"]
     dtype = np.dtype(entry["dtype"])
-    if width != spec.storage_width:
-        raise CorruptStoreError(f"export table {spec.name!r}: rows of {width} values, the "
-                                f"spec needs {spec.storage_width}")
+    codec = None if spec.precision == "fp32" else RowCodec(spec.name, spec.precision, spec.dim,
+                                                           spec.row_width - spec.dim)
     crc_ids = crc_rows = 0
     with open(root / entry["ids_file"], "rb") as fi, open(root / entry["rows_file"],
                                                           "rb") as fr:
@@ -221,7 +460,32 @@ def _pages(root: Path, entry: dict[str, Any], spec: TableSpec
             crc_ids, crc_rows = zlib.crc32(a, crc_ids), zlib.crc32(b, crc_rows)
             ids = np.frombuffer(a, dtype="<i8").astype(np.int64)
             rows = np.frombuffer(b, dtype=dtype).reshape(count, width).astype(spec.storage_dtype)
+            _check_page(root, spec, codec, ids, rows)
             yield ids, rows
     if (crc_ids, crc_rows) != (entry["ids_crc32"], entry["rows_crc32"]):
         raise CorruptStoreError(f"export table {spec.name!r} in {root} fails its CRC-32: the "
                                 "export is damaged; export the store again")
+
+
+def _check_page(root: Path, spec: TableSpec, codec: RowCodec | None, ids: np.ndarray,
+                rows: np.ndarray) -> None:
+    """Raise CorruptStoreError if a row of this page breaks table `spec` (the export at `root`).
+
+    Checksums prove a copy intact, not its rows valid: a row the spec forbids (an id out of
+    range, NaN where the table forbids it) would make a store that fsck finds damaged.
+    """
+    what = None
+    n = spec.num_embeddings
+    if n is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        bad = int(ids[(ids < 0) | (ids >= n)][0])
+        what = f"id {bad}, outside [0, {n}) (its num_embeddings)"
+    elif not spec.allow_nonfinite and len(ids):
+        values = rows if codec is None else codec.decode(rows)  # half weights: their values
+        finite = np.isfinite(values)
+        if not finite.all():
+            bad = int(ids[~finite.all(axis=1)][0])
+            what = f"NaN or infinity in the row of id {bad}, which the table forbids"
+    if what is not None:
+        raise CorruptStoreError(f"export table {spec.name!r} in {root} holds {what}; nothing "
+                                "was imported (fix the source store, e.g. `embstore fsck "
+                                "--repair`, and export it again)")

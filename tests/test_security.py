@@ -90,13 +90,16 @@ def test_every_operation_on_a_store_leaves_only_private_files(tmp_path, backend,
     with embstore.open(path, tables=tables, tiers=tiers) as store:
         store.update("t", np.arange(50), np.ones((50, 4), np.float32))
         store.update("n", np.arange(5), np.full((5, 2), np.nan, np.float32))
+    # export and import before the spec forbids the NaN rows: import refuses such rows
+    for argv in (["export", str(path), str(tmp_path / "exported")],
+                 ["import", str(tmp_path / "exported"), str(tmp_path / "imported")]):
+        assert main(argv) == 0, argv
+        assert _loose(tmp_path) == [], argv
     doc = read_manifest(path)
     doc["tables"][1]["allow_nonfinite"] = False
     write_manifest(path, {k: v for k, v in doc.items() if k not in ("format", "version")})
     other = "lmdb" if backend != "lmdb" else "rocksdb"
-    steps = [["export", str(path), str(tmp_path / "exported")],
-             ["import", str(tmp_path / "exported"), str(tmp_path / "imported")],
-             ["compact", str(path)],
+    steps = [["compact", str(path)],
              ["migrate", str(path), "--tiers", f"dram:10,{other}"],
              ["migrate", str(path), "--tiers", f"dram:10,{backend}"],
              ["fsck", "--repair", str(path)]]
