@@ -35,7 +35,8 @@ Three documents, each a JSON object with ``"format"`` and ``"version"`` keys:
                         "cache_rows": [rows per cache tier], "hit_ratios": [per tier],
                         "seconds_per_batch": float, "bytes": {tier: bytes}}}}
 
-`load_document` checks the format, version and the fields the planner and `open` use, and
+`load_document` checks the format, version and the fields the planner and `open` use (every
+number finite and within its range, the file UTF-8 JSON), and
 raises `ConfigError` naming the file, the field and the fix; `apply_placement` gives table
 specs their planned chains (``embstore.open(..., placement=path)``).
 """
@@ -43,6 +44,7 @@ specs their planned chains (``embstore.open(..., placement=path)``).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -60,11 +62,27 @@ _VERSIONS = {"embstore.profile": 1, "embstore.tiers": 1, "embstore.placement": 1
 
 
 def save_document(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
-    """Write `doc` as indented JSON, atomically (a temporary file renamed over `path`)."""
+    """Write `doc` as indented JSON, atomically (a temporary file renamed over `path`).
+
+    Raises:
+        ConfigError: `path` names no file (empty, or a directory), or `doc` holds NaN or an
+            infinity (JSON has neither, and readers would refuse the file); nothing is written.
+    """
     path = Path(path)
+    if not path.name or path.is_dir():
+        raise ConfigError(f"cannot write {str(path)!r}: give a file name, not a directory")
+    try:
+        text = json.dumps(doc, indent=1, allow_nan=False) + "\n"
+    except ValueError as exc:  # a NaN or infinity slipped through: refuse, never write it
+        raise ConfigError(f"not writing {str(path)!r}: the document holds NaN or an infinity, "
+                          "which JSON cannot hold (a bug: please report it)") from exc
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write leaves no stray temporary file
+        raise
 
 
 def load_document(source: str | os.PathLike[str] | dict[str, Any], kind: str) -> dict[str, Any]:
@@ -84,12 +102,10 @@ def load_document(source: str | os.PathLike[str] | dict[str, Any], kind: str) ->
     else:
         where = str(source)
         try:
-            doc = json.loads(Path(source).read_text())
+            data = Path(source).read_bytes()
         except OSError as exc:
             raise ConfigError(f"cannot read {kind} {where!r}: {exc.strerror or exc}") from exc
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{kind} {where!r} is not JSON ({exc}); write it again with "
-                              f"the command that makes it") from exc
+        doc = _parse_json(data, f"{kind} {where!r}", kind)
     if not isinstance(doc, dict) or doc.get("format") != fmt:
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise ConfigError(f"{where!r} is not an {fmt} document (format {got!r}); give the "
@@ -102,6 +118,30 @@ def load_document(source: str | os.PathLike[str] | dict[str, Any], kind: str) ->
 
 
 _MAKER = {"profile": "profile", "tiers": "bench tiers", "placement": "plan"}
+
+
+def _parse_json(data: bytes, what: str, kind: str) -> Any:
+    """The JSON value in `data`, or a ConfigError saying in our words why there is none.
+
+    json's and the codec's own messages ("Expecting value", "invalid start byte") mean
+    little to someone who gave the wrong file: say what is wrong and where instead.
+    """
+    fix = f"give the file written by `embstore {_MAKER[kind]}`"
+    if not data.strip():
+        raise ConfigError(f"{what} is not a JSON document: the file is empty; {fix}")
+    try:
+        text = data.decode("utf-8-sig")  # a BOM some editors add is no error
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} is not a JSON document: byte {exc.start} (0x"
+                          f"{data[exc.start]:02x}) is not UTF-8 text; {fix}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what} is not a JSON document: malformed at line {exc.lineno} "
+                          f"column {exc.colno}; {fix}") from None
+    except (ValueError, RecursionError):  # an over-long number or nesting too deep
+        raise ConfigError(f"{what} is not a JSON document this reader can take (a number "
+                          f"too long or nesting too deep); {fix}") from None
 
 
 def _need(obj: Any, key: str, types: type | tuple[type, ...], where: str, what: str) -> Any:
@@ -118,33 +158,91 @@ def _names(types: type | tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in ts)
 
 
+def _number(obj: dict[str, Any], key: str, where: str, what: str, *, least: float = 0.0,
+            above: bool = False, most: float | None = None, whole: bool = False,
+            optional: bool = False) -> Any:
+    """`obj[key]`, checked to be a finite number (an int if `whole`) within its range.
+
+    The range is [least, most], or (least, most] when `above`; an `optional` key may be
+    absent (None is returned). NaN and infinities, which Python's json reads, are refused
+    here: they would otherwise reach the planner's arithmetic and come out as "nan" figures.
+    """
+    if not isinstance(obj, dict) or key not in obj:
+        if optional:
+            return None
+        raise ConfigError(f"{where!r}: {what} lacks {key!r}")
+    value = obj[key]
+    low = f"> {least:g}" if above else f">= {least:g}"
+    want = f"{'a whole number' if whole else 'a finite number'} {low}" + (
+        f" and <= {most:g}" if most is not None else "")
+    if (not _is_number(value) or (whole and not isinstance(value, int)) or value < least
+            or (above and value == least) or (most is not None and value > most)):
+        raise ConfigError(f"{where!r}: {what}.{key} must be {want}, got {value!r}")
+    return value
+
+
 def _check_profile(doc: dict[str, Any], where: str) -> None:
+    for key, least in (("batches", 0), ("warmup_batches", 0), ("samples_per_batch", 1),
+                       ("step_calls", 1)):
+        _number(doc, key, where, "the profile", least=least, whole=True, optional=True)
     tables = _need(doc, "tables", dict, where, "the profile")
     if not tables:
         raise ConfigError(f"{where!r}: the profile has no tables; profile a trace that has ids")
     for name, t in tables.items():
         what = f"table {name!r}"
         for key in ("rows_touched", "row_bytes"):
-            if _need(t, key, int, where, what) < 1:
-                raise ConfigError(f"{where!r}: {what}.{key} must be >= 1, got {t[key]}")
+            _number(t, key, where, what, least=1, whole=True)
         for key in ("distinct_per_batch", "lookups_per_sample", "bytes_per_sample"):
-            _need(t, key, (int, float), where, what)
+            _number(t, key, where, what)
+        _number(t, "lookups_per_batch", where, what, optional=True)
+        _number(t, "sampled_ids", where, what, whole=True, optional=True)
+        for key in ("sample_rate", "recorded_rate"):
+            _number(t, key, where, what, above=True, most=1, optional=True)
+        if t.get("error_bound") is not None:  # null: too few sampled ids for a bound
+            _number(t, "error_bound", where, what)
+        if "reuse" in t:
+            _check_reuse(t["reuse"], where, f"{what}.reuse")
         mrc = _need(t, "mrc", dict, where, what)
         caps = _need(mrc, "capacities", list, where, f"{what}.mrc")
         curves = [k for k in mrc if k != "capacities"]
         if not caps or not curves:
             raise ConfigError(f"{where!r}: {what}.mrc needs capacities and at least one curve")
+        # capacities become cache sizes (whole rows) and are interpolated in log C
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in caps):
+            raise ConfigError(f"{where!r}: {what}.mrc.capacities must be whole row counts "
+                              ">= 1")
         if any(b <= a for a, b in zip(caps, caps[1:], strict=False)):
             raise ConfigError(f"{where!r}: {what}.mrc.capacities must increase")
         for k in curves:
             curve = mrc[k]
             if not isinstance(curve, list) or len(curve) != len(caps) or not all(
-                    isinstance(v, (int, float)) and 0 <= v <= 1 for v in curve):
+                    _is_number(v) and 0 <= v <= 1 for v in curve):
                 raise ConfigError(f"{where!r}: {what}.mrc.{k} must be {len(caps)} miss ratios "
                                   "in [0, 1], one per capacity")
 
 
+def _is_number(value: Any) -> bool:
+    """A finite int or float (no bool; math.isfinite would overflow on a huge int)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and math.isfinite(value))
+
+
+def _check_reuse(reuse: Any, where: str, what: str) -> None:
+    """A reuse histogram: finite bin edges and shares of lookups in [0, 1]."""
+    if not isinstance(reuse, dict):
+        raise ConfigError(f"{where!r}: {what} must be an object, got {reuse!r}")
+    _number(reuse, "cold", where, what, most=1, optional=True)
+    for key, most in (("edges", None), ("lookups", 1.0)):
+        values = reuse.get(key, [])
+        if not isinstance(values, list) or not all(
+                _is_number(v) and v >= 0
+                and (most is None or v <= most) for v in values):
+            bound = "in [0, 1]" if most is not None else "finite and >= 0"
+            raise ConfigError(f"{where!r}: {what}.{key} must be a list of numbers {bound}")
+
+
 def _check_tiers(doc: dict[str, Any], where: str) -> None:
+    _number(doc, "row_bytes", where, "the tier model", least=1, whole=True, optional=True)
     tiers = _need(doc, "tiers", dict, where, "the tier model")
     if not tiers:
         raise ConfigError(f"{where!r}: the tier model lists no tiers")
@@ -153,10 +251,10 @@ def _check_tiers(doc: dict[str, Any], where: str) -> None:
             raise ConfigError(f"{where!r}: unknown tier {name!r}; known: {list(KNOWN_TIERS)}")
         for op in ("read", "write"):
             o = _need(t, op, dict, where, f"tier {name!r}")
-            if _need(o, "bytes_per_s", (int, float), where, f"tier {name!r}.{op}") <= 0:
-                raise ConfigError(f"{where!r}: tier {name!r}.{op}.bytes_per_s must be > 0")
-            if _need(o, "batch_latency_s", (int, float), where, f"tier {name!r}.{op}") < 0:
-                raise ConfigError(f"{where!r}: tier {name!r}.{op}.batch_latency_s must be >= 0")
+            _number(o, "bytes_per_s", where, f"tier {name!r}.{op}", above=True)
+            _number(o, "batch_latency_s", where, f"tier {name!r}.{op}")
+        # bytes a row costs beyond its own: none is fine, fewer than none is not
+        _number(t, "overhead_bytes_per_row", where, f"tier {name!r}", optional=True)
 
 
 def _check_placement(doc: dict[str, Any], where: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -270,3 +271,152 @@ def test_each_cache_takes_the_profiled_policy_with_the_fewest_misses_at_its_size
             at = {p: np.interp(size, np.log(t["mrc"]["capacities"]), t["mrc"][p])
                   for p in t["mrc"] if p != "capacities"}
             assert at[policy] == min(at.values()), (name, at)
+
+
+# -- input validation: every bad file or flag is one clear line, and nothing is written --
+
+
+@pytest.fixture
+def files(tmp_path: Path, profile: dict[str, Any]) -> Path:
+    """tmp_path holding p.json (a profile), t.json (a tier model) and an empty folder d."""
+    (tmp_path / "p.json").write_text(json.dumps(profile))
+    (tmp_path / "t.json").write_bytes(EXAMPLE_TIERS.read_bytes())
+    (tmp_path / "d").mkdir()
+    return tmp_path
+
+
+def _plan_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str,
+                profile: str = "p.json", tiers: str = "t.json",
+                budget: str = "dram=1MiB") -> str:
+    """Run `plan` expecting exit 2 and one error line; nothing new or changed in tmp_path."""
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    argv = ["plan", str(tmp_path / profile), "--tiers", str(tmp_path / tiers), "--budget",
+            budget, *args]
+    if "-o" not in args:
+        argv += ["-o", str(tmp_path / "out.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "internal error" not in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    return err
+
+
+@pytest.mark.parametrize(("output", "message"), [
+    ("p.json", "is also an input"), ("t.json", "is also an input"),
+    ("link.json", "is also an input"), ("", "-o is empty"), ("d", "is a directory"),
+    ("nodir/x.json", "nodir' does not exist")])
+def test_plan_refuses_an_output_that_is_an_input_or_no_file(
+        files: Path, capsys: pytest.CaptureFixture[str], output: str, message: str) -> None:
+    (files / "link.json").symlink_to(files / "p.json")
+    target = str(files / output) if output else ""
+    assert message in _plan_fails(files, capsys, "-o", target)
+
+
+def _set(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A deep copy of `doc` with the dotted `path` set to `value`."""
+    doc = json.loads(json.dumps(doc))
+    *parents, last = path.split(".")
+    obj = doc
+    for key in parents:
+        obj = obj[key]
+    obj[last] = value
+    return doc
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("distinct_per_batch", float("nan")), ("distinct_per_batch", float("inf")),
+    ("distinct_per_batch", -1), ("lookups_per_sample", float("-inf")),
+    ("bytes_per_sample", "x"), ("lookups_per_batch", -2.0), ("rows_touched", 1.5),
+    ("row_bytes", True), ("sample_rate", 0.0), ("sample_rate", 2), ("error_bound", float("nan")),
+    ("reuse.cold", 1.5), ("reuse.lookups", [float("nan")]), ("mrc.capacities", [0, 10]),
+    ("mrc.capacities", ["a", "b"]), ("mrc.lru", [float("nan")] * 8)])
+def test_every_profile_number_is_checked_naming_table_and_field(
+        profile: dict[str, Any], field: str, value: Any) -> None:
+    bad = _set(profile, f"tables.t03.{field}", value)
+    with pytest.raises(ConfigError, match=rf"table 't03'.*{field.split('.')[-1]}"):
+        load_document(bad, "profile")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("batches", -1), ("samples_per_batch", 0), ("step_calls", float("nan"))])
+def test_profile_header_numbers_are_checked(profile: dict[str, Any], field: str,
+                                            value: Any) -> None:
+    with pytest.raises(ConfigError, match=field):
+        load_document(_set(profile, field, value), "profile")
+
+
+def test_an_infinite_profile_figure_is_refused_before_planning(
+        files: Path, profile: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _set(profile, "tables.t00.distinct_per_batch", float("inf"))
+    (files / "inf.json").write_text(json.dumps(bad))  # Python writes the token Infinity
+    err = _plan_fails(files, capsys, profile="inf.json")
+    assert "table 't00'.distinct_per_batch must be a finite number" in err
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("dram.read.bytes_per_s", float("nan")), ("pmem.write.bytes_per_s", 0),
+    ("rocksdb.read.bytes_per_s", float("inf")), ("dram.read.bytes_per_s", "x"),
+    ("lmdb.write.batch_latency_s", -1e-6), ("dram.read.batch_latency_s", float("nan")),
+    ("dram.overhead_bytes_per_row", -1), ("pmem.overhead_bytes_per_row", "x"),
+    ("rocksdb.overhead_bytes_per_row", float("inf"))])
+def test_every_tier_model_number_is_checked_naming_tier_and_field(
+        files: Path, model: dict[str, Any], capsys: pytest.CaptureFixture[str], field: str,
+        value: Any) -> None:
+    tier, *rest = field.split(".")
+    bad = _set(model, f"tiers.{field}", value)
+    name = rf"tier '{tier}'\.{'.'.join(rest)}"
+    with pytest.raises(ConfigError, match=name):
+        load_document(bad, "tiers")
+    (files / "bad.json").write_text(json.dumps(bad))
+    assert re.search(name, _plan_fails(files, capsys, tiers="bad.json"))
+
+
+def test_a_tier_given_twice_in_the_budget_is_refused(model: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="gives dram twice"):
+        parse_budget("dram=8GiB,dram=1GiB", 260, model)
+    with pytest.raises(ConfigError, match="gives pmem twice"):
+        parse_budget("dram=8GiB,pmem=1GiB, pmem=2GiB", 260, model)
+
+
+NOT_JSON = [(b"\xff\xfe\x00\x01binary\x80", "is not UTF-8 text"), (b"", "the file is empty"),
+            (b"  \n", "the file is empty"), (b'{"format": ', "malformed at line 1 column 12"),
+            (b"\x89PNG\r\n\x1a\n", "is not UTF-8 text"), (b"[" * 100_000, "nesting")]
+
+
+@pytest.mark.parametrize(("data", "message"), NOT_JSON)
+def test_files_that_are_not_json_get_our_message_not_the_parsers(
+        files: Path, capsys: pytest.CaptureFixture[str], data: bytes, message: str) -> None:
+    (files / "bad.json").write_bytes(data)
+    for role in ("profile", "tiers"):
+        err = _plan_fails(files, capsys, **{role: "bad.json"})
+        assert f"{role} '{files / 'bad.json'}' is not a JSON document" in err, err
+        assert message in err and "Expecting" not in err and "codec" not in err, err
+    with pytest.raises(ConfigError, match=f"is not a JSON document.*{message}"):
+        load_document(files / "bad.json", "placement")
+
+
+def test_open_and_migrate_refuse_a_placement_that_is_not_json(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 a JPEG, not a placement")
+    spec = embstore.TableSpec("t00", dim=4)
+    with pytest.raises(ConfigError, match="placement .* is not a JSON document: byte 0"):
+        embstore.open(tmp_path / "new", tables=[spec], placement=bad)
+    assert not (tmp_path / "new").exists()
+    with embstore.open(tmp_path / "store", tables=[spec]):
+        pass
+    files = _files(tmp_path / "store")
+    assert main(["migrate", str(tmp_path / "store"), "--placement", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a JSON document: byte 0 (0xff) is not UTF-8 text" in err, err
+    assert _files(tmp_path / "store") == files
+
+
+def test_save_document_refuses_non_finite_numbers_and_folders(tmp_path: Path) -> None:
+    from embstore.placement import save_document
+
+    with pytest.raises(ConfigError, match="NaN or an infinity"):
+        save_document(tmp_path / "x.json", {"seconds": float("inf")})
+    with pytest.raises(ConfigError, match="not a directory"):
+        save_document(tmp_path, {"a": 1})
+    assert list(tmp_path.iterdir()) == []

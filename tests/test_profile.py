@@ -133,3 +133,79 @@ def test_training_step_replay_equals_a_real_tiers_hits(
                 asked += after.lookups - before.lookups
             store.apply_gradients("t", ids, np.ones((len(ids), 4), np.float32))
     assert hits / asked == pytest.approx(predicted, abs=1e-9)
+
+
+# -- input validation: bad -o and --plot are refused before any work, and nothing is written --
+
+SMALL = "synth:seed=3,batches=20,lookups=1024"
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make profiling itself fail: a refusal must come before it."""
+    import embstore.tools.profile as profile_tool
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise AssertionError("profiled before checking the flags")
+
+    monkeypatch.setattr(profile_tool, "build_profile", boom)
+
+
+def _profile_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run `profile` expecting exit 2 and one error line; nothing new or changed in tmp_path."""
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert main(["profile", *args, "--policies", "clock", "--points", "5"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "internal error" not in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    return err
+
+
+@pytest.mark.parametrize(("output", "message"), [
+    ("trace.npz", "is also an input"), ("link.npz", "is also an input"), ("", "-o is empty"),
+    ("d", "is a directory"), ("nodir/p.json", "nodir' does not exist")])
+def test_profile_refuses_an_output_that_is_its_trace_or_no_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None, output: str,
+        message: str) -> None:
+    save_tables(tmp_path / "trace.npz", {"user": [np.array([1, 2]), np.array([3])]})
+    (tmp_path / "link.npz").symlink_to(tmp_path / "trace.npz")
+    (tmp_path / "d").mkdir()
+    target = str(tmp_path / output) if output else ""
+    assert message in _profile_fails(tmp_path, capsys, str(tmp_path / "trace.npz"), "-o",
+                                     target)
+
+
+@pytest.mark.parametrize(("plot", "message"), [
+    ("mrc.txt", "matplotlib cannot draw a .txt file; end the name in .png, .pdf or .svg"),
+    ("mrc", "a file without an extension"), ("nodir/mrc.png", "nodir' does not exist"),
+    ("d", "is a directory"), ("p.json", "is also -o")])
+def test_a_bad_plot_path_is_refused_before_the_work_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None, plot: str,
+        message: str) -> None:
+    (tmp_path / "d").mkdir()
+    if plot == "p.json":
+        plot = "p.svg"  # a drawable name that is the output too (a link to it)
+        (tmp_path / "p.svg").symlink_to(tmp_path / "p.json")
+    err = _profile_fails(tmp_path, capsys, SMALL, "-o", str(tmp_path / "p.json"), "--plot",
+                         str(tmp_path / plot))
+    assert message in err, err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_profile_without_matplotlib_says_so_before_the_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    err = _profile_fails(tmp_path, capsys, SMALL, "-o", str(tmp_path / "p.json"), "--plot",
+                         str(tmp_path / "mrc.png"))
+    assert "--plot needs matplotlib" in err
+
+
+def test_a_plot_in_another_format_is_drawn_in_it(tmp_path: Path) -> None:
+    out, svg = tmp_path / "p.json", tmp_path / "MRC.SVG"
+    assert main(["profile", SMALL, "-o", str(out), "--plot", str(svg), "--policies", "clock",
+                 "--points", "5"]) == 0
+    assert b"<svg" in svg.read_bytes()[:500]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["MRC.SVG", "p.json"]

@@ -8,18 +8,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 from embstore.errors import ConfigError
 from embstore.spec import parse_bytes
 
-__all__ = ["Amount", "Parser", "add_output_flags", "amount", "non_negative_int", "positive_int",
-           "progress", "tier_chain"]
+__all__ = ["Amount", "Parser", "add_output_flags", "amount", "check_output",
+           "non_negative_int", "positive_int", "progress", "same_file", "tier_chain"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -198,3 +200,42 @@ def tier_chain(text: str) -> tuple[Any, ...]:
             raise argparse.ArgumentTypeError(
                 f"unknown backend {t.backend!r}; choose from {sorted(known)}")
     return tuple(tiers)
+
+
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether paths `a` and `b` name one file (links and hard links included)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): compare where they would be
+        pass
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError):  # a symlink loop: compare the paths as written
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_output(path: str | os.PathLike[str], flag: str,
+                 inputs: Iterable[str | os.PathLike[str]] = ()) -> None:
+    """Refuse an output path before any work: no name, a directory, no such folder, an input.
+
+    Checked up front so that a long run does not end in an error, and so that writing the
+    output never replaces one of the files it was computed from.
+
+    Raises:
+        ConfigError: `path` is empty, a directory, in a missing folder, or one of `inputs`.
+    """
+    text = os.fspath(path)
+    if not text:
+        raise ConfigError(f"{flag} is empty; give a file name")
+    out = Path(text)
+    if out.is_dir():
+        raise ConfigError(f"{flag} {text!r} is a directory; give a file name in it")
+    if not out.name or text.endswith(os.sep):
+        raise ConfigError(f"{flag} {text!r} names no file; give a file name")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{flag} {text!r}: folder {str(out.parent)!r} does not exist; "
+                          "create it first")
+    for source in inputs:
+        if same_file(out, source):
+            raise ConfigError(f"{flag} {text!r} is also an input ({os.fspath(source)!r}); "
+                              "write the output to another file")

@@ -56,14 +56,19 @@ def parse_budget(text: str, row_bytes: int, model: dict[str, Any]) -> dict[str, 
     """Bytes per budgeted tier from "dram=8GiB,pmem=64GiB".
 
     Raises:
-        ConfigError: bad syntax, an unknown or unmeasured tier, or a budget below one row.
+        ConfigError: bad syntax, an unknown, unmeasured or repeated tier, or a budget below
+            one row.
     """
     out = dict.fromkeys(_BUDGETED, 0)
+    given: set[str] = set()
     for item in filter(None, text.split(",")):
         name, eq, size = item.partition("=")
         name = name.strip()
         if not eq:
             raise ConfigError(f"--budget {text!r}: expected tier=size, e.g. dram=8GiB,pmem=64GiB")
+        if name in given:  # which of two sizes was meant is a guess: ask instead
+            raise ConfigError(f"--budget {text!r} gives {name} twice; give each tier once")
+        given.add(name)
         if name not in _BUDGETED:
             raise ConfigError(f"--budget names tier {name!r}; budgets are for {list(_BUDGETED)} "
                               f"(rocksdb and lmdb are not limited)")

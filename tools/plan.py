@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tier model, from `embstore bench tiers` or written by hand")
     p.add_argument("--budget", required=True,
                    help="bytes per budgeted tier, e.g. dram=8GiB,pmem=64GiB")
-    p.add_argument("-o", "--output", type=Path, default=Path("placement.json"),
+    # a str, not a Path: Path("") is "." and an empty -o must be told apart from a folder
+    p.add_argument("-o", "--output", default="placement.json",
                    help="placement to write (default placement.json)")
     p.add_argument("--json", action="store_true", help="print the placement as JSON")
     p.set_defaults(func=_run)
@@ -31,8 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from embstore.placement import load_document, save_document
 
+    from ._args import check_output
     from ._plan import describe, parse_budget, plan, to_placement
 
+    check_output(args.output, "-o", [args.profile, args.tiers])
     profile = load_document(args.profile, "profile")
     model = load_document(args.tiers, "tiers")
     row = min(t["row_bytes"] for t in profile["tables"].values())

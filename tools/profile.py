@@ -14,6 +14,7 @@ The profile (schema in `embstore.placement`) is what `embstore plan` reads.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,8 +24,8 @@ import numpy as np
 
 from embstore.errors import ConfigError
 
-__all__ = ["build_profile", "load_tables", "read_trace", "register", "save_tables",
-           "split_tables"]
+__all__ = ["build_profile", "check_plot_path", "load_tables", "plot_profile", "read_trace",
+           "register", "save_tables", "split_tables"]
 
 EXACT_LOOKUPS = 2_000_000
 """Tables with more lookups than this are profiled by SHARDS sampling (unless told)."""
@@ -245,8 +246,8 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
             "policies": ["lru", *policies], "tables": out}
 
 
-def plot_profile(profile: dict[str, Any], path: str | Path) -> None:
-    """Draw each table's miss-ratio curves (one line per table, a panel per policy).
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend.
 
     Raises:
         ConfigError: matplotlib is not installed.
@@ -258,6 +259,42 @@ def plot_profile(profile: dict[str, Any], path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install 'embstore[plot]'") from None
+    return plt
+
+
+def check_plot_path(path: str | Path) -> str:
+    """The image format of `path` (its extension), refused before any work if unwritable.
+
+    Raises:
+        ConfigError: matplotlib is missing, the extension is not a format it writes, or the
+            path is empty, a directory or in a missing folder.
+    """
+    from ._args import check_output
+
+    check_output(path, "--plot")
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    ext = Path(path).suffix[1:].lower()
+    if ext not in formats:
+        got = f"a .{ext} file" if ext else "a file without an extension"
+        raise ConfigError(f"--plot {str(path)!r}: matplotlib cannot draw {got}; end the name "
+                          f"in .png, .pdf or .svg (it writes {', '.join(formats)})")
+    return ext
+
+
+def plot_profile(profile: dict[str, Any], path: str | Path) -> None:
+    """Draw each table's miss-ratio curves (one line per table, a panel per policy).
+
+    The image goes to a temporary file renamed over `path`, so a failed drawing leaves
+    neither a partial image nor a stray file.
+
+    Raises:
+        ConfigError: matplotlib is not installed, cannot write this format, or failed.
+    """
+    ext = check_plot_path(path)
+    plt = _pyplot()
     policies = profile["policies"]
     fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 4), squeeze=False,
                              sharey=True)
@@ -271,8 +308,20 @@ def plot_profile(profile: dict[str, Any], path: str | Path) -> None:
     axes[0][0].set_ylabel("misses per lookup")
     axes[0][-1].legend(fontsize="x-small", ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fig.savefig(tmp, dpi=120, format=ext)  # the format named, as the file's is ".tmp"
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)  # no partial image, no stray file
+        if isinstance(exc, OSError) or not isinstance(exc, Exception):
+            raise
+        # e.g. pgf without LaTeX: say so in our words, not matplotlib's
+        raise ConfigError(f"--plot {str(path)!r}: matplotlib could not write a .{ext} image "
+                          f"({type(exc).__name__}); try .png, .pdf or .svg") from exc
+    finally:
+        plt.close(fig)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -282,8 +331,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", metavar="TRACE", help="a per-table .npz (<table>.ids, "
                    "<table>.offsets), a simulator .npy/.npz, synth:key=value,..., or an "
                    "access log directory (embstore.open(..., record_accesses=DIR))")
-    p.add_argument("-o", "--output", required=True, type=Path, help="profile JSON to write")
-    p.add_argument("--plot", type=Path, default=None, help="draw the curves into this image")
+    # str, not Path: Path("") is "." and an empty name must be told apart from a folder
+    p.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    p.add_argument("--plot", default=None,
+                   help="draw the curves into this image (.png, .pdf, .svg, ...)")
     p.add_argument("--policies", default="clock,wtinylfu:hold_new=1",
                    help="eviction specs to replay beside LRU (default: clock, a bounded "
                         "tier's default, and W-TinyLFU as a training tier runs it)")
@@ -307,6 +358,16 @@ def _run(args: argparse.Namespace) -> int:
 
     from embstore.placement import save_document
 
+    from ._args import check_output, same_file
+
+    # every refusal before the work (minutes on a large trace), and never over the trace
+    trace = [args.trace] if Path(args.trace).exists() else []
+    check_output(args.output, "-o", trace)
+    if args.plot is not None:
+        check_plot_path(args.plot)
+        for other, what in ((args.output, "-o"), *((t, "the trace") for t in trace)):
+            if same_file(args.plot, other):
+                raise ConfigError(f"--plot {args.plot!r} is also {what}; give another file")
     tables, recorded = read_trace(args.trace)
     bar = None
     if sys.stderr.isatty():
@@ -327,9 +388,9 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    save_document(args.output, profile)
-    if args.plot is not None:
+    if args.plot is not None:  # drawing is what may still fail: before the JSON is written
         plot_profile(profile, args.plot)
+    save_document(args.output, profile)
     if args.json:
         print(json.dumps(profile, indent=1))
         return 0
