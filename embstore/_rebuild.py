@@ -30,7 +30,7 @@ import numpy as np
 from . import _counters, _crash, registry
 from ._written import WrittenIds, write_record
 from .backend import Backend, BackendSpec, SupportsBulkLoad
-from .errors import ConfigError, CorruptStoreError, StoreNotFoundError
+from .errors import CapacityError, ConfigError, CorruptStoreError, StoreNotFoundError
 from .layout import (
     bottom_dir,
     lock,
@@ -157,8 +157,34 @@ def store_rows(root: Path, default_tiers: Sequence[TierSpec],
                     yield ids, rows
                 if record is not None:
                     _check_nothing_lost(root, old, record, held, backend)
-        return count, pages()
+        return count, _ScanPages(pages(), backend)
     return source
+
+
+class _ScanPages:
+    """The pages of a scan, closing its backend on `close` even if never iterated.
+
+    Closing a generator that never started runs none of its body, so its ``with backend``
+    would leave the reader open: its directory would then stay open in this process with
+    the scan's options, and the next open of it with other options would be refused.
+    """
+
+    def __init__(self, pages: Iterator[tuple[np.ndarray, np.ndarray]], backend: Backend
+                 ) -> None:
+        self._pages, self._backend = pages, backend
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self._pages
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        return next(self._pages)
+
+    def close(self) -> None:
+        """Stop the scan and close its backend."""
+        close = getattr(self._pages, "close", None)
+        if close is not None:
+            close()
+        self._backend.close()
 
 
 def _check_nothing_lost(root: Path, spec: TableSpec, record: WrittenIds, held: int,
@@ -207,6 +233,15 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
     counts: dict[str, int] = {}
     for spec in specs:
         total, pages = source(spec)
+        bottom = table_chain(spec, default_tiers)[-1]
+        cap = bottom.capacity_rows(spec.storage_width * spec.storage_dtype.itemsize)
+        if cap is not None and total > cap:
+            _ClosablePages(pages).close()
+            # the bottom's eviction is feature expiry: the first write would drop the rest
+            raise CapacityError(
+                f"table {spec.name!r} has {total:,} rows but its store of record "
+                f"({bottom.backend}) would hold at most {cap:,}; nothing was changed",
+                hint="give the last tier no capacity, or one of at least the table's rows")
         n = 0
         written: list[np.ndarray] = []  # the ids of the table's written-id record
         # a failed copy closes the source's reader now: a handle left to the garbage

@@ -291,3 +291,27 @@ def test_half_precision_tables_round_trip_and_check_clean(tmp_path, precision):
         with embstore.open(p, read_only=True) as store:
             assert (store.lookup("h", ids, stored=True).tobytes(),
                     store.lookup_state("h", ids).tobytes()) == before
+
+
+def test_a_copy_into_a_store_of_record_too_small_for_its_rows_is_refused(tmp_path):
+    """The last tier's eviction is feature expiry: a copy into a bounded one would lose rows."""
+    from embstore._export import export_store, import_store
+    from embstore._rebuild import replace_store
+    from embstore.errors import CapacityError
+
+    path = tmp_path / "s"
+    with embstore.open(path, tables=[embstore.TableSpec("t", dim=4)],
+                       tiers=[embstore.TierSpec("rocksdb")]) as store:
+        store.update("t", np.arange(300), np.ones((300, 4), np.float32))
+    export_store(path, tmp_path / "ex")
+    small = [embstore.TierSpec("dram", capacity=50), embstore.TierSpec("lmdb", capacity=100)]
+    with pytest.raises(CapacityError, match="300 rows .* at most 100"):
+        replace_store(path, default_tiers=small)
+    with pytest.raises(CapacityError):
+        import_store(tmp_path / "ex", tmp_path / "s2", tiers=small)
+    assert not (tmp_path / "s2").exists()
+    with embstore.open(path) as store:
+        assert store.num_rows("t") == 300
+    replace_store(path, default_tiers=[small[0], embstore.TierSpec("lmdb", capacity=300)])
+    with embstore.open(path) as store:
+        assert store.num_rows("t") == 300
