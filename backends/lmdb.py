@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Final, NoReturn, TypeVar, final
 import lmdb
 import numpy as np
 
-from embstore.backend import BackendSpec
+from embstore.backend import BackendSpec, foreign_error
 from embstore.errors import (
     CapacityError,
     ConfigError,
@@ -429,6 +429,10 @@ def _open_env(directory: Path, settings: tuple[tuple[str, Any], ...], read_only:
     created_before = file.exists()
     if created_before:
         check_data_file(file)
+        if read_only and not file.stat().st_size:
+            # a writer would lay out a new environment in it; a reader cannot open it at all
+            raise CorruptStoreError(f"{file} is empty: the environment's pages are gone; "
+                                    "restore the tier from a checkpoint")
     try:
         env = lmdb.open(str(directory), map_size=s["map_size_bytes"], subdir=True,
                         readonly=read_only, create=not read_only,
@@ -466,4 +470,4 @@ def _fail(exc: lmdb.Error, what: str) -> NoReturn:
     if isinstance(exc, lmdb.MapFullError):
         raise CapacityError(f"{what}: {exc}", hint="raise the tier's max_map_size_bytes option") \
             from exc
-    raise exc
+    raise foreign_error(exc, what, None) from exc

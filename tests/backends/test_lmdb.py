@@ -256,3 +256,11 @@ def test_a_damaged_page_size_in_the_current_meta_page_is_an_error_not_a_sigbus(t
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert "CorruptStoreError:" in proc.stdout and "page" in proc.stdout, proc.stdout
+
+
+def test_an_emptied_data_file_is_reported_as_damage_to_a_reader(tmp_path):
+    with _open(tmp_path) as b:
+        b.put(np.arange(5), _rows(5))
+    (tmp_path / "data.mdb").write_bytes(b"")
+    with pytest.raises(CorruptStoreError, match="is empty"):  # LMDB's own: EBADF, raw
+        LMDBBackend.open(BackendSpec(path=tmp_path, dim=DIM, table="t", read_only=True))
