@@ -145,12 +145,26 @@ def open_read_only(directory: Path, db_options: Any,
             raise
         except Exception as exc:
             if "No such file" not in str(exc) and "NotFound" not in str(exc):
-                raise
+                raise _naming(exc, directory) from exc
             last = exc  # a file the writer removed or added meanwhile: list again
         finally:
             shutil.rmtree(view, ignore_errors=True)
     assert last is not None
-    raise last
+    raise _naming(last, directory) from last
+
+
+def _naming(exc: Exception, directory: Path) -> Exception:
+    """`exc` as the same kind of error, naming `directory` where it named the private view.
+
+    The view is gone by the time anyone reads the message.
+    """
+    text = error_text(exc, directory)
+    if text == str(exc):
+        return exc
+    try:
+        return type(exc)(text)
+    except Exception:  # a type that wants other arguments: keep the original
+        return exc
 
 
 def db_files(directory: Path) -> tuple[tuple[str, int, int], ...]:

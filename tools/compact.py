@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from embstore._rebuild import replace_store
+from embstore._rebuild import read_store, replace_store
 from embstore.tools._args import add_output_flags, progress
 
 __all__ = ["register", "store_bytes"]
@@ -41,6 +41,7 @@ def store_bytes(root: Path) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Compact the store and print its size before and after."""
+    read_store(args.path)  # no store there: say so before measuring the whole tree
     before = store_bytes(args.path)
     with progress(args, None, label="compact") as bar:
         counts = replace_store(args.path, progress=lambda _t, n: bar.update(n))

@@ -392,3 +392,13 @@ def test_a_manifest_of_many_blocks_still_opens(tmp_path):
         got, found = b.get(np.arange(300, dtype=np.int64))
         assert found.all()
         np.testing.assert_array_equal(got[299], _rows(1, seed=299)[0])
+
+
+def test_a_reader_refused_by_rocksdb_names_the_directory_not_its_private_view(tmp_path):
+    with _open(tmp_path) as b:
+        b.put(np.arange(5), np.ones((5, 8), np.float32))
+    (tmp_path / "CURRENT").write_text("MANIFEST-999999\n")  # a MANIFEST that is not there
+    with pytest.raises(CorruptStoreError) as caught:
+        _open(tmp_path, read_only=True)
+    assert str(tmp_path / "MANIFEST-999999") in str(caught.value)
+    assert "embstore-rocksdb-read-" not in str(caught.value)
