@@ -284,3 +284,17 @@ def test_trace_stats_refuses_a_trace_without_ids_and_empty_production_stats(
     stats.write_text("\n")
     assert main(["trace", "stats", str(good), "--production", str(stats)]) == 2
     assert "no locality-stats block" in capsys.readouterr().err
+
+
+def test_trace_synth_names_the_file_it_writes_and_refuses_no_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "synth", str(tmp_path / "t"), "--batches", "2",
+                 "--batch-size", "50"]) == 0
+    assert f"wrote {tmp_path / 't.npy'}:" in capsys.readouterr().out
+    assert np.load(tmp_path / "t.npy").shape == (2, 50)
+    for bad in ("", str(tmp_path)):
+        assert main(["trace", "synth", bad, "--batches", "1"]) == 2
+        assert "OUT.npy" in capsys.readouterr().err
+    assert not (tmp_path / "..npy").exists() and not Path(f"{tmp_path}.npy").exists()
+    assert main(["simulate", str(tmp_path / "t.npy"), "--seed", "-1"]) == 2
+    assert "--seed" in capsys.readouterr().err

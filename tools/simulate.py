@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from embstore.tools._args import Amount, amount, positive_int
+from embstore.tools._args import Amount, amount, non_negative_int, positive_int
 
 __all__ = ["register"]
 
@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "a dim-64 float32 row)")
     p.add_argument("--batch-size", type=positive_int, default=4096,
                    help="batch length for a 1-D .npy trace (default: 4096)")
-    p.add_argument("--seed", type=int, default=0, help="seed handed to every policy")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed handed to every policy")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_run)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from embstore.errors import ConfigError
+from embstore.tools._args import check_output, non_negative_int, positive_int
 
 __all__ = ["register"]
 
@@ -21,11 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = trace_sub.add_parser("synth", help="write a calibrated synthetic trace (.npy, a batch "
                                            "per row)")
-    p.add_argument("out", metavar="OUT.npy", type=Path)
-    p.add_argument("--batches", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("out", metavar="OUT.npy", help="the file to write (.npy is added if missing)")
+    p.add_argument("--batches", type=non_negative_int, default=20)
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="lookups per batch (default: the profile's calibrated 1048576)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--profile", default="2021", help="production year to match: 2021 or 2022")
     p.add_argument("--drift", type=float, default=0.0,
                    help="share of rows given a new id after each batch (not calibrated)")
@@ -42,11 +43,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _synth(args: argparse.Namespace) -> int:
     from embstore.tools.traces import synthesize
 
+    out = args.out if args.out.endswith(".npy") else f"{args.out}.npy"  # as np.save names it
+    check_output(args.out, "OUT.npy")
+    check_output(out, "OUT.npy")
     batches = list(synthesize(args.batches, seed=args.seed, profile=args.profile,
                               lookups=args.batch_size, drift=args.drift))
-    np.save(args.out, np.stack(batches) if batches else np.zeros((0, 0), np.int64))
+    np.save(out, np.stack(batches) if batches else np.zeros((0, 0), np.int64))
     n = sum(len(b) for b in batches)
-    print(f"wrote {args.out}: {len(batches)} batches, {n} ids")
+    print(f"wrote {out}: {len(batches)} batches, {n} ids")
     return 0
 
 
