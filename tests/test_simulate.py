@@ -298,3 +298,11 @@ def test_trace_synth_names_the_file_it_writes_and_refuses_no_file(
     assert not (tmp_path / "..npy").exists() and not Path(f"{tmp_path}.npy").exists()
     assert main(["simulate", str(tmp_path / "t.npy"), "--seed", "-1"]) == 2
     assert "--seed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--policy", ""], ["--policy", ","], ["--admission", ""]])
+def test_simulate_refuses_an_empty_list_of_policies(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]) -> None:
+    np.save(tmp_path / "t.npy", np.arange(20).reshape(2, 10))
+    assert main(["simulate", str(tmp_path / "t.npy"), *flags]) == 2
+    assert f"{flags[0]} names no policy" in capsys.readouterr().err

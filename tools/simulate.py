@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from embstore.errors import ConfigError
 from embstore.tools._args import Amount, amount, non_negative_int, positive_int
 
 __all__ = ["register"]
@@ -48,13 +49,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from embstore.tools.simulator import load_trace, simulate_trace
 
+    policies = [s for s in args.policy.split(",") if s.strip()]
+    admissions = [s for s in args.admission.split(",") if s.strip()]
+    for flag, specs in (("--policy", policies), ("--admission", admissions)):
+        if not specs:  # nothing would be simulated, and exit 0 would say all went well
+            raise ConfigError(f"{flag} names no policy; give at least one, e.g. lru")
     trace = load_trace(args.trace, batch_size=args.batch_size)
     distinct = max(1, int(trace.distinct))
     capacities = [c.fraction if c.fraction is not None and c.fraction < 1
                   else float(c.as_rows(distinct, args.row_bytes)) for c in args.capacity]
-    report = simulate_trace(trace, [s for s in args.policy.split(",") if s],
-                            [s for s in args.admission.split(",") if s],
-                            capacities, seed=args.seed)
+    report = simulate_trace(trace, policies, admissions, capacities, seed=args.seed)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
