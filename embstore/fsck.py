@@ -454,6 +454,23 @@ def _repair(root: Path, fd: int, findings: list[Finding], parsed: _Parsed,
     if unread:  # a rewrite would lose every row of these tables
         return findings + [Finding(None, f"not repaired: the rows of table(s) {unread} could "
                                    "not be read at all; restore them from a checkpoint")]
+    # every row of a table failing its checks is rarely damage to each row: a manifest that
+    # no longer describes the table (its dim, dtype, id range) or a file replaced whole
+    held = {spec.name: record_ids(root, spec) for spec in specs}
+
+    def written(name: str) -> int:
+        ids = held.get(name)
+        return 0 if ids is None else len(ids)
+
+    # (rows in a RocksDB block that fails its checksum are damage the repair drops, however
+    # many: the scan could not read them at all)
+    all_bad = [name for name, scan in scans.items() if not scan.rows and not scan.unreadable
+               and max(len(scan.dropped_ids()), written(name)) > 1]
+    if all_bad:
+        return findings + [Finding(None, f"not repaired: every row of table(s) {all_bad} fails "
+                                   "its checks, which a repair would drop; if the manifest "
+                                   "is wrong, restore it, else restore the table(s) from a "
+                                   "checkpoint")]
     dump = RowDump(dump_dir)
     backup = root.parent / f".{root.name}.fsck-backup-{time.strftime('%Y%m%dT%H%M%S')}"
     if progress:
@@ -467,8 +484,7 @@ def _repair(root: Path, fd: int, findings: list[Finding], parsed: _Parsed,
             return stored(spec)  # a snapshot that loads passed its checksums: every row
         return dump.pages(spec)
 
-    # what the written-id records held: the ids of rows no scan could read come from there
-    held = {spec.name: record_ids(root, spec) for spec in specs}
+    # `held`, what the written-id records hold, gives the ids of rows no scan could read
     complete = closed_cleanly(root, specs, tiers)
     try:
         replace_store(root, source=source, keep_old=backup, lock_fd=fd)

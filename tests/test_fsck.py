@@ -364,6 +364,26 @@ def test_repair_refuses_to_rewrite_a_table_it_could_not_read(tmp_path):
     assert (path / "tier1-rocksdb" / "CURRENT").read_text() == "MANIFEST-999999\n"
 
 
+@pytest.mark.parametrize("bottom", ["rocksdb", "lmdb", "pmem"])
+@pytest.mark.parametrize("field,value", [("dim", 5), ("num_embeddings", 10)])
+def test_repair_refuses_to_drop_every_row_of_a_table(tmp_path, bottom, field, value):
+    """A manifest that no longer describes a table fails every row: not a repair's to drop."""
+    from embstore.manifest import read_manifest, write_manifest
+
+    path = _store(tmp_path / "s", bottom, n=20)
+    doc = read_manifest(path)
+    doc.pop("checksum", None)
+    doc["tables"][0][field] = value  # table "t" holds rows of dim 4 under ids 0..19
+    write_manifest(path, doc)
+    findings = fsck.check(path, repair=True)
+    if field == "dim":
+        assert any("every row of table(s) ['t']" in f.message for f in findings), findings
+        assert not any(f.repaired for f in findings)
+        assert fsck.exit_code(findings) == 4
+    else:  # ids 0..9 pass: the repair goes ahead and drops 10..19, as it reports
+        assert fsck.exit_code(findings) == 1, findings
+
+
 def test_a_manifest_record_rocksdb_would_hang_on_is_found_and_not_repaired(tmp_path,
                                                                            monkeypatch):
     # were the scanner to hang, it would be stopped well before the suite's timeout
