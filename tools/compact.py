@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from embstore._rebuild import read_store, replace_store
+from embstore.layout import recover_swap
 from embstore.tools._args import add_output_flags, progress
 
 __all__ = ["register", "store_bytes"]
@@ -41,6 +42,7 @@ def store_bytes(root: Path) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Compact the store and print its size before and after."""
+    recover_swap(args.path)  # a swap cut short between its renames: the store is put back
     read_store(args.path)  # no store there: say so before measuring the whole tree
     before = store_bytes(args.path)
     with progress(args, None, label="compact") as bar:
