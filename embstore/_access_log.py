@@ -31,10 +31,13 @@ Layout (format ``embstore.access_log``, version 1), a directory holding::
 
 No pickle, nothing but raw arrays and JSON. Files are 0600, the directory 0700. Each batch's
 ids are written before its end offset, at known positions, so a writer killed at any point
-leaves a log whose complete batches read back whole: `read_access_log` takes the longest
-prefix of offsets that rise and stay within the ids, and a store opened on the log again
-cuts the torn tail off before it appends. `flush` fsyncs the files (the store's `flush` and
-`close` call it).
+leaves a log whose complete batches read back whole: the torn tail it can leave (ids past
+the last offset, a last offset record cut short) is passed over by `read_access_log` and cut
+off by a store opened on the log again before it appends. Anything else is damage, which
+both refuse with CorruptStoreError naming the file rather than drop batches unseen: offsets
+that do not start at 0, fall, or point past the ids; a listed table's file missing; a table's
+files holding batches the header does not list; a header field not as above. `flush` fsyncs
+the files (the store's `flush` and `close` call it).
 """
 
 from __future__ import annotations
@@ -44,31 +47,39 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import _crash
+from ._access_log_read import (
+    _DAMAGED,
+    FORMAT,
+    HASH_BITS,
+    HASH_SEED,
+    HEADER_NAME,
+    VERSION,
+    AccessLog,
+    _check_unlisted,
+    _offsets_problem,
+    _read_header,
+    _sampling,
+    _whole_records,
+    is_access_log,
+    read_access_log,
+)
 from ._kernels._policy_kernels import ffi as _ffi
 from ._kernels._policy_kernels import lib as _kernels
 from ._validate import as_ids
-from .errors import ConfigError, StorageIOError, StoreLockedError
-from .manifest import DIR_MODE, FILE_MODE, make_dirs, read_bytes_nofollow, write_atomic
+from .errors import ConfigError, CorruptStoreError, StorageIOError, StoreLockedError
+from .manifest import DIR_MODE, FILE_MODE, make_dirs, write_atomic
 from .spec import TableSpec
 
 __all__ = ["HEADER_NAME", "AccessLog", "AccessRecorder", "check_rates", "is_access_log",
            "read_access_log", "sample_mask"]
 
-HEADER_NAME = "ACCESS_LOG.json"
-FORMAT = "embstore.access_log"
-VERSION = 1
-HASH_BITS = 24
-"""Bits of the hash compared with the rate: rates are multiples of 2**-24."""
-HASH_SEED = 0
 _LOCK_NAME = "LOCK"
-_MAX_HEADER_BYTES = 1 << 20
 
 
 def threshold_of(rate: float) -> int:
@@ -141,161 +152,48 @@ def _rates(tables: Sequence[str], sample: float | Mapping[str, float]) -> dict[s
     return out
 
 
-@dataclass
-class AccessLog:
-    """A log read back: per table its ids, batch offsets and sampling rate."""
-
-    ids: dict[str, np.ndarray]
-    """Logged ids per table (int64)."""
-    offsets: dict[str, np.ndarray]
-    """Per table: 0, then the end of each complete batch in `ids` (int64)."""
-    rates: dict[str, float]
-    """Per table: the share of ids (by hash) the log kept; 1.0 is every id."""
-
-    def batches(self, table: str) -> list[np.ndarray]:
-        """The batches of `table`, in order (views of `ids`)."""
-        off = self.offsets[table]
-        return np.split(self.ids[table], off[1:-1]) if len(off) > 1 else []
-
-
-def is_access_log(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is an access log (a directory holding its header) or a sharded store's.
-
-    A sharded store's is a directory of per-rank logs ``rank0``, ``rank1``, ...
-    """
-    root = Path(path)
-    return (root / HEADER_NAME).is_file() or (root / "rank0" / HEADER_NAME).is_file()
-
-
-def _rank_logs(root: Path) -> list[Path]:
-    """The per-rank logs ``rank0`` .. ``rank<W-1>`` of a sharded store's log directory."""
-    ranks: list[Path] = []
-    while (root / f"rank{len(ranks)}" / HEADER_NAME).is_file():
-        ranks.append(root / f"rank{len(ranks)}")
-    strays = sorted(p.name for p in root.glob("rank*")
-                    if p.name not in {r.name for r in ranks})
-    if strays:
-        raise ConfigError(f"{root}: the per-rank access logs must be rank0 .. rank"
-                          f"{len(ranks) - 1} with no gap; {', '.join(strays)} is not among them")
-    return ranks
-
-
-def _merge_ranks(root: Path, logs: list[AccessLog]) -> AccessLog:
-    """One log of the ranks' logs: per table, batch k of rank 0, 1, ... then batch k + 1.
-
-    That is the order in which a sharded store applies its ranks' calls (one store fed the
-    ranks' inputs in rank order); a rank killed early contributes only its complete batches.
-    """
-    names = sorted({n for log in logs for n in log.ids})
-    ids, offsets, rates = {}, {}, {}
-    for name in names:
-        found = {log.rates[name] for log in logs if name in log.rates}
-        if len(found) != 1:
-            raise ConfigError(f"{root}: the ranks recorded table {name!r} at different "
-                              f"rates {sorted(found)}; record every rank at one rate")
-        per_rank = [log.batches(name) if name in log.ids else [] for log in logs]
-        order = [b for k in range(max(len(p) for p in per_rank))
-                 for p in per_rank if k < len(p) for b in (p[k],)]
-        ids[name] = np.concatenate(order) if order else np.empty(0, np.int64)
-        offsets[name] = np.concatenate([[0], np.cumsum([len(b) for b in order])]
-                                       ).astype(np.int64)
-        rates[name] = found.pop()
-    return AccessLog(ids, offsets, rates)
-
-
-def _read_header(root: Path) -> dict[str, Any]:
-    where = root / HEADER_NAME
-    try:
-        doc = json.loads(read_bytes_nofollow(where, _MAX_HEADER_BYTES))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read access log header {where}: {exc}") from exc
-    except Exception as exc:  # a header that is a link or too large (CorruptStoreError)
-        raise ConfigError(f"access log header {where}: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ConfigError(f"{where} is not an {FORMAT} header")
-    if doc.get("version") != VERSION:
-        raise ConfigError(f"{where}: {FORMAT} version {doc.get('version')!r} is not supported "
-                          f"(this embstore reads version {VERSION})")
-    sampling = doc.get("sampling")
-    if sampling != _sampling() or doc.get("byte_order") != "little" or not isinstance(
-            doc.get("tables"), dict):
-        raise ConfigError(f"{where}: unknown sampling {sampling!r} or layout; this embstore "
-                          f"writes and reads {_sampling()}, int64 little-endian")
-    for name, t in doc["tables"].items():
-        if not isinstance(t, dict) or not isinstance(t.get("threshold"), int) or not (
-                1 <= t["threshold"] <= 1 << HASH_BITS):
-            raise ConfigError(f"{where}: table {name!r} has no valid sampling threshold")
-    return doc
-
-
-def _sampling() -> dict[str, Any]:
-    return {"method": "shards", "hash": "splitmix64", "seed": HASH_SEED, "bits": HASH_BITS}
-
-
-def _complete(ids_count: int, offsets: np.ndarray) -> np.ndarray:
-    """The longest prefix of `offsets` that describes complete batches of `ids_count` ids."""
-    if not len(offsets) or offsets[0] != 0:
-        return np.zeros(1, dtype=np.int64)
-    bad = np.flatnonzero((np.diff(offsets) < 0) | (offsets[1:] > ids_count))
-    return offsets[: int(bad[0]) + 1] if len(bad) else offsets
-
-
-def _read_array(file: Path) -> np.ndarray:
-    with open(file, "rb") as fh:
-        data = fh.read()
-    return np.frombuffer(data, dtype="<i8", count=len(data) // 8).astype(np.int64)
-
-
-def read_access_log(path: str | os.PathLike[str]) -> AccessLog:
-    """Read the access log at `path`, up to each table's last complete batch.
-
-    A sharded store's directory of per-rank logs reads as one log (`_merge_ranks`).
-
-    Raises:
-        ConfigError: no access log there, or one this embstore cannot read.
-    """
-    root = Path(path)
-    if not is_access_log(root):
-        raise ConfigError(f"{root} is not an access log (no {HEADER_NAME}); record one with "
-                          "embstore.open(..., record_accesses=PATH)")
-    if not (root / HEADER_NAME).is_file():
-        return _merge_ranks(root, [read_access_log(r) for r in _rank_logs(root)])
-    doc = _read_header(root)
-    ids, offsets, rates = {}, {}, {}
-    for name, t in doc["tables"].items():
-        try:
-            raw = _read_array(root / f"{name}.ids")
-            off = _complete(len(raw), _read_array(root / f"{name}.offsets"))
-        except OSError as exc:
-            raise ConfigError(f"access log {root}: cannot read table {name!r}: "
-                              f"{exc.strerror or exc}") from exc
-        ids[name], offsets[name] = raw[: int(off[-1])], off
-        rates[name] = t["threshold"] / (1 << HASH_BITS)
-    return AccessLog(ids, offsets, rates)
-
-
 class _TableLog:
     """One table's two files and where its next batch goes."""
 
     def __init__(self, root: Path, name: str, threshold: int, *, fresh: bool) -> None:
+        """Open (`fresh`: create or empty) table `name`'s files in the log at `root`.
+
+        Raises:
+            CorruptStoreError: a table the log lists has a file missing, or offsets that are
+                no torn tail (`_offsets_problem`): cutting them off would drop batches.
+            OSError: a file cannot be opened (a link, permissions).
+        """
         self.threshold = threshold
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if fresh else 0)
-        self.ids_fd = os.open(root / f"{name}.ids", flags, FILE_MODE)
+        # a listed table's files must be there: creating them would hide the loss
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_TRUNC if fresh else 0)
+        self.ids_fd = self.off_fd = -1
         try:
+            self.ids_fd = os.open(root / f"{name}.ids", flags, FILE_MODE)
             self.off_fd = os.open(root / f"{name}.offsets", flags, FILE_MODE)
+            self.pending_writes = 0
+            off = np.zeros(1, dtype=np.int64) if fresh else _whole_records(
+                os.pread(self.off_fd, os.fstat(self.off_fd).st_size, 0))
+            problem = _offsets_problem(name, os.fstat(self.ids_fd).st_size // 8, off)
+            if problem is not None:
+                raise CorruptStoreError(f"access log {root}: table {name!r}: {problem}; "
+                                        f"{_DAMAGED}")
+            # continue after the last complete batch: a killed writer's torn tail is cut off
+            self.batches, self.end = len(off) - 1, int(off[-1])
+            os.ftruncate(self.ids_fd, self.end * 8)
+            os.ftruncate(self.off_fd, (self.batches + 1) * 8)
+            if self.batches == 0:
+                os.pwrite(self.off_fd, np.zeros(1, dtype="<i8").tobytes(), 0)
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            self.close()
+            file = Path(str(exc.filename)).name
+            what = ("is missing" if isinstance(exc, FileNotFoundError)
+                    else "is a directory, not a file")
+            raise CorruptStoreError(f"access log {root}: table {name!r} is listed in "
+                                    f"{HEADER_NAME} but its file {file} {what}; "
+                                    f"{_DAMAGED}") from None
         except BaseException:
-            os.close(self.ids_fd)
+            self.close()
             raise
-        self.pending_writes = 0
-        # continue after the last complete batch: a killed writer's torn tail is cut off
-        off = _complete(os.fstat(self.ids_fd).st_size // 8, np.frombuffer(
-            os.pread(self.off_fd, os.fstat(self.off_fd).st_size, 0), dtype="<i8",
-            count=os.fstat(self.off_fd).st_size // 8).astype(np.int64))
-        self.batches, self.end = len(off) - 1, int(off[-1])
-        os.ftruncate(self.ids_fd, self.end * 8)
-        os.ftruncate(self.off_fd, (self.batches + 1) * 8)
-        if self.batches == 0:
-            os.pwrite(self.off_fd, np.zeros(1, dtype="<i8").tobytes(), 0)
 
     def append(self, ids: np.ndarray) -> None:
         kept = _sampled(ids, self.threshold)
@@ -308,10 +206,14 @@ class _TableLog:
         self.end, self.batches = end, self.batches + 1
 
     def close(self) -> None:
+        """Close both files (either may not be open: -1)."""
         try:
-            os.close(self.ids_fd)
+            if self.ids_fd >= 0:
+                os.close(self.ids_fd)
         finally:
-            os.close(self.off_fd)
+            if self.off_fd >= 0:
+                os.close(self.off_fd)
+            self.ids_fd = self.off_fd = -1
 
 
 def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
@@ -332,6 +234,7 @@ class AccessRecorder:
         ConfigError: a bad rate, a path that is not a directory, a directory of other files,
             a log recorded at other rates, or a path that cannot be written.
         StoreLockedError: another store is writing this log.
+        CorruptStoreError: the log to append to is damaged (see `read_access_log`).
     """
 
     def __init__(self, path: str | os.PathLike[str], tables: Sequence[str],
@@ -370,6 +273,8 @@ class AccessRecorder:
             raise StoreLockedError(f"the access log {root} is being written by another store; "
                                    "close it or record to another directory") from None
         known: dict[str, Any] = _read_header(root)["tables"] if existing else {}
+        if existing:  # a new table's files are emptied below: never over unlisted batches
+            _check_unlisted(root, known)
         for name, rate in rates.items():
             if name in known and known[name]["threshold"] != threshold_of(rate):
                 raise ConfigError(

@@ -15,7 +15,7 @@ import pytest
 import embstore
 from embstore import _crash
 from embstore._access_log import read_access_log, sample_mask
-from embstore.errors import ConfigError, StoreLockedError
+from embstore.errors import ConfigError, CorruptStoreError, StoreLockedError
 from embstore.tools._mrc import (
     MIN_SAMPLED_IDS,
     SHARDS_ERROR_BOUND,
@@ -242,3 +242,156 @@ def test_a_sharded_store_refuses_a_bad_rate_before_any_collective(tmp_path: Path
         ed.open(None, tables=[embstore.TableSpec("t", dim=4)],
                 record_accesses=tmp_path / "logs", record_sample=1.5)
     assert not (tmp_path / "logs").exists()
+
+
+# -- a damaged log is refused, naming what is wrong where; a torn tail is said, not hidden --
+
+def small_log(log: Path) -> None:
+    """A closed log of two tables, 'user' and 'item', three batches each."""
+    record(log, {"user": [np.arange(b, b + 6) for b in range(3)],
+                 "item": [np.arange(10 * b, 10 * b + 4) for b in range(3)]})
+
+
+def _offsets(log: Path, values: list[int]) -> None:
+    np.array(values, dtype="<i8").tofile(log / "user.offsets")
+
+
+DAMAGE = {
+    "offset-past-the-ids": (lambda log: _offsets(log, [0, 10**12, 12]), "user.offsets"),
+    "negative-offset": (lambda log: _offsets(log, [0, -5, 12]), "user.offsets"),
+    "offsets-not-from-0": (lambda log: _offsets(log, [3, 6, 12]), "user.offsets"),
+    "offsets-empty": (lambda log: _offsets(log, []), "user.offsets"),
+    "ids-cut-short": (lambda log: os.truncate(log / "user.ids", 8 * 7 + 3), "user.ids"),
+    "ids-empty": (lambda log: os.truncate(log / "user.ids", 0), "user.ids"),
+    "ids-missing": (lambda log: (log / "user.ids").unlink(), "user.ids is missing"),
+    "offsets-missing": (lambda log: (log / "user.offsets").unlink(),
+                        "user.offsets is missing"),
+    "ids-a-directory": (lambda log: ((log / "user.ids").unlink(), (log / "user.ids").mkdir()),
+                        "user.ids"),
+    "unlisted-table": (lambda log: np.arange(4, dtype="<i8").tofile(log / "zzz.ids"),
+                       "zzz.ids holds batches of table 'zzz'"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_table_is_refused_naming_it_and_profile_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
+    log = tmp_path / "log"
+    small_log(log)
+    apply, where = DAMAGE[damage]
+    apply(log)
+    table = "zzz" if damage == "unlisted-table" else "user"
+    with pytest.raises(CorruptStoreError, match=f"'{table}'") as info:
+        read_access_log(log)
+    assert where in str(info.value) and "damaged" in str(info.value)
+    assert main(["profile", str(log), "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("embstore profile: error: ") and len(err.strip().splitlines()) == 1
+    assert where in err and not (tmp_path / "p.json").exists()
+    # a store recording to it refuses too, rather than cut the damage off as a torn tail
+    before = {p.name: p.read_bytes() for p in log.iterdir() if p.is_file()}
+    with pytest.raises(CorruptStoreError, match=f"'{table}'"):
+        embstore.open(None, tables=[embstore.TableSpec(n, dim=2) for n in ("user", "item")],
+                      record_accesses=log)
+    assert {p.name: p.read_bytes() for p in log.iterdir() if p.is_file()} == before
+
+
+def _header(log: Path) -> dict:
+    return json.loads((log / "ACCESS_LOG.json").read_text())
+
+
+FIELDS = ["format", "version", "byte_order", "dtype", "sampling", "tables"]
+
+
+@pytest.mark.parametrize("raw", [b"", b"  \n", b'{"format": "embstore.acc', b"{not json",
+                                 b"\xff\xfe{}", b"[1, 2]", b"null", b"[" * 100_000,
+                                 b'{"version": 1' + b"9" * 5000 + b"}"])
+def test_a_header_that_is_no_json_object_is_our_one_line_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], raw: bytes) -> None:
+    log = tmp_path / "log"
+    small_log(log)
+    (log / "ACCESS_LOG.json").write_bytes(raw)
+    with pytest.raises(CorruptStoreError, match="ACCESS_LOG.json") as info:
+        read_access_log(log)
+    assert "Expecting" not in str(info.value) and "line 1 column" not in str(info.value)
+    assert main(["profile", str(log), "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "ACCESS_LOG.json" in err and len(err) < 400
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize("value", [None, "x", 1.5, [], {}, True, "missing"])
+def test_each_header_field_of_the_wrong_type_is_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, value: object) -> None:
+    log = tmp_path / "log"
+    small_log(log)
+    header = _header(log)
+    if value == "missing":
+        del header[field]
+    elif field == "tables" and value == {}:
+        header[field] = {"user": {}}  # an entry without its rate and threshold
+    else:
+        header[field] = value
+    (log / "ACCESS_LOG.json").write_text(json.dumps(header))
+    with pytest.raises(CorruptStoreError, match=f"ACCESS_LOG.json: field '{field}"):
+        read_access_log(log)
+    assert main(["profile", str(log), "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"field '{field}" in err and len(err.strip().splitlines()) == 1
+    assert "unknown sampling" not in err and not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize(("entry", "field"), [
+    ({"user": None}, "tables.user'"), ({"user": {"rate": 1.0, "threshold": "x"}},
+                                       "tables.user.threshold'"),
+    ({"user": {"rate": 1.0, "threshold": 0}}, "tables.user.threshold'"),
+    ({"user": {"rate": 1.0, "threshold": True}}, "tables.user.threshold'"),
+    ({"user": {"rate": 0.5, "threshold": 2**24}}, "tables.user.rate'"),
+    ({"user": {"threshold": 2**24}}, "tables.user.rate'"),
+    ({"../user": {"rate": 1.0, "threshold": 2**24}}, "not a table name")])
+def test_a_bad_table_entry_in_the_header_is_named(tmp_path: Path, entry: dict,
+                                                  field: str) -> None:
+    log = tmp_path / "log"
+    small_log(log)
+    header = _header(log)
+    header["tables"] = {**{k: v for k, v in header["tables"].items() if k != "user"}, **entry}
+    (log / "ACCESS_LOG.json").write_text(json.dumps(header))
+    with pytest.raises(CorruptStoreError, match="ACCESS_LOG.json") as info:
+        read_access_log(log)
+    assert field in str(info.value)
+
+
+def test_a_newer_version_is_a_config_error_not_damage(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    small_log(log)
+    (log / "ACCESS_LOG.json").write_text(json.dumps({**_header(log), "version": 2}))
+    with pytest.raises(ConfigError, match="version 2 is not supported"):
+        read_access_log(log)
+
+
+def test_a_torn_tail_is_read_up_to_it_and_profile_says_what_it_left_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "log"
+    small_log(log)
+    # an offsets file cut inside its second record looks like a writer killed mid-record
+    os.truncate(log / "user.offsets", 13)
+    got = read_access_log(log)
+    assert got.batches("user") == [] and got.left_out == {"user": 18}
+    assert main(["profile", str(log), "-o", str(tmp_path / "p.json"), "--points", "3",
+                 "--policies", "clock"]) == 0
+    err = capsys.readouterr().err
+    assert "table 'user': 18 logged ids past its last complete batch were left out" in err
+    assert set(json.loads((tmp_path / "p.json").read_text())["tables"]) == {"item"}
+
+
+def test_a_killed_writers_empty_files_of_a_new_table_are_no_damage(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    small_log(log)
+    (log / "new.ids").write_bytes(b"")  # created, but the header never listed the table
+    np.zeros(1, "<i8").tofile(log / "new.offsets")
+    assert sorted(read_access_log(log).ids) == ["item", "user"]
+    with embstore.open(None, tables=[embstore.TableSpec("new", dim=2)],
+                       record_accesses=log) as store:
+        store.lookup("new", np.arange(3))
+    assert [b.tolist() for b in read_access_log(log).batches("new")] == [[0, 1, 2]]

@@ -209,3 +209,46 @@ def test_a_plot_in_another_format_is_drawn_in_it(tmp_path: Path) -> None:
                  "--points", "5"]) == 0
     assert b"<svg" in svg.read_bytes()[:500]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["MRC.SVG", "p.json"]
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--step-calls", "0", "argument --step-calls: '0' must be at least 1"),
+    ("--step-calls", "-2", "argument --step-calls: '-2' must be at least 1"),
+    ("--samples-per-batch", "0", "argument --samples-per-batch: '0' must be at least 1"),
+    ("--seed", "-1", "argument --seed: '-1' must be at least 0"),
+    ("--points", "1", "--points 1: capacities per curve must be an integer >= 2"),
+    ("--warmup", "1", "--warmup 1.0: the share of batches that only warm the caches must be "
+                      "in [0, 1)"),
+    ("--warmup", "nan", "--warmup nan:"),
+    ("--sample-rate", "0", "--sample-rate 0.0: the SHARDS rate must be in (0, 1]")])
+def test_a_setting_out_of_range_names_its_flag_and_range_before_the_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None, flag: str,
+        value: str, message: str) -> None:
+    # not _profile_fails: its own --points 5 would come after the flag and win
+    assert main(["profile", SMALL, "-o", str(tmp_path / "p.json"), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_build_profile_names_the_setting_out_of_range(
+        tables: dict[str, list[np.ndarray]]) -> None:
+    with pytest.raises(ConfigError, match=r"--step-calls 0: .*integer >= 1"):
+        build_profile(tables, step_calls=0)
+    with pytest.raises(ConfigError, match=r"--seed -1: .*integer >= 0"):
+        build_profile(tables, seed=-1)
+
+
+def test_a_directory_that_is_no_access_log_is_refused_in_our_words(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty").mkdir()
+    err = _profile_fails(tmp_path, capsys, str(tmp_path / "empty"), "-o",
+                         str(tmp_path / "p.json"))
+    assert "is a directory but no access log (no ACCESS_LOG.json)" in err
+    assert "Errno" not in err
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    for name in ("user.ids", "user.offsets"):
+        (lost / name).write_bytes(np.zeros(1, "<i8").tobytes())
+    err = _profile_fails(tmp_path, capsys, str(lost), "-o", str(tmp_path / "p.json"))
+    assert "holds the files of access log tables (user) but no ACCESS_LOG.json" in err

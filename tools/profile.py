@@ -18,30 +18,42 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from embstore.errors import ConfigError
 
-__all__ = ["build_profile", "check_plot_path", "load_tables", "plot_profile", "read_trace",
-           "register", "save_tables", "split_tables"]
+__all__ = ["build_profile", "check_plot_path", "check_settings", "load_tables", "plot_profile",
+           "read_trace", "register", "save_tables", "split_tables"]
 
 EXACT_LOOKUPS = 2_000_000
 """Tables with more lookups than this are profiled by SHARDS sampling (unless told)."""
 _TABLE_SHIFT = 40
 
 
-def read_trace(spec: str) -> tuple[dict[str, list[np.ndarray]], dict[str, float]]:
+def read_trace(spec: str, notes: list[str] | None = None
+               ) -> tuple[dict[str, list[np.ndarray]], dict[str, float]]:
     """Per table, its id batches, and the rate each table was recorded at (1.0: every id).
+
+    Args:
+        spec: the trace (see the module doc).
+        notes: if given, receives a line per access log table whose torn tail (ids past its
+            last complete batch) was left out, for the caller to show.
 
     Raises:
         ConfigError: the trace cannot be read.
+        CorruptStoreError: an access log (or a directory of its files) is damaged.
     """
     from embstore._access_log import is_access_log, read_access_log
 
     if is_access_log(spec):
         log = read_access_log(spec)
+        for name, n in sorted(log.left_out.items()):
+            if notes is not None:  # lost ids are said, never dropped unseen
+                notes.append(f"table {name!r}: {n} logged ids past its last complete batch "
+                             "were left out (a store killed while recording, or a damaged "
+                             f"{name}.offsets)")
         tables = {name: log.batches(name) for name in sorted(log.ids) if len(log.ids[name])}
         if not tables:
             raise ConfigError(f"the access log {spec!r} holds no ids yet; record some batches "
@@ -66,6 +78,8 @@ def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
                               "read_trace and pass its rates to build_profile")
         return tables
     path = Path(spec)
+    if path.is_dir():
+        _refuse_directory(path)
     from embstore.tools.simulator import check_batches, load_trace, read_arrays
 
     if path.suffix == ".npz" and path.is_file():
@@ -91,6 +105,34 @@ def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
     if not out:
         raise ConfigError(f"trace {spec!r} holds no ids")
     return out
+
+
+def _refuse_directory(path: Path) -> None:
+    """Refuse a directory that is no access log (one that lost its header is damaged).
+
+    Raises:
+        CorruptStoreError: it holds a log's table files (<table>.ids and .offsets), no header.
+        ConfigError: anything else.
+    """
+    from embstore._access_log import HEADER_NAME
+    from embstore.errors import CorruptStoreError
+
+    try:
+        names = {p.name for p in path.iterdir()}
+    except OSError as exc:
+        raise ConfigError(f"trace {str(path)!r}: cannot list the directory: "
+                          f"{exc.strerror or exc}") from exc
+    tables = sorted(n[: -len(".ids")] for n in names
+                    if n.endswith(".ids") and f"{n[: -len('.ids')]}.offsets" in names)
+    if tables:
+        shown = ", ".join(tables[:3]) + (", ..." if len(tables) > 3 else "")
+        raise CorruptStoreError(f"trace {str(path)!r} holds the files of access log tables "
+                                f"({shown}) but no {HEADER_NAME}: the log's header is lost; "
+                                "record a new log")
+    raise ConfigError(f"trace {str(path)!r} is a directory but no access log (no "
+                      f"{HEADER_NAME}); give a .npz or .npy trace, synth:key=value,..., or "
+                      "the directory of a log recorded with embstore.open(..., "
+                      "record_accesses=DIR)")
 
 
 def split_tables(batches: Sequence[np.ndarray]) -> dict[str, list[np.ndarray]]:
@@ -136,6 +178,39 @@ def _row_bytes(text: str | int, names: Sequence[str]) -> dict[str, int]:
     return {name: per.get(name, default) for name in names}
 
 
+def _whole(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_settings(*, samples_per_batch: int = 1, sample_rate: float | None = None,
+                   points: int = 12, warmup: float = 0.0, step_calls: int = 3,
+                   seed: int = 0) -> None:
+    """Refuse a `build_profile` setting out of its range, naming its flag.
+
+    Raises:
+        ConfigError: the first setting out of range.
+    """
+    def refuse(flag: str, value: object, allowed: str) -> NoReturn:
+        raise ConfigError(f"{flag} {value!r}: {allowed}")
+
+    if not _whole(samples_per_batch) or samples_per_batch < 1:
+        refuse("--samples-per-batch", samples_per_batch,
+               "training samples per batch must be an integer >= 1")
+    if sample_rate is not None and (isinstance(sample_rate, bool) or not isinstance(
+            sample_rate, (int, float)) or not 0 < sample_rate <= 1):
+        refuse("--sample-rate", sample_rate, "the SHARDS rate must be in (0, 1], e.g. 0.01")
+    if not _whole(points) or points < 2:
+        refuse("--points", points, "capacities per curve must be an integer >= 2")
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
+        refuse("--warmup", warmup, "the share of batches that only warm the caches must be "
+               "in [0, 1)")
+    if not _whole(step_calls) or step_calls < 1:
+        refuse("--step-calls", step_calls, "tier calls per batch must be an integer >= 1 "
+               "(3 for training steps, 1 for lookups only)")
+    if not _whole(seed) or seed < 0:
+        refuse("--seed", seed, "the seed must be an integer >= 0")
+
+
 def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str] = ("clock",),
                   row_bytes: str | int = 260, samples_per_batch: int = 1,
                   sample_rate: float | None = None, points: int = 12, warmup: float = 0.0,
@@ -164,7 +239,7 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         progress: an object with ``update(n)`` called once per table, or None.
 
     Raises:
-        ConfigError: a bad setting or policy spec.
+        ConfigError: a bad setting (`check_settings`) or policy spec.
     """
     from embstore._access_log import sample_mask
     from embstore.tools.simulator import Trace, parse_policy
@@ -178,11 +253,8 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         reuse_histogram,
     )
 
-    if samples_per_batch < 1 or points < 2 or not 0 <= warmup < 1 or step_calls < 1 or (
-            sample_rate is not None and not 0 < sample_rate <= 1):
-        raise ConfigError("profile: need samples_per_batch >= 1, points >= 2, warmup in "
-                          f"[0, 1) and a sample rate in (0, 1], got {samples_per_batch}, "
-                          f"{points}, {warmup}, {sample_rate}")
+    check_settings(samples_per_batch=samples_per_batch, sample_rate=sample_rate,
+                   points=points, warmup=warmup, step_calls=step_calls, seed=seed)
     for p in policies:
         parse_policy(p, "eviction")  # a bad spec fails before any work
     names = sorted(tables)
@@ -326,6 +398,8 @@ def plot_profile(profile: dict[str, Any], path: str | Path) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `profile` subcommand."""
+    from ._args import non_negative_int, positive_int
+
     p = sub.add_parser("profile", help="per-table bandwidth demand and miss-ratio curves",
                        description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("trace", metavar="TRACE", help="a per-table .npz (<table>.ids, "
@@ -340,15 +414,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "tier's default, and W-TinyLFU as a training tier runs it)")
     p.add_argument("--row-bytes", default="260", help="bytes per row, e.g. 260 or "
                    "260,t00=516 (default 260: 64 float32 weights + row-wise Adagrad state)")
-    p.add_argument("--samples-per-batch", type=int, default=1)
+    p.add_argument("--samples-per-batch", type=positive_int, default=1)
     p.add_argument("--sample-rate", type=float, default=None,
                    help=f"SHARDS rate (default: exact up to {EXACT_LOOKUPS} lookups a table)")
     p.add_argument("--points", type=int, default=12, help="capacities per curve")
-    p.add_argument("--step-calls", type=int, default=3,
+    p.add_argument("--step-calls", type=positive_int, default=3,
                    help="tier calls per batch: 3 for training steps (default), 1 for lookups")
     p.add_argument("--warmup", type=float, default=0.0,
                    help="share of the batches that only warm the caches (default 0: from cold)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=_run)
 
@@ -368,7 +442,13 @@ def _run(args: argparse.Namespace) -> int:
         for other, what in ((args.output, "-o"), *((t, "the trace") for t in trace)):
             if same_file(args.plot, other):
                 raise ConfigError(f"--plot {args.plot!r} is also {what}; give another file")
-    tables, recorded = read_trace(args.trace)
+    check_settings(samples_per_batch=args.samples_per_batch, sample_rate=args.sample_rate,
+                   points=args.points, warmup=args.warmup, step_calls=args.step_calls,
+                   seed=args.seed)
+    notes: list[str] = []
+    tables, recorded = read_trace(args.trace, notes)
+    for note in notes:
+        print(f"embstore profile: note: {note}", file=sys.stderr)
     bar = None
     if sys.stderr.isatty():
         try:

@@ -1,0 +1,359 @@
+"""Reading an access log back (`read_access_log`), and its header and files checked.
+
+A log is what `embstore._access_log.AccessRecorder` writes: a header (``ACCESS_LOG.json``)
+and per table ``<table>.ids`` and ``<table>.offsets``. Reading checks every field of the
+header and every table's offsets, so a damaged log is refused by name rather than read with a
+table, or batches, left out; the one state a killed writer leaves (ids or a last offset past
+the last complete batch) is cut off and counted in `AccessLog.left_out`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, CorruptStoreError, StorageIOError
+from .manifest import read_bytes_nofollow
+from .spec import _NAME as _TABLE_NAME
+
+__all__ = ["FORMAT", "HASH_BITS", "HASH_SEED", "HEADER_NAME", "VERSION", "AccessLog",
+           "is_access_log", "read_access_log"]
+
+HEADER_NAME = "ACCESS_LOG.json"
+FORMAT = "embstore.access_log"
+VERSION = 1
+HASH_BITS = 24
+"""Bits of the hash compared with the rate: rates are multiples of 2**-24."""
+HASH_SEED = 0
+_MAX_HEADER_BYTES = 1 << 20
+
+
+
+
+@dataclass
+class AccessLog:
+    """A log read back: per table its ids, batch offsets and sampling rate."""
+
+    ids: dict[str, np.ndarray]
+    """Logged ids per table (int64)."""
+    offsets: dict[str, np.ndarray]
+    """Per table: 0, then the end of each complete batch in `ids` (int64)."""
+    rates: dict[str, float]
+    """Per table: the share of ids (by hash) the log kept; 1.0 is every id."""
+    left_out: dict[str, int] = field(default_factory=dict)
+    """Per table with any: ids logged past its last complete batch, not read (a torn tail:
+    a writer killed mid-batch, or an offsets file cut short, which look alike)."""
+
+    def batches(self, table: str) -> list[np.ndarray]:
+        """The batches of `table`, in order (views of `ids`)."""
+        off = self.offsets[table]
+        return np.split(self.ids[table], off[1:-1]) if len(off) > 1 else []
+
+
+def is_access_log(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is an access log (a directory holding its header) or a sharded store's.
+
+    A sharded store's is a directory of per-rank logs ``rank0``, ``rank1``, ...
+    """
+    root = Path(path)
+    return (root / HEADER_NAME).is_file() or (root / "rank0" / HEADER_NAME).is_file()
+
+
+def _rank_logs(root: Path) -> list[Path]:
+    """The per-rank logs ``rank0`` .. ``rank<W-1>`` of a sharded store's log directory."""
+    ranks: list[Path] = []
+    while (root / f"rank{len(ranks)}" / HEADER_NAME).is_file():
+        ranks.append(root / f"rank{len(ranks)}")
+    strays = sorted(p.name for p in root.glob("rank*")
+                    if p.name not in {r.name for r in ranks})
+    if strays:
+        raise ConfigError(f"{root}: the per-rank access logs must be rank0 .. rank"
+                          f"{len(ranks) - 1} with no gap; {', '.join(strays)} is not among them")
+    return ranks
+
+
+def _merge_ranks(root: Path, logs: list[AccessLog]) -> AccessLog:
+    """One log of the ranks' logs: per table, batch k of rank 0, 1, ... then batch k + 1.
+
+    That is the order in which a sharded store applies its ranks' calls (one store fed the
+    ranks' inputs in rank order); a rank killed early contributes only its complete batches.
+    """
+    names = sorted({n for log in logs for n in log.ids})
+    ids, offsets, rates = {}, {}, {}
+    left_out: dict[str, int] = {}
+    for log in logs:
+        for name, n in log.left_out.items():
+            left_out[name] = left_out.get(name, 0) + n
+    for name in names:
+        found = {log.rates[name] for log in logs if name in log.rates}
+        if len(found) != 1:
+            raise ConfigError(f"{root}: the ranks recorded table {name!r} at different "
+                              f"rates {sorted(found)}; record every rank at one rate")
+        per_rank = [log.batches(name) if name in log.ids else [] for log in logs]
+        order = [b for k in range(max(len(p) for p in per_rank))
+                 for p in per_rank if k < len(p) for b in (p[k],)]
+        ids[name] = np.concatenate(order) if order else np.empty(0, np.int64)
+        offsets[name] = np.concatenate([[0], np.cumsum([len(b) for b in order])]
+                                       ).astype(np.int64)
+        rates[name] = found.pop()
+    return AccessLog(ids, offsets, rates, left_out)
+
+
+_DAMAGED = "the log is damaged: record a new one (embstore.open(..., record_accesses=NEW_DIR))"
+
+
+def _show(value: object) -> str:
+    """`value` for a one-line message: its repr, cut short (a damaged header may be huge)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json_type(value: object) -> str:
+    """The JSON name of `value`'s type, as a reader of the header file would call it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {_show(value)}"
+    if isinstance(value, str):
+        return f"the string {_show(value)}"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _header_field(doc: dict[str, Any], where: Path, key: str, want: object) -> None:
+    """Check that header field `key` is `want` (a version 1 header has no other value).
+
+    Raises:
+        CorruptStoreError: the field is missing or holds something else.
+    """
+    if key not in doc:
+        raise CorruptStoreError(f"{where}: field {key!r} is missing (it must be {want!r}); "
+                                f"{_DAMAGED}")
+    if doc[key] != want or type(doc[key]) is not type(want):
+        raise CorruptStoreError(f"{where}: field {key!r} is {_json_type(doc[key])}, not "
+                                f"{want!r}; {_DAMAGED}")
+
+
+def _read_header(root: Path) -> dict[str, Any]:
+    """The header of the log at `root`, every field checked.
+
+    Raises:
+        ConfigError: no header, one that cannot be read (permissions), or one of a version
+            this embstore does not read.
+        CorruptStoreError: a header that is no JSON object, or a field that is missing or
+            not what a version 1 log holds.
+    """
+    where = root / HEADER_NAME
+    try:
+        # a link, a special file or one too large raises CorruptStoreError naming the file
+        raw = read_bytes_nofollow(where, _MAX_HEADER_BYTES)
+    except FileNotFoundError:
+        raise ConfigError(f"{root} is not an access log (no {HEADER_NAME})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the access log header {where}: "
+                          f"{exc.strerror or exc}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptStoreError(f"{where} is not UTF-8 text (byte {exc.start} is not): "
+                                f"{_DAMAGED}") from None
+    if not text.strip():
+        raise CorruptStoreError(f"{where} is empty: {_DAMAGED}")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:  # json's own words stay out of the message
+        raise CorruptStoreError(f"{where} is not valid JSON (cut short or garbled at line "
+                                f"{exc.lineno}, column {exc.colno}): {_DAMAGED}") from None
+    except (ValueError, RecursionError):  # a number of too many digits, nesting too deep
+        raise CorruptStoreError(f"{where} is not JSON this embstore can read: "
+                                f"{_DAMAGED}") from None
+    if not isinstance(doc, dict):
+        raise CorruptStoreError(f"{where} holds {_json_type(doc)}, not a JSON object: "
+                                f"{_DAMAGED}")
+    _header_field(doc, where, "format", FORMAT)
+    version = doc.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version != VERSION:
+        raise ConfigError(f"{where}: {FORMAT} version {version} is not supported (this "
+                          f"embstore reads version {VERSION})")
+    _header_field(doc, where, "version", VERSION)
+    _header_field(doc, where, "byte_order", "little")
+    _header_field(doc, where, "dtype", "int64")
+    _header_field(doc, where, "sampling", _sampling())
+    tables = doc.get("tables")
+    if not isinstance(tables, dict):
+        got = "missing" if "tables" not in doc else _json_type(tables)
+        raise CorruptStoreError(f"{where}: field 'tables' is {got}, not an object of table "
+                                f"name to {{'rate', 'threshold'}}; {_DAMAGED}")
+    for name, t in tables.items():
+        # the name makes file names: one that is no table name could reach outside the log
+        if not _TABLE_NAME.match(name):
+            raise CorruptStoreError(f"{where}: field 'tables' lists {_show(name)}, which is "
+                                    f"not a table name; {_DAMAGED}")
+        field = f"tables.{name}"
+        if not isinstance(t, dict):
+            raise CorruptStoreError(f"{where}: field {field!r} is {_json_type(t)}, not an "
+                                    f"object {{'rate', 'threshold'}}; {_DAMAGED}")
+        threshold = t.get("threshold")
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or not (
+                1 <= threshold <= 1 << HASH_BITS):
+            got = "missing" if "threshold" not in t else _json_type(threshold)
+            raise CorruptStoreError(f"{where}: field '{field}.threshold' is {got}, not an "
+                                    f"integer in [1, 2**{HASH_BITS}]; {_DAMAGED}")
+        rate = t.get("rate")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or (
+                rate != threshold / (1 << HASH_BITS)):
+            # which of the two is right cannot be told: the ids kept are the threshold's
+            got = "missing" if "rate" not in t else _json_type(rate)
+            raise CorruptStoreError(
+                f"{where}: field '{field}.rate' is {got}, not the rate of its threshold "
+                f"({threshold / (1 << HASH_BITS)!r}); {_DAMAGED}")
+    return doc
+
+
+def _sampling() -> dict[str, Any]:
+    return {"method": "shards", "hash": "splitmix64", "seed": HASH_SEED, "bits": HASH_BITS}
+
+
+def _offsets_problem(name: str, ids_count: int, offsets: np.ndarray) -> str | None:
+    """What is wrong with a table's complete offset records, or None.
+
+    A writer killed mid-batch leaves ids past the last offset, or a last offset record cut
+    short (not a whole record: the caller reads whole ones): that torn tail is no damage.
+    Anything else is: the records must start at 0, never fall, and stay within the ids.
+    """
+    if not len(offsets):
+        return f"{name}.offsets is empty (a log's tables start with offset 0)"
+    if offsets[0] != 0:
+        return f"{name}.offsets starts at {int(offsets[0])}, not 0"
+    bad = np.flatnonzero((offsets[1:] < offsets[:-1]) | (offsets[1:] > ids_count))
+    if not len(bad):
+        return None
+    k = int(bad[0])  # the first bad record ends batch k
+    start, end = int(offsets[k]), int(offsets[k + 1])
+    if end < start:
+        return f"{name}.offsets: batch {k} ends at id {end}, before it starts ({start})"
+    return (f"{name}.offsets: batch {k} ends at id {end}, past the {ids_count} ids in "
+            f"{name}.ids (ids lost, or the offsets garbled)")
+
+
+def _whole_records(data: bytes) -> np.ndarray:
+    """The whole int64 little-endian records of `data` (a torn last one left out)."""
+    return np.frombuffer(data, dtype="<i8", count=len(data) // 8).astype(np.int64)
+
+
+def _read_file(root: Path, name: str, suffix: str) -> bytes:
+    """The bytes of table `name`'s file `suffix` in the log at `root`.
+
+    Raises:
+        CorruptStoreError: the file is missing, a link or not a regular file.
+        ConfigError: it cannot be read (permissions).
+        StorageIOError: the medium failed the read.
+    """
+    file = root / f"{name}{suffix}"
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CorruptStoreError(f"access log {root}: table {name!r} is listed in {HEADER_NAME} "
+                                f"but its file {file.name} is missing; {_DAMAGED}") from None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link, a socket or FIFO
+            raise CorruptStoreError(f"access log {root}: {file.name} of table {name!r} is a "
+                                    f"link or special file, not the log's own; "
+                                    f"{_DAMAGED}") from None
+        if isinstance(exc, PermissionError):
+            raise ConfigError(f"access log {root}: cannot read {file.name} of table {name!r}: "
+                              f"{exc.strerror}") from exc
+        raise StorageIOError(exc.errno, f"access log {root}: reading {file.name}: "
+                             f"{exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptStoreError(f"access log {root}: {file.name} of table {name!r} is not a "
+                                    f"regular file; {_DAMAGED}")
+        chunks = []
+        while chunk := os.read(fd, 1 << 24):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise StorageIOError(exc.errno, f"access log {root}: reading {file.name}: "
+                             f"{exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _check_unlisted(root: Path, listed: Iterable[str]) -> None:
+    """Refuse table files holding batches of a table the header does not list.
+
+    Their batches would be left out of the profile unseen. A writer killed before its header
+    listed a new table leaves that table's files holding no batch (at most the offset 0):
+    those are no loss and are passed over (a store recording that table rewrites them).
+
+    Raises:
+        CorruptStoreError: such a file holds ids or batch ends.
+    """
+    known = {f"{n}{s}" for n in listed for s in (".ids", ".offsets")}
+    with os.scandir(root) as entries:
+        found = list(entries)
+    for entry in found:
+        suffix = next((s for s in (".ids", ".offsets") if entry.name.endswith(s)), None)
+        if (suffix is None or entry.name in known
+                or not _TABLE_NAME.match(entry.name[: -len(suffix)])
+                or not entry.is_file(follow_symlinks=False)):
+            continue
+        try:
+            with open(entry.path, "rb") as fh:
+                head = fh.read(9)
+        except OSError as exc:
+            raise ConfigError(f"access log {root}: cannot read {entry.name}: "
+                              f"{exc.strerror or exc}") from exc
+        empty = not head or (suffix == ".offsets" and len(head) <= 8 and not any(head))
+        if not empty:
+            table = entry.name[: -len(suffix)]
+            raise CorruptStoreError(f"access log {root}: {entry.name} holds batches of table "
+                                    f"{table!r}, which {HEADER_NAME} does not list; {_DAMAGED}")
+
+
+def read_access_log(path: str | os.PathLike[str]) -> AccessLog:
+    """Read the access log at `path`, up to each table's last complete batch.
+
+    A sharded store's directory of per-rank logs reads as one log (`_merge_ranks`).
+
+    Raises:
+        ConfigError: no access log there, or one this embstore cannot read (permissions, a
+            newer version, ranks recorded at different rates).
+        CorruptStoreError: the log is damaged: its header, a table's file missing or not a
+            regular file, offsets that fall or point past the ids, or a table's files that
+            the header does not list. Never a log with a table left out.
+        StorageIOError: the medium failed a read.
+    """
+    root = Path(path)
+    if not is_access_log(root):
+        raise ConfigError(f"{root} is not an access log (no {HEADER_NAME}); record one with "
+                          "embstore.open(..., record_accesses=PATH)")
+    if not (root / HEADER_NAME).is_file():
+        return _merge_ranks(root, [read_access_log(r) for r in _rank_logs(root)])
+    doc = _read_header(root)
+    _check_unlisted(root, doc["tables"])
+    ids, offsets, rates = {}, {}, {}
+    left_out: dict[str, int] = {}
+    for name, t in doc["tables"].items():
+        raw = _whole_records(_read_file(root, name, ".ids"))
+        off = _whole_records(_read_file(root, name, ".offsets"))
+        problem = _offsets_problem(name, len(raw), off)
+        if problem is not None:
+            raise CorruptStoreError(f"access log {root}: table {name!r}: {problem}; {_DAMAGED}")
+        ids[name], offsets[name] = raw[: int(off[-1])], off
+        rates[name] = t["threshold"] / (1 << HASH_BITS)
+        if len(raw) > off[-1]:
+            left_out[name] = len(raw) - int(off[-1])
+    return AccessLog(ids, offsets, rates, left_out)
+
+
