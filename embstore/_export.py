@@ -314,13 +314,18 @@ def _check_tier(file: Path, field: str, data: Any) -> TierSpec:
         raise CorruptStoreError(f"{file} is damaged: {field}: {exc}") from exc
 
 
-def _check_spec(file: Path, field: str, data: Any) -> TableSpec:
-    """The table spec `data` of header `file` (at `field`), or CorruptStoreError."""
+def _check_object(file: Path, field: str, data: Any, what: str, keys: Sequence[str]) -> None:
+    """Raise CorruptStoreError unless `data` (at `field` of `file`) is an object with `keys`."""
     if not isinstance(data, dict):
-        raise _bad(file, field, "a table spec (an object)", data)
-    for key in _SPEC_FIELDS:
+        raise _bad(file, field, what, data)
+    for key in keys:
         if key not in data:
             raise CorruptStoreError(f"{file} is damaged: {field}.{key} is missing")
+
+
+def _check_spec(file: Path, field: str, data: Any) -> TableSpec:
+    """The table spec `data` of header `file` (at `field`), or CorruptStoreError."""
+    _check_object(file, field, data, "a table spec (an object)", _SPEC_FIELDS)
     for key in ("init", "optimizer"):
         part = data[key]
         if not (isinstance(part, dict) and isinstance(part.get("name"), str)
@@ -346,11 +351,7 @@ def _check_spec(file: Path, field: str, data: Any) -> TableSpec:
 
 def _check_table(file: Path, field: str, t: Any) -> TableSpec:
     """The spec of table entry `t` of header `file` (at `field`), its fields checked."""
-    if not isinstance(t, dict):
-        raise _bad(file, field, "a table (an object)", t)
-    for key in _TABLE_FIELDS:
-        if key not in t:
-            raise CorruptStoreError(f"{file} is damaged: {field}.{key} is missing")
+    _check_object(file, field, t, "a table (an object)", _TABLE_FIELDS)
     spec = _check_spec(file, f"{field}.spec", t["spec"])
     if not _is_int(t["rows"]) or t["rows"] < 0:
         raise _bad(file, f"{field}.rows", "a row count (an int >= 0)", t["rows"])
