@@ -32,6 +32,7 @@ damage the environment (A, C and D), as LMDB documents for MDB_NOSYNC.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -45,6 +46,7 @@ from embstore.errors import (
     CapacityError,
     ConfigError,
     CorruptStoreError,
+    StorageIOError,
     StoreLockedError,
     StoreNotFoundError,
 )
@@ -470,4 +472,8 @@ def _fail(exc: lmdb.Error, what: str) -> NoReturn:
     if isinstance(exc, lmdb.MapFullError):
         raise CapacityError(f"{what}: {exc}", hint="raise the tier's max_map_size_bytes option") \
             from exc
+    if isinstance(exc, lmdb.DiskError | lmdb.ReadonlyError):  # the medium, not the data
+        raise StorageIOError(errno.EROFS if isinstance(exc, lmdb.ReadonlyError) else errno.EIO,
+                             f"{what}: {exc}; check the device (dmesg), then reopen the "
+                             "store") from exc
     raise foreign_error(exc, what, None) from exc

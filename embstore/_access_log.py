@@ -62,7 +62,7 @@ from ._access_log_read import (
     VERSION,
     AccessLog,
     _check_unlisted,
-    _offsets_problem,
+    _complete_batches,
     _read_header,
     _sampling,
     _whole_records,
@@ -160,7 +160,7 @@ class _TableLog:
 
         Raises:
             CorruptStoreError: a table the log lists has a file missing, or offsets that are
-                no torn tail (`_offsets_problem`): cutting them off would drop batches.
+                no torn tail (`_complete_batches`): cutting them off would drop batches.
             OSError: a file cannot be opened (a link, permissions).
         """
         self.threshold = threshold
@@ -173,7 +173,7 @@ class _TableLog:
             self.pending_writes = 0
             off = np.zeros(1, dtype=np.int64) if fresh else _whole_records(
                 os.pread(self.off_fd, os.fstat(self.off_fd).st_size, 0))
-            problem = _offsets_problem(name, os.fstat(self.ids_fd).st_size // 8, off)
+            off, problem = _complete_batches(name, os.fstat(self.ids_fd).st_size // 8, off)
             if problem is not None:
                 raise CorruptStoreError(f"access log {root}: table {name!r}: {problem}; "
                                         f"{_DAMAGED}")

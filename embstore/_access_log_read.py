@@ -223,26 +223,28 @@ def _sampling() -> dict[str, Any]:
     return {"method": "shards", "hash": "splitmix64", "seed": HASH_SEED, "bits": HASH_BITS}
 
 
-def _offsets_problem(name: str, ids_count: int, offsets: np.ndarray) -> str | None:
-    """What is wrong with a table's complete offset records, or None.
+def _complete_batches(name: str, ids_count: int, offsets: np.ndarray
+                      ) -> tuple[np.ndarray, str | None]:
+    """A table's offset records up to its last complete batch, and what is wrong, if anything.
 
     A writer killed mid-batch leaves ids past the last offset, or a last offset record cut
-    short (not a whole record: the caller reads whole ones): that torn tail is no damage.
-    Anything else is: the records must start at 0, never fall, and stay within the ids.
+    short (not a whole record: the caller reads whole ones); a power cut may also keep
+    offsets written since the last flush whose ids it lost (the flush syncs the ids first,
+    so only records past the last flush's). That torn tail, records past the ids that never
+    fall, is cut off: it is no damage. Anything else is: the records must start at 0, never
+    fall, and stay within the ids up to the tail.
     """
     if not len(offsets):
-        return f"{name}.offsets is empty (a log's tables start with offset 0)"
+        return offsets, f"{name}.offsets is empty (a log's tables start with offset 0)"
     if offsets[0] != 0:
-        return f"{name}.offsets starts at {int(offsets[0])}, not 0"
-    bad = np.flatnonzero((offsets[1:] < offsets[:-1]) | (offsets[1:] > ids_count))
-    if not len(bad):
-        return None
-    k = int(bad[0])  # the first bad record ends batch k
-    start, end = int(offsets[k]), int(offsets[k + 1])
-    if end < start:
-        return f"{name}.offsets: batch {k} ends at id {end}, before it starts ({start})"
-    return (f"{name}.offsets: batch {k} ends at id {end}, past the {ids_count} ids in "
-            f"{name}.ids (ids lost, or the offsets garbled)")
+        return offsets, f"{name}.offsets starts at {int(offsets[0])}, not 0"
+    falls = np.flatnonzero(offsets[1:] < offsets[:-1])
+    if len(falls):
+        k = int(falls[0])  # the first bad record ends batch k
+        return offsets, (f"{name}.offsets: batch {k} ends at id {int(offsets[k + 1])}, before "
+                         f"it starts ({int(offsets[k])})")
+    past = np.flatnonzero(offsets > ids_count)
+    return (offsets[: int(past[0])] if len(past) else offsets), None
 
 
 def _whole_records(data: bytes) -> np.ndarray:
@@ -347,13 +349,13 @@ def read_access_log(path: str | os.PathLike[str]) -> AccessLog:
     for name, t in doc["tables"].items():
         raw = _whole_records(_read_file(root, name, ".ids"))
         off = _whole_records(_read_file(root, name, ".offsets"))
-        problem = _offsets_problem(name, len(raw), off)
+        kept, problem = _complete_batches(name, len(raw), off)
         if problem is not None:
             raise CorruptStoreError(f"access log {root}: table {name!r}: {problem}; {_DAMAGED}")
-        ids[name], offsets[name] = raw[: int(off[-1])], off
+        ids[name], offsets[name] = raw[: int(kept[-1])], kept
         rates[name] = t["threshold"] / (1 << HASH_BITS)
-        if len(raw) > off[-1]:
-            left_out[name] = len(raw) - int(off[-1])
+        if len(raw) > kept[-1] or len(kept) < len(off):  # ids past, or batches cut off
+            left_out[name] = max(len(raw), int(off[-1])) - int(kept[-1])
     return AccessLog(ids, offsets, rates, left_out)
 
 

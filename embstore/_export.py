@@ -23,6 +23,7 @@ renames it: a crash leaves no half-written export or store behind (errors name O
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -35,7 +36,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ._precision import RowCodec
-from ._rebuild import page_rows, read_store, store_rows, write_store
+from ._rebuild import ClosablePages, page_rows, read_store, store_rows, write_store
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
 from .layout import lock
 from .manifest import fsync_dir, make_dirs, write_atomic
@@ -184,7 +185,9 @@ def _export_table(tmp: Path, i: int, spec: TableSpec,
     _, pages = source(spec)
     n, crc_ids, crc_rows = 0, 0, 0
     dtype = _le(spec.storage_dtype)
-    with _private(tmp / f"{i}.ids") as fi, _private(tmp / f"{i}.rows") as fr:
+    # a failure closes the scan's reader now, not when the garbage collector gets to it
+    with contextlib.closing(ClosablePages(pages)), _private(tmp / f"{i}.ids") as fi, \
+            _private(tmp / f"{i}.rows") as fr:
         for ids, rows in pages:
             a = np.ascontiguousarray(ids, dtype="<i8").tobytes()
             b = np.ascontiguousarray(rows, dtype=dtype).tobytes()

@@ -20,7 +20,10 @@ from ._fsck_common import MAX_DETAILED, Finding, RowDump, TableScan, check_rows,
 from .checksum import crc32c, row_checksums
 from .spec import TableSpec
 
-__all__ = ["scan_pmem"]
+__all__ = ["SPEC_MISMATCH", "scan_pmem"]
+
+SPEC_MISMATCH = "does not match the table spec"
+"""How a finding says a file's header disagrees with the manifest's spec of its table."""
 
 _CHUNK_SLOTS = 1 << 16
 
@@ -50,7 +53,7 @@ def _header(fmt: Any, head: bytes, spec: TableSpec, rec: int, file: str
                                 "payload offset"), (8, 12, 16, 24, 28), want, got,
                                strict=True):
         if w != g:
-            out.append(Finding(t, f"header field {name} does not match the table spec",
+            out.append(Finding(t, f"header field {name} {SPEC_MISMATCH}",
                                file=file, offset=off, expected=repr(w), found=repr(g)))
     best = None
     for off in fmt.STATE_OFFSETS:

@@ -47,8 +47,8 @@ from .layout import (
 from .manifest import fsync_dir, fsync_tree
 from .spec import TableSpec, TierSpec
 
-__all__ = ["RowSource", "check_chains", "keeps_written_record", "open_bottom", "page_rows",
-           "read_store", "replace_store", "store_rows", "write_store"]
+__all__ = ["ClosablePages", "RowSource", "check_chains", "keeps_written_record", "open_bottom",
+           "page_rows", "read_store", "replace_store", "store_rows", "write_store"]
 
 BATCH_ROWS = 65536
 PAGE_BYTES = 4 << 20
@@ -113,7 +113,7 @@ def keeps_written_record(spec: TableSpec, default_tiers: Sequence[TierSpec]) -> 
     """
     bottom = table_chain(spec, default_tiers)[-1]
     return (registry.load_backend(bottom.backend).supports_persistence
-            and bottom.eviction is None and bottom.admission is None)
+            and bottom.eviction is None and bottom.admission in (None, "always"))
 
 
 def store_rows(root: Path, default_tiers: Sequence[TierSpec],
@@ -190,19 +190,20 @@ class _ScanPages:
 def _check_nothing_lost(root: Path, spec: TableSpec, record: WrittenIds, held: int,
                         backend: Backend) -> None:
     """Raise if the scan of `backend` met fewer of `record`'s ids (`held`) than it holds."""
-    written = record.ids()
-    if held == len(written):
+    total = record.count()  # ids() would list every id: only the failure lists them
+    if held == total:
         return
+    written = record.ids()
     lost = written[~backend.contains(np.ascontiguousarray(written))]
     example = f", e.g. id {int(lost[0])}" if len(lost) else ""
     raise CorruptStoreError(
-        f"table {spec.name!r}: {len(written) - held} row(s) its written-id record holds are "
+        f"table {spec.name!r}: {total - held} row(s) its written-id record holds are "
         f"gone from its store of record{example} (a lost file or lost rows); nothing was "
         f"changed. Run `embstore fsck {root}` to list them, then restore the table from a "
         "checkpoint or repair the store (`embstore fsck --repair`, which keeps a backup)")
 
 
-class _ClosablePages:
+class ClosablePages:
     """An iterator of pages with a `close` (a generator's, where it has one)."""
 
     def __init__(self, pages: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -236,7 +237,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
         bottom = table_chain(spec, default_tiers)[-1]
         cap = bottom.capacity_rows(spec.storage_width * spec.storage_dtype.itemsize)
         if cap is not None and total > cap:
-            _ClosablePages(pages).close()
+            ClosablePages(pages).close()
             # the bottom's eviction is feature expiry: the first write would drop the rest
             raise CapacityError(
                 f"table {spec.name!r} has {total:,} rows but its store of record "
@@ -246,7 +247,7 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
         written: list[np.ndarray] = []  # the ids of the table's written-id record
         # a failed copy closes the source's reader now: a handle left to the garbage
         # collector would keep its directory open with the reader's options in this process
-        with contextlib.closing(_ClosablePages(pages)), open_bottom(
+        with contextlib.closing(ClosablePages(pages)), open_bottom(
                 dest, spec, default_tiers, read_only=False, rows_hint=total) as target:
             for ids, rows in pages:
                 if not len(ids):

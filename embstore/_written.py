@@ -265,6 +265,13 @@ class WrittenIds:
         ids: np.ndarray = np.sort(self._index.items()[0])
         return ids
 
+    def count(self) -> int:
+        """How many ids the record holds (without listing them)."""
+        if self._bits is not None:
+            return int(np.count_nonzero(self._bits))
+        assert self._index is not None
+        return len(self._index)
+
     def holds(self, ids: np.ndarray) -> np.ndarray:
         """bool[N]: whether each of `ids` (valid for the table) was written and not deleted."""
         if self._bits is not None:

@@ -46,7 +46,7 @@ import numpy as np
 from . import _counters, registry
 from ._fileinfo import lmdb_metas
 from ._fsck_common import Finding, RowDump, TableScan
-from ._fsck_pmem import scan_pmem
+from ._fsck_pmem import SPEC_MISMATCH, scan_pmem
 from ._fsck_repair import closed_cleanly, dropped_finding, record_ids
 from ._lmdb_walk import walk as walk_lmdb
 from ._rebuild import (
@@ -75,6 +75,9 @@ from .store import EmbeddingStore
 __all__ = ["Finding", "check", "exit_code"]
 
 CHILD_TIMEOUT_S = 3600
+_SYSTEMATIC = 16
+"""Rows of a table all failing their checks, from which a repair takes it for a manifest or
+header that no longer describes the table, not damage to each row, and refuses."""
 _LIVE_TRIES = 3
 """Reads of a table beside a writer before what it lacks counts as lost or damaged."""
 _MANIFEST_MAX = 16 << 20
@@ -180,9 +183,11 @@ def _lost_rows(root: Path, parsed: _Parsed, *, live: bool) -> list[Finding]:
                 # the store refuses to open without it: lost rows could no longer be told
                 # from rows never written
                 out.append(Finding(spec.name, "the written-id record is missing (files of the "
-                                   "store were removed): restore the store from a checkpoint, "
-                                   "or, if the rows are known to be intact, rebuild it with "
-                                   "embstore.rebuild_written_records(path)", file=str(file)))
+                                   "store were removed), so rows the medium lost cannot be "
+                                   "told from rows never written: restore the store from a "
+                                   "checkpoint; a repair (like embstore.rebuild_written_records"
+                                   ") writes a new record of the rows there, keeping a backup",
+                                   file=str(file)))
             continue
         try:
             lost = _lost_ids(root, spec, tiers, file, tries=_LIVE_TRIES if live else 1)
@@ -454,18 +459,14 @@ def _repair(root: Path, fd: int, findings: list[Finding], parsed: _Parsed,
     if unread:  # a rewrite would lose every row of these tables
         return findings + [Finding(None, f"not repaired: the rows of table(s) {unread} could "
                                    "not be read at all; restore them from a checkpoint")]
-    # every row of a table failing its checks is rarely damage to each row: a manifest that
-    # no longer describes the table (its dim, dtype, id range) or a file replaced whole
-    held = {spec.name: record_ids(root, spec) for spec in specs}
-
-    def written(name: str) -> int:
-        ids = held.get(name)
-        return 0 if ids is None else len(ids)
-
-    # (rows in a RocksDB block that fails its checksum are damage the repair drops, however
-    # many: the scan could not read them at all)
-    all_bad = [name for name, scan in scans.items() if not scan.rows and not scan.unreadable
-               and max(len(scan.dropped_ids()), written(name)) > 1]
+    # every row a scan read failing its checks is rarely damage to each row: a manifest that
+    # no longer describes the table (its dim, dtype, id range), or a file header that
+    # disagrees with it; rows a medium lost, or that sit in RocksDB blocks failing their
+    # checksum, are damage the repair drops and lists, however many
+    all_bad = sorted({name for name, scan in scans.items() if not scan.rows
+                      and not scan.unreadable and len(scan.dropped_ids()) >= _SYSTEMATIC}
+                     | {f.table for f in findings
+                        if f.table is not None and SPEC_MISMATCH in f.message})
     if all_bad:
         return findings + [Finding(None, f"not repaired: every row of table(s) {all_bad} fails "
                                    "its checks, which a repair would drop; if the manifest "
@@ -484,7 +485,8 @@ def _repair(root: Path, fd: int, findings: list[Finding], parsed: _Parsed,
             return stored(spec)  # a snapshot that loads passed its checksums: every row
         return dump.pages(spec)
 
-    # `held`, what the written-id records hold, gives the ids of rows no scan could read
+    # what the written-id records hold: the ids of rows no scan could read come from there
+    held = {spec.name: record_ids(root, spec) for spec in specs}
     complete = closed_cleanly(root, specs, tiers)
     try:
         replace_store(root, source=source, keep_old=backup, lock_fd=fd)

@@ -56,11 +56,21 @@ def parse_manifest(directory: Path, doc: dict[str, Any]
             kind (a manifest written by hand or by a foreign tool).
     """
     try:
+        for raw in [*doc["tiers"], *(t for spec in doc["tables"]
+                                     for t in (spec.get("tiers") or []))]:
+            for key in ("options", "eviction_options", "admission_options"):
+                if not isinstance(raw.get(key, {}), dict):
+                    raise TypeError(f"a tier's {key} must be an object, got {raw[key]!r}")
         tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
         tables = [TableSpec.from_json(t) for t in doc["tables"]]
         if not tiers:
             raise ValueError("the default tier chain is empty")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"table names are given twice: {sorted(names)}")
         listed = doc.get("written_records", [])
+        if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+            raise TypeError(f"written_records must be a list of table names, got {listed!r}")
         stray = sorted(set(listed) - {t.name for t in tables})
         if stray:  # tables dropped from the list, their rows still on disk
             raise ValueError(f"written-id records are listed for tables {stray} that the "

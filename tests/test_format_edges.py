@@ -139,6 +139,9 @@ def test_fsck_refuses_an_implausibly_large_manifest(tmp_path):
     (lambda doc: doc["tables"][0].pop("dim"), "does not describe a store"),
     (lambda doc: doc.__setitem__("tiers", []), "does not describe a store"),
     (lambda doc: doc.__setitem__("tables", []), "does not have"),  # rows left unlisted
+    (lambda doc: doc.__setitem__("written_records", "t"), "written_records"),
+    (lambda doc: doc["tiers"][1].__setitem__("options", [1]), "options"),
+    (lambda doc: doc["tables"].append(dict(doc["tables"][0])), "given twice"),
     (lambda doc: doc["tiers"].__setitem__(1, {**doc["tiers"][1], "backend": "tape"}), "tape"),
     (lambda doc: doc.__setitem__("tiers", "dram"), "'tiers'"),
 ])

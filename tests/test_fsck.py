@@ -406,3 +406,50 @@ def test_an_lmdb_map_size_below_one_is_refused_not_doubled_forever():
     assert not lmdb_map_size_ok(1 << 20, {"map_size_bytes": 0})
     assert not lmdb_map_size_ok(1 << 20, {"map_size_bytes": -4096})
     assert lmdb_map_size_ok(1 << 21, {"map_size_bytes": 1 << 20})
+
+
+def test_a_missing_written_id_record_is_reported_and_a_repair_writes_one_keeping_a_backup(
+        tmp_path):
+    """Without the record lost rows cannot be told from new ones: fsck says so; a repair,
+    asked for, writes a record of the rows there (as rebuild_written_records would).
+    """
+    import shutil
+
+    path = _store(tmp_path / "s", "lmdb", n=20)
+    shutil.rmtree(path / "written")
+    findings = fsck.check(path)
+    assert any("cannot be told from rows never written" in f.message for f in findings)
+    assert fsck.exit_code(findings) == 4
+    assert fsck.exit_code(fsck.check(path, repair=True)) == 1
+    assert list(tmp_path.glob(".s.fsck-backup-*"))
+    assert fsck.check(path) == []
+
+
+@pytest.mark.parametrize("bottom", ["rocksdb", "lmdb", "pmem"])
+def test_repair_drops_every_row_a_medium_lost_and_lists_them(tmp_path, bottom):
+    """Rows gone from the medium are no failed checks: a repair drops them, however many."""
+    from embstore import registry
+    from embstore.backend import BackendSpec
+
+    path = _store(tmp_path / "s", bottom, n=20)
+    where = path / f"tier1-{bottom}"
+    with registry.load_backend(bottom).open(BackendSpec(path=where, dim=4, table="t")) as m:
+        m.delete(np.arange(20))
+    findings = fsck.check(path, repair=True)
+    assert fsck.exit_code(findings) == 1, findings
+    with embstore.open(path) as store:
+        assert store.num_rows("t") == 0 and store.lost_rows("t").tolist() == []
+        assert store.num_rows("u") == 20
+
+
+@pytest.mark.parametrize("bottom", ["rocksdb", "lmdb", "pmem"])
+def test_a_store_of_record_admitting_always_keeps_its_record_through_a_copy(tmp_path, bottom):
+    from embstore._rebuild import replace_store
+
+    path = tmp_path / "s"
+    tiers = [TierSpec("dram", capacity=4), TierSpec(bottom, admission="always")]
+    with embstore.open(path, tables=[TableSpec("t", dim=2)], tiers=tiers) as store:
+        store.update("t", np.arange(10), np.ones((10, 2), np.float32))
+    replace_store(path)
+    with embstore.open(path) as store:  # the record is there, and holds the rows
+        assert store.num_rows("t") == 10 and store.lost_rows("t").tolist() == []

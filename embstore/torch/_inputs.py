@@ -60,7 +60,7 @@ def flat_ids(what: str, tensor: object, device: torch.device) -> np.ndarray:
     ids = tensor.detach().reshape(-1)
     if ids.device.type != "cpu":
         ids = ids.cpu()
-    if ids.dtype == torch.uint64:
+    if ids.dtype == getattr(torch, "uint64", None):  # torch >= 2.3 has unsigned 64-bit
         wide = ids.numpy()
         big = np.flatnonzero(wide > np.iinfo(np.int64).max)
         if len(big):
