@@ -131,12 +131,12 @@ def store_rows(root: Path, default_tiers: Sequence[TierSpec],
 
     def source(spec: TableSpec) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
         old = by_name[spec.name]
-        record = None
+        expected = None
         if (check_written and isinstance(listed, list) and old.name in listed
                 and keeps_written_record(old, default_tiers)):
-            record = WrittenIds(written_file(root, old.name), old.num_embeddings,
-                                lambda: np.zeros(0, np.int64), read_only=True,
-                                must_exist=True)
+            # read once and dropped: a copy's memory stays that of a page, whatever the
+            # table's size (an id-by-id comparison is fsck's; it keeps the record in memory)
+            expected = _record(root, old).count()
         where = bottom_dir(root, old, default_tiers)
         if not where.is_dir():  # every store of record has its directory from the start
             raise CorruptStoreError(f"table {old.name!r}: its store of record {where} is "
@@ -149,16 +149,21 @@ def store_rows(root: Path, default_tiers: Sequence[TierSpec],
             raise
 
         def pages() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-            held = 0
+            scanned = 0
             with backend:
                 for ids, rows in backend.items(page_rows(spec)):
-                    if record is not None:
-                        held += int(np.count_nonzero(record.holds(ids)))
+                    scanned += len(ids)
                     yield ids, rows
-                if record is not None:
-                    _check_nothing_lost(root, old, record, held, backend)
+                if expected is not None and scanned < expected:
+                    _report_lost(root, old, expected - scanned, backend)
         return count, _ScanPages(pages(), backend)
     return source
+
+
+def _record(root: Path, spec: TableSpec) -> WrittenIds:
+    """The written-id record of table `spec` at `root`, read-only; it must exist."""
+    return WrittenIds(written_file(root, spec.name), spec.num_embeddings,
+                      lambda: np.zeros(0, np.int64), read_only=True, must_exist=True)
 
 
 class _ScanPages:
@@ -187,20 +192,16 @@ class _ScanPages:
         self._backend.close()
 
 
-def _check_nothing_lost(root: Path, spec: TableSpec, record: WrittenIds, held: int,
-                        backend: Backend) -> None:
-    """Raise if the scan of `backend` met fewer of `record`'s ids (`held`) than it holds."""
-    total = record.count()  # ids() would list every id: only the failure lists them
-    if held == total:
-        return
-    written = record.ids()
+def _report_lost(root: Path, spec: TableSpec, missing: int, backend: Backend) -> None:
+    """Raise for a scan of `backend` that read `missing` rows fewer than the record holds."""
+    written = _record(root, spec).ids()
     lost = written[~backend.contains(np.ascontiguousarray(written))]
     example = f", e.g. id {int(lost[0])}" if len(lost) else ""
     raise CorruptStoreError(
-        f"table {spec.name!r}: {total - held} row(s) its written-id record holds are "
-        f"gone from its store of record{example} (a lost file or lost rows); nothing was "
-        f"changed. Run `embstore fsck {root}` to list them, then restore the table from a "
-        "checkpoint or repair the store (`embstore fsck --repair`, which keeps a backup)")
+        f"table {spec.name!r}: {missing} row(s) its written-id record holds are gone from its "
+        f"store of record{example} (a lost file or lost rows); nothing was changed. Run "
+        f"`embstore fsck {root}` to list them, then restore the table from a checkpoint or "
+        "repair the store (`embstore fsck --repair`, which keeps a backup)")
 
 
 class ClosablePages:
