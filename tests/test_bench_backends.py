@@ -15,6 +15,7 @@ def _benchmarked() -> list[str]:
     return [name for name in registry.available_backend_names() if name in RAW]
 
 
+@pytest.mark.slow  # 13 s of the README's suite for a benchmark's printing (CI's slow job runs it)
 def test_bench_backends_quick_prints_read_and_write_ratios_per_backend(
         capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "backends", "--quick"]) == 0

@@ -142,6 +142,7 @@ def test_fsck_refuses_an_implausibly_large_manifest(tmp_path):
     (lambda doc: doc.__setitem__("written_records", "t"), "written_records"),
     (lambda doc: doc["tiers"][1].__setitem__("options", [1]), "options"),
     (lambda doc: doc["tables"].append(dict(doc["tables"][0])), "given twice"),
+    (lambda doc: doc["tiers"][0].__setitem__("eviction", "nope"), "unknown policy 'nope'"),
     (lambda doc: doc["tiers"].__setitem__(1, {**doc["tiers"][1], "backend": "tape"}), "tape"),
     (lambda doc: doc.__setitem__("tiers", "dram"), "'tiers'"),
 ])

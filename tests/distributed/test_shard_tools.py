@@ -36,6 +36,7 @@ def test_shard_plan_answers_bad_budgets_with_one_line(tmp_path, capsys) -> None:
     assert err.count("\n") == 1 and "'tape'" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # 9 s of the README's suite for a benchmark's printing (CI's slow job runs it)
 @pytest.mark.timeout(180)
 def test_bench_shard_trains_at_one_and_two_processes(capsys) -> None:
     pytest.importorskip("torch")
