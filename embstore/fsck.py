@@ -282,17 +282,12 @@ def _check_manifest(root: Path) -> tuple[list[Finding], _Parsed | None]:
         return [Finding(None, f"manifest: an entry is invalid ({type(exc).__name__}: {exc})",
                         file=str(file))], None
     findings: list[Finding] = []
-    try:  # policies and capacities the store's open would refuse
+    try:  # backends, policies and capacities the store's open would refuse
         check_chains(specs, tiers)
     except EmbstoreError as exc:
         return [Finding(None, f"manifest: {exc}", file=str(file))], None
     real_root = root.resolve()
-    known = set(registry.backend_names())
     for spec in specs:
-        for ts in table_chain(spec, tiers):
-            if ts.backend not in known:
-                findings.append(Finding(spec.name, f"unknown backend {ts.backend!r} in the "
-                                        "manifest", file=str(file)))
         d = bottom_dir(root, spec, tiers)
         if d.is_symlink() or (d.parent != root and d.parent.is_symlink()):
             findings.append(Finding(spec.name, "the table's tier directory is a symbolic "
