@@ -156,7 +156,7 @@ def store_rows(root: Path, default_tiers: Sequence[TierSpec],
                     yield ids, rows
                 if expected is not None and scanned < expected:
                     _report_lost(root, old, expected - scanned, backend)
-        return count, _ScanPages(pages(), backend)
+        return count, ClosablePages(pages(), backend.close)
     return source
 
 
@@ -164,32 +164,6 @@ def _record(root: Path, spec: TableSpec) -> WrittenIds:
     """The written-id record of table `spec` at `root`, read-only; it must exist."""
     return WrittenIds(written_file(root, spec.name), spec.num_embeddings,
                       lambda: np.zeros(0, np.int64), read_only=True, must_exist=True)
-
-
-class _ScanPages:
-    """The pages of a scan, closing its backend on `close` even if never iterated.
-
-    Closing a generator that never started runs none of its body, so its ``with backend``
-    would leave the reader open: its directory would then stay open in this process with
-    the scan's options, and the next open of it with other options would be refused.
-    """
-
-    def __init__(self, pages: Iterator[tuple[np.ndarray, np.ndarray]], backend: Backend
-                 ) -> None:
-        self._pages, self._backend = pages, backend
-
-    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        return self._pages
-
-    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
-        return next(self._pages)
-
-    def close(self) -> None:
-        """Stop the scan and close its backend."""
-        close = getattr(self._pages, "close", None)
-        if close is not None:
-            close()
-        self._backend.close()
 
 
 def _report_lost(root: Path, spec: TableSpec, missing: int, backend: Backend) -> None:
@@ -205,15 +179,31 @@ def _report_lost(root: Path, spec: TableSpec, missing: int, backend: Backend) ->
 
 
 class ClosablePages:
-    """An iterator of pages with a `close` (a generator's, where it has one)."""
+    """An iterator of pages with a `close` (a generator's, where it has one), then `then`.
 
-    def __init__(self, pages: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
-        self.pages = pages
+    A scan's pages pass its backend's `close` as `then`: closing a generator that never
+    started runs none of its body, so its ``with backend`` would leave the reader open, its
+    directory open in this process with the scan's options (the next open of it with other
+    options would be refused).
+    """
+
+    def __init__(self, pages: Iterator[tuple[np.ndarray, np.ndarray]],
+                 then: Callable[[], None] | None = None) -> None:
+        self.pages, self._then = pages, then
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        return next(self.pages)
 
     def close(self) -> None:
+        """Stop the pages and close what they read."""
         close = getattr(self.pages, "close", None)
         if close is not None:
             close()
+        if self._then is not None:
+            self._then()
 
 
 def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[TableSpec],
