@@ -52,7 +52,7 @@ def flat_ids(what: str, tensor: object, device: torch.device) -> np.ndarray:
         raise InvalidIdsError(f"{what} must be a torch.Tensor of integer ids, got "
                               f"{type(tensor).__name__}")
     _check_device(what, tensor, device)
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+    if not _integer_tensor(tensor):
         raise InvalidIdsError(
             f"{what} must hold integer ids, got dtype {tensor.dtype}; convert whole-number "
             "ids with .long()"
