@@ -59,3 +59,5 @@ class ForwardPlan:
     tables: list[TablePlan]
     order: list[str]
     """Feature names in output order."""
+    versions: list[Any] | None = None
+    """The version counters of the tensors in `args` when the plan was made (`_versions`)."""

@@ -40,6 +40,33 @@ def _same(a: Any, b: Any) -> bool:
     return False
 
 
+def _versions(args: Any) -> list[Any]:
+    """The version counters of every tensor in `args` (torch bumps one at each in-place change).
+
+    A plan made ahead of its forward serves it only while these are unchanged: a step that
+    edits its batch's ids in place gets them read anew, as the loop without a pipeline would.
+    A tensor without a counter (made in inference mode) gets a fresh object, so never matches.
+    """
+    out: list[Any] = []
+    stack = [args]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, torch.Tensor):
+            try:
+                out.append(a._version)
+            except RuntimeError:
+                out.append(object())
+        elif isinstance(a, (tuple, list)):
+            stack.extend(reversed(a))
+        elif isinstance(a, Mapping):
+            stack.extend(reversed(list(a.values())))
+        elif all(callable(getattr(a, m, None)) for m in ("keys", "values", "lengths")):
+            # a torchrec KeyedJaggedTensor, as EmbeddingBagCollection reads it
+            stack.extend([a.values(), a.lengths(), getattr(a, "weights_or_none",
+                                                           lambda: None)()])
+    return out
+
+
 class _StoreModule(nn.Module):
     """Common base: the store, the device, and the plan staged by a pipeline."""
 
@@ -99,9 +126,24 @@ class _StoreModule(nn.Module):
         """(feature, table, bags) of each output, in output order; checks the arguments."""
         raise NotImplementedError
 
+    _arity = (1, 1)
+    """The forward's fewest and most positional arguments."""
+
+    def _call_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`args` as forward passes them on: every optional argument given (None if left out)."""
+        low, high = self._arity
+        if not low <= len(args) <= high:
+            raise ConfigError(f"{type(self).__name__} takes {low} to {high} arguments, got "
+                              f"{len(args)}")
+        return (*args, *[None] * (high - len(args)))
+
     def prepare_forward(self, *args: Any) -> ForwardPlan:
         """Check `args` (as forward takes them) and group their ids; nothing is read yet."""
-        return prepare(args, self._features(args), self.padding_idx)
+        args = self._call_args(args)
+        versions = _versions(args)  # before the ids are read: a change meanwhile shows
+        plan = prepare(args, self._features(args), self.padding_idx)
+        plan.versions = versions
+        return plan
 
     def fetch_forward(self, plan: ForwardPlan) -> None:
         """Look up the rows `plan` needs and put them on the module's device."""
@@ -113,7 +155,7 @@ class _StoreModule(nn.Module):
 
     def _outputs(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
         plan = self._staged
-        if plan is not None and _same(plan.args, args):
+        if plan is not None and _same(plan.args, args) and plan.versions == _versions(args):
             self._staged = None
         else:
             plan = self.prepare_forward(*args)
@@ -146,6 +188,8 @@ class EmbeddingBag(_StoreModule):
     Raises:
         UnknownTableError: no such table. ConfigError: a bad mode or padding_idx.
     """
+
+    _arity = (1, 3)  # input, offsets, per_sample_weights
 
     def __init__(self, store: EmbeddingStore, table: str, mode: str = "mean",
                  padding_idx: int | None = None, include_last_offset: bool = False) -> None:

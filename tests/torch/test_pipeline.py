@@ -309,3 +309,63 @@ def test_the_default_read_threads_leave_the_training_thread_its_core(monkeypatch
     with et.TrainPipeline([], inputs=lambda b: {}) as pipe:
         workers = 1 if pipe._readers is None else pipe._readers._max_workers
     assert workers == threads
+
+
+
+@pytest.mark.parametrize("given", ["input", "input, offsets"])
+def test_an_embedding_bag_given_fewer_arguments_than_forward_takes_is_served(given):
+    # bag(ids) and bag(ids, offsets) are forward calls as valid as bag(ids, offsets, weights):
+    # the pipeline takes the arguments as the model passes them and serves those forwards
+    rng = np.random.default_rng(0)
+    offsets = torch.tensor([0, 5, 9])
+    batches = [torch.from_numpy(rng.integers(0, ROWS, size=(3, 4))) for _ in range(4)]
+    if given == "input, offsets":
+        batches = [(b.reshape(-1), offsets) for b in batches]
+
+    def step(bag, b):
+        (bag(b) if given == "input" else bag(*b)).sum().backward()
+
+    results, served = [], []
+    for pipelined in (False, True):
+        store = _store()
+        bag = et.EmbeddingBag(store, "t", mode="sum")
+        if pipelined:
+            with et.TrainPipeline(batches, inputs=lambda b, bag=bag: {bag: b},
+                                  stage_rows=True) as pipe:
+                for b in pipe:
+                    served.append(bag._staged is not None)
+                    step(bag, b)
+                    served[-1] = served[-1] and bag._staged is None  # the forward took it
+        else:
+            for b in batches:
+                step(bag, b)
+        results.append(store.lookup("t", np.arange(ROWS)))
+    np.testing.assert_array_equal(results[0], results[1])
+    assert served == [True] * 4
+    assert not _pipeline_threads()
+
+
+def test_a_step_that_edits_its_ids_in_place_trains_on_the_edited_ids():
+    # the pipeline read the batch ahead; a step that rewrites its ids in place (hashing them
+    # into the table, say) must train on the new ids, as the loop without it does
+    def step(model, batch):
+        for ids, _ in batch.sparse.values():
+            ids.add_(7).remainder_(ROWS)
+        model(batch).sum().backward()
+
+    results = []
+    for pipelined in (False, True):
+        store = _store()
+        model = Model(store)
+        batches = _batches(6)
+        if pipelined:
+            with et.TrainPipeline(batches, inputs=lambda b, m=model: {m.ebc: b.sparse},
+                                  stage_rows=True) as pipe:
+                for batch in pipe:
+                    step(model, batch)
+        else:
+            for batch in batches:
+                step(model, batch)
+        results.append({t: store.lookup(t, np.arange(ROWS)) for t in ("t", "u")})
+    for t in ("t", "u"):
+        np.testing.assert_array_equal(results[0][t], results[1][t])
