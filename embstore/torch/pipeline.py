@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .._parallel import available_cores
-from ..errors import ConfigError, EmbstoreError
+from ..errors import ConfigError, EmbstoreError, InvalidIdsError
 from ..index import IdIndex
 from ..store import EmbeddingStore
 from ._core import ForwardPlan, add_update_listener, lookup_rows, remove_update_listener
@@ -86,7 +86,9 @@ class TrainPipeline(Generic[B]):
                 optimizer.zero_grad(); loss.backward(); optimizer.step()
 
     An error in the background thread (the batches' iterator, a lookup) is raised by the next
-    step of the loop. Leaving the ``with`` block, or `close()`, stops and joins the threads.
+    step of the loop; ids a store refuses are left to the module's forward, which raises the
+    error at its step as it would without the pipeline. Leaving the ``with`` block, or
+    `close()`, stops and joins the threads.
     """
 
     def __init__(self, batches: Iterable[B], inputs: Callable[[B], Mapping[Any, Any]], *,
@@ -150,28 +152,44 @@ class TrainPipeline(Generic[B]):
                     except EmbstoreError:
                         continue  # the forward itself checks again and raises in order
                     staged.append((module, plan))
-                local = [(module, plan) for module, plan in staged if not _collective(module)]
-                self._prefetch([(module.store, tp.table, tp.groups.unique)
-                                for module, plan in local for tp in plan.tables])
-                for module, plan in local:
-                    self._stage(module, plan, read_at)
+                refused = self._prefetch([(module, tp.table, tp.groups.unique)
+                                          for module, plan in staged
+                                          if not _collective(module) for tp in plan.tables])
+                staged = [(module, plan) for module, plan in staged if module not in refused]
+                for module, plan in staged:
+                    if not _collective(module):
+                        self._stage(module, plan, read_at)
                 self._queue.put((batch, staged, read_at, None))
         except BaseException as exc:  # handed to the training loop, never lost
             self._queue.put((None, [], None, exc))
             return
         self._queue.put(_END)
 
-    def _prefetch(self, requests: list[tuple[EmbeddingStore, str, np.ndarray]]) -> None:
-        """Bring the rows of every (store, table, distinct ids) up, tables concurrently."""
+    def _prefetch(self, requests: list[tuple[_StoreModule, str, np.ndarray]]
+                  ) -> set[_StoreModule]:
+        """Bring the rows of every (module, table, distinct ids) up, tables concurrently.
+
+        Returns the modules with ids their store refuses (`InvalidIdsError`: out of a table's
+        num_embeddings, say): they are not staged, and their forward, which checks the ids
+        again, raises the error at its step, as it would without the pipeline.
+        """
+        refused: set[_StoreModule] = set()
         if self._readers is None or len(requests) < 2:
-            for store, table, ids in requests:
-                store.prefetch(table, ids)
-            return
-        reads = [self._readers.submit(store.prefetch, table, ids)
-                 for store, table, ids in requests]
+            for module, table, ids in requests:
+                try:
+                    module.store.prefetch(table, ids)
+                except InvalidIdsError:
+                    refused.add(module)
+            return refused
+        reads = [self._readers.submit(module.store.prefetch, table, ids)
+                 for module, table, ids in requests]
         wait(reads)  # all of them, so no read outlives a failed batch
-        for read in reads:
-            read.result()  # the first error, in table order
+        for (module, _, _), read in zip(requests, reads, strict=True):
+            try:
+                read.result()  # any other error, the first in table order
+            except InvalidIdsError:
+                refused.add(module)
+        return refused
 
     def _stage(self, module: _StoreModule, plan: ForwardPlan, read_at: int) -> None:
         """Stage the rows of `plan` where the module asks for it (on CUDA by default)."""

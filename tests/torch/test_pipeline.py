@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -369,3 +370,42 @@ def test_a_step_that_edits_its_ids_in_place_trains_on_the_edited_ids():
         results.append({t: store.lookup(t, np.arange(ROWS)) for t in ("t", "u")})
     for t in ("t", "u"):
         np.testing.assert_array_equal(results[0][t], results[1][t])
+
+
+@pytest.mark.parametrize("read_threads", [1, 2])
+def test_ids_out_of_one_table_are_refused_by_that_steps_forward(read_threads):
+    # as in the loop without a pipeline: the forward of the bad batch raises, changes nothing,
+    # and a loop that skips the batch goes on with the next ones
+    def store():
+        return embstore.open(None, tables=[
+            embstore.TableSpec("t", dim=8, num_embeddings=ROWS,
+                               init=embstore.init.Uniform(-0.1, 0.1, seed=0),
+                               optimizer=embstore.optim.RowWiseAdagrad(lr=0.5)),
+            embstore.TableSpec("u", dim=8, init=embstore.init.Uniform(-0.1, 0.1, seed=1),
+                               optimizer=embstore.optim.RowWiseAdagrad(lr=0.5))])
+
+    batches = _batches(5)
+    ids, lengths = batches[2].sparse["a"]
+    batches[2].sparse["a"] = (torch.cat([ids[:-1], torch.tensor([ROWS + 5])]), lengths)
+    results = []
+    for pipelined in (False, True):
+        s = store()
+        model = Model(s)
+        trained, refused = [], []
+        pipe = et.TrainPipeline(batches, inputs=lambda b, m=model: {m.ebc: b.sparse},
+                                stage_rows=True, read_threads=read_threads) if pipelined \
+            else contextlib.nullcontext(batches)
+        with pipe as steps:
+            for i, batch in enumerate(steps):
+                before = s.lookup("t", np.arange(ROWS))
+                try:
+                    model(batch).sum().backward()
+                    trained.append(i)
+                except embstore.errors.InvalidIdsError:
+                    refused.append(i)
+                    np.testing.assert_array_equal(before, s.lookup("t", np.arange(ROWS)))
+        assert (trained, refused) == ([0, 1, 3, 4], [2])
+        results.append({t: s.lookup(t, np.arange(ROWS)) for t in ("t", "u")})
+    for t in ("t", "u"):
+        np.testing.assert_array_equal(results[0][t], results[1][t])
+    assert not _pipeline_threads()
