@@ -94,6 +94,14 @@ class TrainPipeline(Generic[B]):
     def __init__(self, batches: Iterable[B], inputs: Callable[[B], Mapping[Any, Any]], *,
                  depth: int = 2, stage_rows: bool | None = None, exact: bool = True,
                  read_threads: int | None = None) -> None:
+        if not callable(inputs):
+            raise ConfigError(f"inputs must be a function of a batch, got "
+                              f"{type(inputs).__name__}")
+        try:
+            batches_iter = iter(batches)
+        except TypeError:
+            raise ConfigError(f"batches must be an iterable of batches, got "
+                              f"{type(batches).__name__}") from None
         if read_threads is None:
             read_threads = default_read_threads()
         for name, value in (("depth", depth), ("read_threads", read_threads)):
@@ -105,7 +113,7 @@ class TrainPipeline(Generic[B]):
         self._inputs = inputs
         self._exact = exact
         self._stage_rows = stage_rows
-        self._batches = iter(batches)
+        self._batches = batches_iter
         self._queue: queue.Queue[Any] = queue.Queue()
         self._slots = threading.Semaphore(depth + 1)  # the batch in training + depth ahead
         self._stop = threading.Event()
@@ -115,6 +123,7 @@ class TrainPipeline(Generic[B]):
         self._outstanding: list[int] = []  # the count when each staged batch was read
         self._holding = False
         self._done = False
+        self._ended = False  # every batch was handed out
         self._stream: Any = None
         self._touched: set[_StoreModule] = set()
         add_update_listener(self._on_update)
@@ -142,7 +151,11 @@ class TrainPipeline(Generic[B]):
                     read_at = self._count
                     self._outstanding.append(read_at)
                 staged = []
-                for module, args in self._inputs(batch).items():
+                given = self._inputs(batch)
+                if not isinstance(given, Mapping):
+                    raise ConfigError(f"inputs(batch) must return a mapping {{module: "
+                                      f"arguments}}, got a {type(given).__name__}")
+                for module, args in given.items():
                     if not isinstance(module, _StoreModule):
                         raise ConfigError(f"inputs(batch) must map embstore.torch modules to "
                                           f"their arguments, got a {type(module).__name__}")
@@ -221,17 +234,25 @@ class TrainPipeline(Generic[B]):
 
     def __next__(self) -> B:
         if self._done:
-            raise StopIteration
+            if self._ended:
+                raise StopIteration
+            raise ConfigError("this TrainPipeline was closed before its batches ended; make "
+                              "a new one to go on")
         if self._holding:
             self._slots.release()  # the previous batch is done: one more may be read ahead
             self._holding = False
         item = self._queue.get()
         if item is _END:
+            self._ended = True
             self.close()
             raise StopIteration
         batch, staged, read_at, exc = item
         if exc is not None:
+            self._ended = True  # what follows an error is no batch
             self.close()
+            if isinstance(exc, StopIteration):  # not the end of the batches: an error
+                raise RuntimeError("inputs(batch) raised StopIteration in the pipeline's "
+                                   "thread") from exc
             raise exc
         self._holding = True
         self._refresh(staged, read_at)

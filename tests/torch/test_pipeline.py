@@ -409,3 +409,45 @@ def test_ids_out_of_one_table_are_refused_by_that_steps_forward(read_threads):
     for t in ("t", "u"):
         np.testing.assert_array_equal(results[0][t], results[1][t])
     assert not _pipeline_threads()
+
+
+def test_bad_batches_and_inputs_are_config_errors():
+    store = _store()
+    model = Model(store)
+    for bad in (5, None):
+        with pytest.raises(embstore.errors.ConfigError, match="batches must be an iterable"):
+            et.TrainPipeline(bad, inputs=lambda b: {model.ebc: b.sparse})
+    with pytest.raises(embstore.errors.ConfigError, match="inputs must be a function"):
+        et.TrainPipeline(_batches(2), inputs={model.ebc: None})
+    with pytest.raises(embstore.errors.ConfigError, match="must return a mapping"), \
+            et.TrainPipeline(_batches(2), inputs=lambda b: [model.ebc]) as pipe:
+        next(pipe)
+    assert not _pipeline_threads()
+
+
+def test_stop_iteration_from_inputs_is_an_error_not_the_end_of_the_batches():
+    def inputs(batch):
+        raise StopIteration  # a next() on an exhausted iterator, say
+
+    steps = 0
+    with pytest.raises(RuntimeError, match="StopIteration"), \
+            et.TrainPipeline(_batches(3), inputs=inputs) as pipe:
+        for _ in pipe:
+            steps += 1
+    assert steps == 0
+    assert not _pipeline_threads()
+
+
+def test_a_pipeline_closed_before_its_end_refuses_to_iterate_again():
+    store = _store()
+    model = Model(store)
+    with et.TrainPipeline(_batches(5), inputs=lambda b: {model.ebc: b.sparse}) as pipe:
+        for _ in pipe:
+            break
+    # the rest of its batches would be skipped without a word
+    with pytest.raises(embstore.errors.ConfigError, match="closed before its batches ended"):
+        next(pipe)
+    with et.TrainPipeline(_batches(2), inputs=lambda b: {model.ebc: b.sparse}) as pipe:
+        assert len(list(pipe)) == 2
+    with pytest.raises(StopIteration):  # one that ended stays ended
+        next(pipe)
