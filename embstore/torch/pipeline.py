@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Generic, TypeVar, cast
@@ -57,6 +58,30 @@ _MAX_READ_THREADS = 4
 def default_read_threads() -> int:
     """`TrainPipeline`'s read threads when none are given: a core each beside training's."""
     return max(1, min(available_cores() - 1, _MAX_READ_THREADS))
+
+
+def _weak_hook(me: weakref.ref[TrainPipeline[Any]]) -> Callable[..., None]:
+    """An update listener that logs into the pipeline `me` while it lives."""
+    def hook(store: EmbeddingStore, table: str, ids: np.ndarray) -> None:
+        pipeline = me()
+        if pipeline is not None:
+            pipeline._on_update(store, table, ids)
+    return hook
+
+
+def _abandon(stop: threading.Event, hook: Callable[..., None],
+             readers: ThreadPoolExecutor | None, touched: set[_StoreModule]) -> None:
+    """What close() does for a pipeline collected unclosed, short of waiting for the thread.
+
+    The thread sees `stop` within 0.1 s of waiting for a free slot (or once the batches'
+    iterator hands it its next batch) and ends.
+    """
+    stop.set()
+    remove_update_listener(hook)
+    if readers is not None:
+        readers.shutdown(wait=False)
+    for module in touched:
+        module._staged = None
 
 
 class TrainPipeline(Generic[B]):
@@ -126,9 +151,17 @@ class TrainPipeline(Generic[B]):
         self._ended = False  # every batch was handed out
         self._stream: Any = None
         self._touched: set[_StoreModule] = set()
-        add_update_listener(self._on_update)
-        self._thread = threading.Thread(target=self._run, name="embstore-pipeline",
-                                        daemon=True)
+        # the thread and the listener hold the pipeline weakly: one dropped without close()
+        # (a loop left by break, outside a with block) is collected, and its finalizer stops
+        # the thread and the listener, which would otherwise poll and log updates for ever
+        me = weakref.ref(self)
+        self._hook = _weak_hook(me)
+        add_update_listener(self._hook)
+        self._finalizer = weakref.finalize(self, _abandon, self._stop, self._hook,
+                                           self._readers, self._touched)
+        self._thread = threading.Thread(
+            target=TrainPipeline._run, name="embstore-pipeline", daemon=True,
+            args=(me, self._batches, self._slots, self._stop, self._queue))
         self._thread.start()
 
     # --- background thread ------------------------------------------------------------------
@@ -139,44 +172,54 @@ class TrainPipeline(Generic[B]):
             if self._outstanding and self._exact:  # else no staged rows can be stale
                 self._log.append((self._count, store, table, ids))
 
-    def _run(self) -> None:
+    @staticmethod
+    def _run(me: weakref.ref[TrainPipeline[Any]], batches: Iterator[Any],
+             slots: threading.Semaphore, stop: threading.Event, out: queue.Queue[Any]) -> None:
+        """The background thread: holds the pipeline only while it reads a batch ahead."""
         try:
-            for batch in self._batches:
-                while not self._slots.acquire(timeout=0.1):
-                    if self._stop.is_set():
+            for batch in batches:
+                while not slots.acquire(timeout=0.1):
+                    if stop.is_set():
                         return
-                if self._stop.is_set():
+                pipeline = me()
+                if stop.is_set() or pipeline is None:
                     return
-                with self._lock:
-                    read_at = self._count
-                    self._outstanding.append(read_at)
-                staged = []
-                given = self._inputs(batch)
-                if not isinstance(given, Mapping):
-                    raise ConfigError(f"inputs(batch) must return a mapping {{module: "
-                                      f"arguments}}, got a {type(given).__name__}")
-                for module, args in given.items():
-                    if not isinstance(module, _StoreModule):
-                        raise ConfigError(f"inputs(batch) must map embstore.torch modules to "
-                                          f"their arguments, got a {type(module).__name__}")
-                    try:
-                        plan = module.prepare_forward(*(args if isinstance(args, tuple)
-                                                        else (args,)))
-                    except EmbstoreError:
-                        continue  # the forward itself checks again and raises in order
-                    staged.append((module, plan))
-                refused = self._prefetch([(module, tp.table, tp.groups.unique)
-                                          for module, plan in staged
-                                          if not _collective(module) for tp in plan.tables])
-                staged = [(module, plan) for module, plan in staged if module not in refused]
-                for module, plan in staged:
-                    if not _collective(module):
-                        self._stage(module, plan, read_at)
-                self._queue.put((batch, staged, read_at, None))
+                out.put(pipeline._read_ahead(batch))
+                del pipeline
         except BaseException as exc:  # handed to the training loop, never lost
-            self._queue.put((None, [], None, exc))
+            out.put((None, [], None, exc))
             return
-        self._queue.put(_END)
+        out.put(_END)
+
+    def _read_ahead(self, batch: Any) -> tuple[Any, list[tuple[_StoreModule, ForwardPlan]],
+                                                  int, None]:
+        """Check, group, prefetch (and stage) the inputs of `batch`: its queue item."""
+        with self._lock:
+            read_at = self._count
+            self._outstanding.append(read_at)
+        staged = []
+        given = self._inputs(batch)
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"inputs(batch) must return a mapping {{module: "
+                              f"arguments}}, got a {type(given).__name__}")
+        for module, args in given.items():
+            if not isinstance(module, _StoreModule):
+                raise ConfigError(f"inputs(batch) must map embstore.torch modules to "
+                                  f"their arguments, got a {type(module).__name__}")
+            try:
+                plan = module.prepare_forward(*(args if isinstance(args, tuple)
+                                                else (args,)))
+            except EmbstoreError:
+                continue  # the forward itself checks again and raises in order
+            staged.append((module, plan))
+        refused = self._prefetch([(module, tp.table, tp.groups.unique)
+                                  for module, plan in staged
+                                  if not _collective(module) for tp in plan.tables])
+        staged = [(module, plan) for module, plan in staged if module not in refused]
+        for module, plan in staged:
+            if not _collective(module):
+                self._stage(module, plan, read_at)
+        return batch, staged, read_at, None
 
     def _prefetch(self, requests: list[tuple[_StoreModule, str, np.ndarray]]
                   ) -> set[_StoreModule]:
@@ -307,8 +350,9 @@ class TrainPipeline(Generic[B]):
         if self._done:
             return
         self._done = True
+        self._finalizer.detach()
         self._stop.set()
-        remove_update_listener(self._on_update)
+        remove_update_listener(self._hook)
         while self._thread.is_alive():
             with contextlib.suppress(queue.Empty):  # unblock a thread waiting to queue
                 self._queue.get(timeout=0.05)

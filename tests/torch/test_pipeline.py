@@ -451,3 +451,30 @@ def test_a_pipeline_closed_before_its_end_refuses_to_iterate_again():
         assert len(list(pipe)) == 2
     with pytest.raises(StopIteration):  # one that ended stays ended
         next(pipe)
+
+
+def test_a_pipeline_dropped_unclosed_leaves_no_thread_and_no_listener():
+    # a loop left by break outside a with block: once the pipeline is dropped its thread
+    # ends and it stops logging every later update (which it would keep for ever)
+    import gc
+    import time
+
+    from embstore.torch import _core
+
+    store = _store()
+    model = Model(store)
+    listeners = len(_core._listeners)
+    pipe = et.TrainPipeline(_batches(20), inputs=lambda b: {model.ebc: b.sparse}, depth=2,
+                            stage_rows=True, read_threads=2)
+    for i, batch in enumerate(pipe):
+        model(batch).sum().backward()
+        if i == 1:
+            break
+    del pipe, batch
+    gc.collect()
+    deadline = time.monotonic() + 3
+    while _pipeline_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _pipeline_threads()
+    assert len(_core._listeners) == listeners
+    assert model.ebc._staged is None
