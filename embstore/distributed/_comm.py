@@ -80,18 +80,7 @@ class Comm:
                                 device=self.device)
             got = torch.empty_like(meta)
             self._run(lambda: dist.all_to_all_single(got, meta, group=self.group), what)
-            got = got.cpu()
-            rejected = [r for r in range(self.world) if int(got[r, 0]) == _REJECTED]
-            if rejected:
-                raise PeerFailedError(
-                    f"rank(s) {rejected} rejected their input to {what!r} (their own error "
-                    "says why); nothing was changed on any rank and the store stays usable")
-            bad = [r for r in range(self.world) if int(got[r, 0]) != sig]
-            if bad:
-                raise ConfigError(f"rank {self.rank} called {what!r} while rank(s) {bad} made "
-                                  "another call: every rank must call the sharded store's "
-                                  "methods in the same order, with the same tables")
-            recv_sizes = [int(n) for n in got[:, 1]]
+            recv_sizes = self._check_calls(got.cpu(), sig, what)
         out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
         payload = np.concatenate(sends) if sends else np.empty(0, np.uint8)
         inp = torch.from_numpy(payload).to(self.device)
@@ -104,6 +93,20 @@ class Comm:
         bounds = np.cumsum([0, *recv_sizes])
         return [data[bounds[r]:bounds[r + 1]] for r in range(self.world)]
 
+    def _check_calls(self, got: torch.Tensor, sig: int, what: str) -> list[int]:
+        """The values the ranks sent with their signatures ([world, 2]), once all agree."""
+        rejected = [r for r in range(self.world) if int(got[r, 0]) == _REJECTED]
+        if rejected:
+            raise PeerFailedError(
+                f"rank(s) {rejected} rejected their input to {what!r} (their own error "
+                "says why); nothing was changed on any rank and the store stays usable")
+        bad = [r for r in range(self.world) if int(got[r, 0]) != sig]
+        if bad:
+            raise ConfigError(f"rank {self.rank} called {what!r} while rank(s) {bad} made "
+                              "another call: every rank must call the sharded store's "
+                              "methods in the same order, with the same tables")
+        return [int(n) for n in got[:, 1]]
+
     def abort(self, what: str, exc: BaseException) -> None:
         """Take part in a call's first exchange only to say this rank rejected its input.
 
@@ -114,18 +117,30 @@ class Comm:
         got = torch.empty_like(meta)
         self._run(lambda: dist.all_to_all_single(got, meta, group=self.group), what)
 
+    def all_ints(self, value: int, what: str) -> list[int]:
+        """Every rank's int, in rank order, once every rank has made the same call `what`.
+
+        Sent with the call's signature, as an exchange's sizes are: ranks that made another
+        call (or an exchange) raise ConfigError, and a rank that rejected its input
+        (`abort`) makes the others raise PeerFailedError, instead of pairing unrelated calls.
+        """
+        sig = signature(what)
+        meta = torch.tensor([[sig, value]] * self.world, dtype=torch.int64, device=self.device)
+        got = torch.empty_like(meta)
+        self._run(lambda: dist.all_to_all_single(got, meta, group=self.group), what)
+        return self._check_calls(got.cpu(), sig, what)
+
     def all_sum(self, value: int, what: str) -> int:
-        """Sum of an int over the group."""
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self._run(lambda: dist.all_reduce(t, group=self.group), what)
-        return int(t.cpu()[0])
+        """Sum of an int over the group (a call checked as `all_ints` checks it)."""
+        return sum(self.all_ints(value, what))
 
     def barrier(self, what: str) -> None:
-        """Wait for every rank (through a tiny all-reduce, which honours the timeout)."""
+        """Wait for every rank to call `what` (a tiny checked exchange, within the timeout)."""
         self.all_sum(0, what)
 
     def gather_objects(self, obj: object, what: str) -> list[object]:
-        """Every rank's `obj`, in rank order."""
+        """Every rank's `obj`, in rank order (a call checked as `all_ints` checks it)."""
+        self.all_ints(0, what)
         out: list[object] = [None] * self.world
         self._run(lambda: dist.all_gather_object(out, obj, group=self.group), what)
         return out

@@ -17,9 +17,10 @@ One call routes all its tables in one all-to-all exchange (`lookup_many`,
 mean of g^2 over the whole row: their owners exchange their columns' squares once more and
 each adds the full row in column order, as the unsharded rule does.
 
-Caveats: a call that one rank rejects (bad ids, non-finite values) leaves the others waiting
-until the group's timeout, when they raise `PeerFailedError`; the store is then unusable and
-the job restarts from a checkpoint.
+A call that one rank rejects (bad ids, non-finite values, an unknown table) raises that
+rank's own error and `PeerFailedError` on the others at once, and changes nothing; ranks that
+make different calls raise ConfigError. A rank that dies or stops calling makes the others
+raise `PeerFailedError` after the group's timeout; the job then restarts from a checkpoint.
 """
 
 from __future__ import annotations
@@ -463,7 +464,8 @@ class ShardedStore:
 
     def num_rows(self, table: str) -> int:
         """Stored rows of `table` over all ranks."""
-        p = self.plan.tables[self.table_spec(table).name]
+        with self._inputs("num_rows"):
+            p = self.plan.tables[self.table_spec(table).name]
         mine = self.local.num_rows(table) if self.rank in p.ranks and (
             p.kind != "column" or p.counting_rank() == self.rank) else 0
         return self._comm.all_sum(mine, f"num_rows:{table}")
