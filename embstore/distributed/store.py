@@ -35,7 +35,7 @@ import numpy as np
 
 from .._access_log import AccessRecorder
 from .._validate import as_ids, as_rows
-from ..errors import UnknownTableError
+from ..errors import StoreClosedError, UnknownTableError
 from ..index import IdGroups
 from ..optim import RowWiseAdagrad
 from ..spec import TableSpec
@@ -200,7 +200,15 @@ class ShardedStore:
             self._comm.abort(what, exc)
             raise
 
+    def _check_open(self) -> None:
+        # before any exchange: a closed rank that went on would pair its next call with the
+        # others' replies (a non-owner got another call's bytes as rows)
+        if self.local.closed:
+            raise StoreClosedError("the sharded store is closed; open it again with "
+                                   "embstore.distributed.open(path) on every rank")
+
     def _check(self, requests: Mapping[str, Any]) -> list[str]:
+        self._check_open()
         names = list(requests)
         for name in names:
             self.table_spec(name)
@@ -258,7 +266,8 @@ class ShardedStore:
             bounds = np.cumsum([0] + [len(p) for p in parts])
             for s in range(world):
                 replies[s].append(rows[bounds[s]: bounds[s + 1]])
-        sends = [np.concatenate([as_bytes(x) for x in per]) for per in replies]
+        sends = [np.concatenate([as_bytes(x) for x in per]) if per else np.empty(0, np.uint8)
+                 for per in replies]
         widths = {n: [self._state_width(n, r) if state else self._widths[n][r]
                       for r in range(world)] for n in names}
         sizes = [sum(len(rt.sel[r]) * widths[rt.table][r] * self._specs[rt.table].dtype.itemsize
@@ -453,6 +462,7 @@ class ShardedStore:
     def delete(self, table: str, ids: Any) -> int:
         """Remove the rows of every rank's `ids`; returns the rows removed (all ranks)."""
         with self._inputs("delete"):
+            self._check_open()
             rt = self._route(table, as_ids(ids, self.table_spec(table)))
         items = [[(rt.groups.unique[rt.sel[r]], None, None)] for r in range(self._comm.world)]
         got = self._send("delete", [table], items, [0])
@@ -465,6 +475,7 @@ class ShardedStore:
     def num_rows(self, table: str) -> int:
         """Stored rows of `table` over all ranks."""
         with self._inputs("num_rows"):
+            self._check_open()
             p = self.plan.tables[self.table_spec(table).name]
         mine = self.local.num_rows(table) if self.rank in p.ranks and (
             p.kind != "column" or p.counting_rank() == self.rank) else 0

@@ -11,6 +11,7 @@ import numpy as np
 import embstore
 import embstore.distributed as ed
 from embstore import optim
+from embstore.distributed import Placement, Plan
 
 
 def specs() -> list[embstore.TableSpec]:
@@ -42,4 +43,22 @@ def mismatched_small_calls(rank: int, world: int) -> list[Any]:
         out.append(outcome(lambda: store.num_rows("a" if rank == 0 else "b")))
         out.append(outcome(lambda: store.num_rows("a" if rank == 0 else "nope")))
         out.append(store.num_rows("a"))
+    return out
+
+
+def after_close_and_empty(rank: int, world: int) -> list[Any]:
+    """Calls on a closed store (rank 1 owns the tables) raise StoreClosedError on every rank,
+    and a call of no tables returns nothing.
+    """
+    plan = Plan(world, {"a": Placement("table", (1,)), "b": Placement("table", (1,))})
+    store = ed.open(None, tables=specs(), plan=plan, timeout_s=20)
+    out: list[Any] = [store.lookup_many({}), store.lookup_many({}, state=True)]
+    store.close()
+    for call in (lambda: store.lookup("a", np.arange(3)),
+                 lambda: store.lookup_state("b", np.arange(3)),
+                 lambda: store.update("a", np.arange(1), np.ones((1, 4), np.float32)),
+                 lambda: store.apply_gradients("b", np.arange(1), np.ones((1, 6), np.float32)),
+                 lambda: store.delete("a", np.arange(3)),
+                 lambda: store.num_rows("a")):
+        out.append(outcome(call))
     return out
