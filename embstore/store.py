@@ -35,7 +35,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from . import _counters, _crash, _fused, _prefetch, _written, layout
+from . import _counters, _crash, _fused, _prefetch, _write_hooks, _written, layout
 from ._access_log import AccessRecorder
 from ._build import build_chain, opening_tables
 from ._precision import RowCodec
@@ -186,7 +186,9 @@ class EmbeddingStore:
 
     def _before_write(self, name: str, t: _Table, ids: np.ndarray, *,
                       deleting: bool = False, held: bool | np.ndarray = False) -> None:
-        """Record distinct `ids` as changed and save their pre-images for a running checkpoint.
+        """Record distinct `ids` as changed, tell the write listeners, save pre-images.
+
+        Pre-images are saved for a running checkpoint; the listeners are `_write_hooks`'.
 
         The written-id record learns them too (written, or forgotten when `deleting`), except
         those `held` says (True: all; bool[N]: where True) have a row in a tier now: every
@@ -204,6 +206,7 @@ class EmbeddingStore:
                 t.written.add(ids[~held], absent=True)
         if self._changes is not None:
             self._changes[name].add(ids)
+        _write_hooks.notify(self, name, ids)
         if self._copy is not None:
             # an id not yet copied nor saved was not written since T0, and T0 began with a
             # flush: the bottom tier holds its T0 value

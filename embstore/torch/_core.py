@@ -27,8 +27,7 @@ lookup found (`SlotMemo`), without probing its index again.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -235,24 +234,6 @@ def _max_grads(tp: TablePlan, grad: torch.Tensor, saved: Any) -> torch.Tensor:
     return out.scatter_add_(0, max_indices, grad * won)
 
 
-UpdateHook = Callable[[EmbeddingStore, str, np.ndarray], None]
-_listeners: list[UpdateHook] = []
-_listeners_lock = threading.Lock()
-
-
-def add_update_listener(hook: UpdateHook) -> None:
-    """Call `hook(store, table, ids)` after every update the modules apply (pipelines)."""
-    with _listeners_lock:
-        _listeners.append(hook)
-
-
-def remove_update_listener(hook: UpdateHook) -> None:
-    """Stop calling `hook`."""
-    with _listeners_lock:
-        if hook in _listeners:
-            _listeners.remove(hook)
-
-
 def _distinct_grads(tp: TablePlan, grads: np.ndarray, *, summed: bool
                     ) -> tuple[np.ndarray, np.ndarray]:
     """Sum `grads` per distinct id: (distinct ids, their gradients).
@@ -268,13 +249,6 @@ def _distinct_grads(tp: TablePlan, grads: np.ndarray, *, summed: bool
         keep[tp.padding] = False
         unique, grads = unique[keep], grads[keep]
     return unique, np.ascontiguousarray(grads)
-
-
-def _notify(store: EmbeddingStore, table: str, unique: np.ndarray) -> None:
-    with _listeners_lock:
-        hooks = list(_listeners)
-    for hook in hooks:
-        hook(store, table, unique)
 
 
 def _table_update(tp: TablePlan, mode: str, grads: tuple[torch.Tensor, ...], saved: list[Any]
@@ -360,7 +334,6 @@ class _TableFunction(torch.autograd.Function):
         unique, distinct, weight_grads, finite = _table_update(ctx.tp, ctx.mode, grads,
                                                                ctx.saved)
         _apply(ctx.store, {ctx.tp.table: (unique, distinct)}, finite)
-        _notify(ctx.store, ctx.tp.table, unique)
         return (None, None, None, None, *weight_grads)
 
 
@@ -412,8 +385,6 @@ class _TablesFunction(torch.autograd.Function):
             finite = finite and seen_finite
         if updates:
             _apply(ctx.store, updates, finite)
-        for table, (unique, _) in updates.items():
-            _notify(ctx.store, table, unique)
         return (None, None, None, None, *weight_grads)
 
 

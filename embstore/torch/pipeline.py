@@ -11,14 +11,15 @@ outstanding reads in about the time of one.
 
 On a GPU the thread also stages the rows themselves: looked up into pinned host memory, then
 copied onto the device on a side CUDA stream, so the forward finds them there. Staged rows
-were read before the updates of the steps before them had all been applied: every update the
-modules apply is logged (a count, the table and the ids), and when batch j's turn comes the
-staged rows of every id updated since they were read are read again, so batch j sees exactly
+were read before the updates of the steps before them had all been applied: every write to a
+store is logged (a count, the table and the ids: the modules' updates, and a trainer's own
+`update`, `apply_gradients`, `bulk_load` or `delete` alike), and when batch j's turn comes the
+staged rows of every id written since they were read are read again, so batch j sees exactly
 what the loop without the pipeline would see, bit for bit. The count is read before each
-lookup and bumped after each update, so an update that raced a lookup is refreshed rather
-than missed. On the CPU nothing is staged (a DRAM read in the forward costs what a copy
-would) and exactness holds by construction: prefetching changes where rows are, not what
-they are.
+lookup and bumped by each write under the store's lock, so a write that raced a lookup is
+refreshed rather than missed. On the CPU nothing is staged (a DRAM read in the forward costs
+what a copy would) and exactness holds by construction: prefetching changes where rows are,
+not what they are.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ from typing import Any, Generic, TypeVar, cast
 import numpy as np
 import torch
 
+from .. import _write_hooks
 from .._parallel import available_cores
 from ..errors import ConfigError, EmbstoreError, InvalidIdsError
 from ..index import IdIndex
 from ..store import EmbeddingStore
-from ._core import ForwardPlan, add_update_listener, lookup_rows, remove_update_listener
+from ._core import ForwardPlan, lookup_rows
 from .modules import _StoreModule
 
 __all__ = ["TrainPipeline"]
@@ -61,7 +63,7 @@ def default_read_threads() -> int:
 
 
 def _weak_hook(me: weakref.ref[TrainPipeline[Any]]) -> Callable[..., None]:
-    """An update listener that logs into the pipeline `me` while it lives."""
+    """A write listener that logs into the pipeline `me` while it lives."""
     def hook(store: EmbeddingStore, table: str, ids: np.ndarray) -> None:
         pipeline = me()
         if pipeline is not None:
@@ -77,7 +79,7 @@ def _abandon(stop: threading.Event, hook: Callable[..., None],
     iterator hands it its next batch) and ends.
     """
     stop.set()
-    remove_update_listener(hook)
+    _write_hooks.remove(hook)
     if readers is not None:
         readers.shutdown(wait=False)
     for module in touched:
@@ -156,7 +158,7 @@ class TrainPipeline(Generic[B]):
         # the thread and the listener, which would otherwise poll and log updates for ever
         me = weakref.ref(self)
         self._hook = _weak_hook(me)
-        add_update_listener(self._hook)
+        _write_hooks.add(self._hook)
         self._finalizer = weakref.finalize(self, _abandon, self._stop, self._hook,
                                            self._readers, self._touched)
         self._thread = threading.Thread(
@@ -170,7 +172,7 @@ class TrainPipeline(Generic[B]):
         with self._lock:
             self._count += 1
             if self._outstanding and self._exact:  # else no staged rows can be stale
-                self._log.append((self._count, store, table, ids))
+                self._log.append((self._count, store, table, ids.copy()))  # may be the caller's
 
     @staticmethod
     def _run(me: weakref.ref[TrainPipeline[Any]], batches: Iterator[Any],
@@ -352,7 +354,7 @@ class TrainPipeline(Generic[B]):
         self._done = True
         self._finalizer.detach()
         self._stop.set()
-        remove_update_listener(self._hook)
+        _write_hooks.remove(self._hook)
         while self._thread.is_alive():
             with contextlib.suppress(queue.Empty):  # unblock a thread waiting to queue
                 self._queue.get(timeout=0.05)

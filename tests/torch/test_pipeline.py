@@ -60,15 +60,22 @@ def _store(path=None, tiers=None):
     return embstore.open(path, tables=specs, tiers=tiers)
 
 
-def _train(store, batches, *, depth=None, exact=True, stage_rows=None, read_threads=4):
+def _train(store, batches, *, depth=None, exact=True, stage_rows=None, read_threads=4,
+           also=None):
+    """Train `batches`; `also(store, i)` runs after step i's update (the trainer's own writes)."""
     model = Model(store)
     opt = torch.optim.SGD(model.top.parameters(), lr=0.1)
+    done = 0
 
     def step(batch):
+        nonlocal done
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(batch), batch.label)
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if also is not None:
+            also(store, done)
+        done += 1
 
     if depth is None:
         for batch in batches:
@@ -459,11 +466,11 @@ def test_a_pipeline_dropped_unclosed_leaves_no_thread_and_no_listener():
     import gc
     import time
 
-    from embstore.torch import _core
+    from embstore import _write_hooks
 
     store = _store()
     model = Model(store)
-    listeners = len(_core._listeners)
+    listeners = len(_write_hooks._hooks)
     pipe = et.TrainPipeline(_batches(20), inputs=lambda b: {model.ebc: b.sparse}, depth=2,
                             stage_rows=True, read_threads=2)
     for i, batch in enumerate(pipe):
@@ -476,5 +483,27 @@ def test_a_pipeline_dropped_unclosed_leaves_no_thread_and_no_listener():
     while _pipeline_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _pipeline_threads()
-    assert len(_core._listeners) == listeners
+    assert len(_write_hooks._hooks) == listeners
     assert model.ebc._staged is None
+
+
+def _own_writes(store, i):
+    """A trainer writing the store itself between steps, on ids the next batches hold."""
+    hot = np.unique(np.concatenate([b.sparse["a"][0].numpy() for b in _batches(3)]))[:12]
+    rng = np.random.default_rng(i)
+    store.apply_gradients("t", hot, rng.standard_normal((len(hot), 8)).astype(np.float32))
+    store.update("u", hot[::2], rng.standard_normal((len(hot[::2]), 8)).astype(np.float32))
+    if i % 3 == 2:
+        store.delete("t", hot[:3])
+    if i == 4:
+        store.bulk_load("u", hot[1::2], np.full((len(hot[1::2]), 8), 0.25, np.float32))
+
+
+@pytest.mark.parametrize("stage_rows", [False, True], ids=["prefetch", "staged"])
+def test_the_trainers_own_writes_between_steps_reach_the_staged_rows(stage_rows):
+    # staged rows read ahead go stale on any write, not only the modules' updates: a trainer
+    # that also calls update, apply_gradients, delete or bulk_load sees what the loop sees
+    batches = _batches(10)
+    plain = _train(_store(), batches, also=_own_writes)
+    piped = _train(_store(), batches, depth=3, stage_rows=stage_rows, also=_own_writes)
+    _assert_identical(plain, piped)
