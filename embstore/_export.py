@@ -446,8 +446,9 @@ def _pages(root: Path, entry: dict[str, Any], spec: TableSpec
            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The pages of table `spec` of the export at `root` (`entry`: its checked header entry).
 
-    Each page is checked against the spec before it is given out (ids in range, values
-    finite where the table forbids NaN and infinity); the CRC-32s once the last is read.
+    Each page is checked against the spec before it is given out (ids in range and not
+    repeated within the page, values finite where the table forbids NaN and infinity); the
+    CRC-32s once the last is read.
     """
     n, width = entry["rows"], entry["row_width"]
     dtype = np.dtype(entry["dtype"])
@@ -480,9 +481,13 @@ def _check_page(root: Path, spec: TableSpec, codec: RowCodec | None, ids: np.nda
     """
     what = None
     n = spec.num_embeddings
+    ordered = np.sort(ids)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
     if n is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n):
         bad = int(ids[(ids < 0) | (ids >= n)][0])
         what = f"id {bad}, outside [0, {n}) (its num_embeddings)"
+    elif len(repeated):  # an export holds each stored row once
+        what = f"id {int(repeated[0])} twice"
     elif not spec.allow_nonfinite and len(ids):
         values = rows if codec is None else codec.decode(rows)  # half weights: their values
         finite = np.isfinite(values)

@@ -170,6 +170,24 @@ def test_ids_outside_num_embeddings_are_not_imported(
     assert not (tmp_path / "new").exists()
 
 
+def test_an_id_exported_twice_is_not_imported(
+        exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # an export holds each row once: a repeated id is damage, not a row to overwrite
+    src = _copy(exported, tmp_path)
+    header = json.loads((src / "header.json").read_text())
+    t = _table(header, "item")
+    ids = np.fromfile(src / t["ids_file"], dtype="<i8")
+    ids[3] = ids[1]
+    ids.tofile(src / t["ids_file"])
+    t["ids_crc32"] = zlib.crc32(ids.tobytes())
+    (src / "header.json").write_text(json.dumps(header))
+    with pytest.raises(CorruptStoreError, match=rf"'item'.*id {ids[1]} twice"):
+        import_store(src, tmp_path / "new")
+    err = _refused(["import", str(src), str(tmp_path / "new")], capsys)
+    assert f"id {ids[1]} twice" in err
+    assert not (tmp_path / "new").exists()
+
+
 def test_nonfinite_and_half_precision_rows_import_where_their_spec_allows(
         tmp_path: Path) -> None:
     specs = [TableSpec("free", dim=2, allow_nonfinite=True),
