@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import StoreExistsError
+from ..errors import EmbstoreError, PeerFailedError, StoreExistsError
 from ..manifest import make_dirs, write_atomic
 
 __all__ = ["META", "checkpoint_sharded"]
@@ -31,8 +31,20 @@ def checkpoint_sharded(store: Any, dest: Path, step: int | None) -> Path:
     errors = comm.gather_objects(error, "checkpoint start")
     if errors[0]:
         raise StoreExistsError(str(errors[0]))
-    store.local.checkpoint(dest / f"rank{comm.rank}", step=step)
-    comm.barrier("checkpoint shards")
+    failure: EmbstoreError | None = None
+    try:
+        store.local.checkpoint(dest / f"rank{comm.rank}", step=step)
+    except EmbstoreError as exc:  # said to the others, which would wait for this rank
+        failure = exc
+    errors = comm.gather_objects("" if failure is None else f"{type(failure).__name__}: "
+                                 f"{failure}", "checkpoint shards")
+    if failure is not None:
+        raise failure
+    failed = [r for r, e in enumerate(errors) if e]
+    if failed:
+        raise PeerFailedError(f"rank {failed[0]} could not write its shards into {dest} "
+                              f"({errors[failed[0]]}); the checkpoint is incomplete (it has "
+                              f"no {META}) and the store is unchanged")
     if comm.rank == 0:
         meta = json.loads((store.path / META).read_text()) if store.path else {
             "world_size": comm.world, "plan": store.plan.to_json(),

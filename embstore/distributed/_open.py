@@ -13,21 +13,29 @@ column shards of a row) and writes them, weights and optimizer state, bit for bi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch.distributed as dist
 
 from .. import _open as base_open
 from .._access_log import AccessRecorder, check_rates
-from ..errors import ConfigError, StoreNotFoundError
-from ..manifest import make_dirs, write_atomic
+from ..errors import (
+    ConfigError,
+    CorruptStoreError,
+    EmbstoreError,
+    PeerFailedError,
+    StoreExistsError,
+    StoreNotFoundError,
+)
+from ..manifest import MANIFEST_NAME, make_dirs, write_atomic
 from ..spec import TableSpec, TierSpec
 from ..store import EmbeddingStore
 from ._checkpoint import META, checkpoint_sharded
@@ -46,20 +54,48 @@ def _comm(group: dist.ProcessGroup | None, timeout_s: float) -> Comm:
         raise ConfigError("embstore.distributed needs torch.distributed initialised: call "
                           "torch.distributed.init_process_group(...) on every rank first")
     if group is None:  # numpy rows travel on the CPU: a gloo group of its own, with a timeout
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        try:
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as exc:
+            raise PeerFailedError(
+                f"creating the sharded store's process group failed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); every rank must open the "
+                "sharded store at the same time") from exc
     return Comm(group, timeout_s)
 
 
-def _read_meta(directory: Path) -> dict[str, Any] | None:
+def _read_meta(directory: Path
+               ) -> tuple[list[TableSpec], Plan, list[TierSpec] | None] | None:
+    """The tables, plan and default tiers in `directory`'s record, None where it has none."""
     file = directory / META
-    return json.loads(file.read_text()) if file.exists() else None
+    if not file.exists():
+        return None
+    try:
+        meta = json.loads(file.read_text())
+        specs = [TableSpec.from_json(t) for t in meta["tables"]]
+        plan = Plan.from_json(meta["plan"])
+        tiers = None if meta["tiers"] is None else [TierSpec.from_json(t) for t in meta["tiers"]]
+        plan.check(specs)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise CorruptStoreError(f"{file} is damaged ({type(exc).__name__}: {exc}); restore the "
+                                "sharded store from a checkpoint") from None
+    return specs, plan, tiers
 
 
-def _agree(comm: Comm, value: Any, what: str) -> None:
-    seen = comm.gather_objects(json.dumps(value, sort_keys=True), what)
-    if len(set(seen)) != 1:
+def _agree(comm: Comm, error: BaseException | None, what: str, value: Any = None) -> None:
+    """Raise on every rank if any rank failed (its own error there) or the values differ."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    seen = cast(list[tuple[str | None, str]],
+                comm.gather_objects((mine, json.dumps(value, sort_keys=True)), what))
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, (e, _) in enumerate(seen) if e is not None]
+    if failed:
+        raise PeerFailedError(f"{what} failed on rank {failed[0][0]} ({failed[0][1]}); nothing "
+                              "was changed")
+    if len({v for _, v in seen}) != 1:
         raise ConfigError(f"ranks disagree on the {what}; every rank must open the sharded "
-                          "store with the same tables, tiers and plan")
+                          "store with the same path or none, tables, tiers and plan")
 
 
 def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = None,
@@ -88,21 +124,70 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         ConfigError: torch.distributed not initialised, ranks that disagree, a plan that does
             not fit the tables or the stored plan.
     """
-    if path is None and plan is not None:  # refused on every rank alike, before any collective
-        disk = sorted({t.backend for per in plan.tiers.values() for chain in per.values()
-                       for t in chain} - {"dram"})
-        if disk:
-            raise ConfigError(f"the plan puts shards on {disk} tiers, which need a directory; "
-                              "open the sharded store with a path")
-    if record_accesses is not None:
-        check_rates(record_sample)  # on every rank alike, before any collective
-    comm = _comm(group, timeout_s)
     directory = None if path is None else Path(path)
+    if not dist.is_available() or not dist.is_initialized():  # no peers to tell: say why first
+        _check_args(directory, plan, record_accesses, record_sample)
+    comm = _comm(group, timeout_s)
+    return _open(comm, directory, tables, tiers, plan, record_accesses, record_sample)
+
+
+def _open(comm: Comm, directory: Path | None, tables: list[TableSpec] | None,
+          tiers: list[TierSpec] | None, plan: Plan | None,
+          record_accesses: str | os.PathLike[str] | None = None,
+          record_sample: float | Mapping[str, float] = 1.0, *, publish: bool = True
+          ) -> ShardedStore:
+    """`open` over `comm`: every check on every rank, agreed before anything is created.
+
+    With `publish` False a new store's record (sharded.json) is left for the caller to
+    write with `_publish` once it holds what it should.
+    """
+    error: BaseException | None = None
+    doc: dict[str, Any] = {}
+    meta = None
+    try:
+        _check_args(directory, plan, record_accesses, record_sample)
+        meta, specs, placed, tier_specs = _settle(comm, directory, tables, tiers, plan)
+        tier_json = None if tier_specs is None else [t.to_json() for t in tier_specs]
+        doc = {"world_size": comm.world, "plan": placed.to_json(),
+               "tables": [s.to_json() for s in specs], "tiers": tier_json}
+    except EmbstoreError as exc:
+        error = exc
+    _agree(comm, error, "sharded store's tables, tiers and plan",
+           {**doc, "on_disk": directory is not None})
+    local = recorder = None
+    try:
+        if directory is not None and meta is None and comm.rank == 0:
+            make_dirs(directory)  # its entry must survive a power cut like the record in it
+        comm.barrier("open")
+        local = _open_local(directory, comm.rank, specs, placed, tier_specs, meta is not None)
+        if record_accesses is not None:
+            recorder = AccessRecorder(Path(record_accesses) / f"rank{comm.rank}",
+                                      [s.name for s in specs], record_sample)
+    except EmbstoreError as exc:
+        error = exc
+    except BaseException:
+        _close_quietly(local, recorder)
+        raise
+    try:
+        _agree(comm, error, "opening of every rank's shards")
+    except BaseException:
+        _close_quietly(local, recorder)
+        raise
+    assert local is not None
+    store = ShardedStore(comm, placed, specs, local, directory, recorder)
+    if directory is not None and meta is None and publish:
+        _publish(store, doc)
+    return store
+
+
+def _settle(comm: Comm, directory: Path | None, tables: list[TableSpec] | None,
+            tiers: list[TierSpec] | None, plan: Plan | None
+            ) -> tuple[Any, list[TableSpec], Plan, list[TierSpec] | None]:
+    """This rank's view of the store to open: (stored record or None, specs, plan, tiers)."""
     meta = None if directory is None else _read_meta(directory)
     specs = list(tables or [])
     if meta is not None:
-        stored = [TableSpec.from_json(t) for t in meta["tables"]]
-        stored_plan = Plan.from_json(meta["plan"])
+        stored, stored_plan, tier_specs = meta
         if specs and specs != stored:
             raise ConfigError(f"{directory} holds tables {[s.name for s in stored]} with other "
                               "specs; omit tables= to use the stored ones")
@@ -111,8 +196,6 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
                               "another plan; checkpoint it and embstore.distributed.restore "
                               "the checkpoint with the new world size or plan")
         specs, plan = stored, stored_plan
-        tier_specs = (None if meta["tiers"] is None
-                      else [TierSpec.from_json(t) for t in meta["tiers"]])
     else:
         if not specs:
             raise StoreNotFoundError(f"no sharded store at {directory} and no tables= to "
@@ -123,28 +206,40 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
         raise ConfigError(f"the plan is for {plan.world_size} ranks, the group has "
                           f"{comm.world}")
     plan.check(specs)
-    tier_json = None if tier_specs is None else [t.to_json() for t in tier_specs]
-    doc = {"world_size": comm.world, "plan": plan.to_json(),
-           "tables": [s.to_json() for s in specs], "tiers": tier_json}
-    _agree(comm, doc, "sharded store's tables, tiers and plan")
-    if directory is not None and meta is None and comm.rank == 0:
-        make_dirs(directory)  # its entry must survive a power cut like the record in it
-        write_atomic(directory / META, json.dumps(doc, indent=1).encode())
-    comm.barrier("open")
-    local = _open_local(directory, comm.rank, specs, plan, tier_specs)
-    recorder = None
+    return meta, specs, plan, tier_specs
+
+
+def _check_args(directory: Path | None, plan: Plan | None,
+                record_accesses: str | os.PathLike[str] | None,
+                record_sample: float | Mapping[str, float]) -> None:
+    """Refuse arguments that are wrong whatever is stored."""
+    if directory is None and plan is not None:
+        disk = sorted({t.backend for per in plan.tiers.values() for chain in per.values()
+                       for t in chain} - {"dram"})
+        if disk:
+            raise ConfigError(f"the plan puts shards on {disk} tiers, which need a directory; "
+                              "open the sharded store with a path")
     if record_accesses is not None:
-        try:
-            recorder = AccessRecorder(Path(record_accesses) / f"rank{comm.rank}",
-                                      [s.name for s in specs], record_sample)
-        except BaseException:
-            local.close()
-            raise
-    return ShardedStore(comm, plan, specs, local, directory, recorder)
+        check_rates(record_sample)
+
+
+def _publish(store: ShardedStore, doc: dict[str, Any]) -> None:
+    """Write a new store's record once every rank holds its shards (collective)."""
+    if store.rank == 0:
+        assert store.path is not None
+        write_atomic(store.path / META, json.dumps(doc, indent=1).encode())
+    store._comm.barrier("open record")
+
+
+def _close_quietly(*opened: EmbeddingStore | AccessRecorder | None) -> None:
+    for x in opened:
+        if x is not None:
+            with contextlib.suppress(EmbstoreError):
+                x.close()
 
 
 def _open_local(directory: Path | None, rank: int, specs: list[TableSpec], plan: Plan,
-                tiers: list[TierSpec] | None) -> EmbeddingStore:
+                tiers: list[TierSpec] | None, reopen: bool = False) -> EmbeddingStore:
     mine = []
     for s in specs:
         if rank in plan.tables[s.name].ranks:
@@ -153,6 +248,10 @@ def _open_local(directory: Path | None, rank: int, specs: list[TableSpec], plan:
             mine.append(local if chain is None else replace(local, tiers=chain))
     mine = mine or [_PLACEHOLDER]
     where = None if directory is None else directory / f"rank{rank}"
+    if reopen and where is not None and not (where / MANIFEST_NAME).exists():
+        # created with the store: without it this rank's rows would read as never written
+        raise CorruptStoreError(f"{where} holds no store: rank {rank}'s shards of {directory} "
+                                "are lost; restore the sharded store from a checkpoint")
     return base_open.open(where, tables=mine, tiers=tiers)
 
 
@@ -165,27 +264,79 @@ def restore(src: str | os.PathLike[str], path: str | os.PathLike[str] | None, *,
 
     Raises:
         StoreNotFoundError: `src` is not a complete sharded checkpoint.
+        StoreExistsError: `path` exists.
+        CorruptStoreError: `src`'s record or shards are damaged, missing or do not match
+            its plan. Nothing is left at `path` that opens as a store.
     """
+    comm = _comm(group, timeout_s)
     src = Path(src)
-    meta = _read_meta(src)
-    if meta is None:
-        raise StoreNotFoundError(f"{src} holds no {META}: not a complete sharded checkpoint")
-    specs = [TableSpec.from_json(t) for t in meta["tables"]]
-    old = Plan.from_json(meta["plan"])
-    if tiers is None and meta["tiers"] is not None:
-        tiers = [TierSpec.from_json(t) for t in meta["tiers"]]
-    store = open(path, specs, tiers, plan, group, timeout_s=timeout_s)
-    shards = {k: base_open.open(src / f"rank{k}", read_only=True)
-              for k in range(old.world_size)}
+    dest = None if path is None else Path(path)
+    error: BaseException | None = None
+    shards: dict[int, EmbeddingStore] = {}
+    try:
+        if dest is not None and dest.exists():
+            raise StoreExistsError(f"{dest} exists; restore into a new directory")
+        meta = _read_meta(src)
+        if meta is None:
+            raise StoreNotFoundError(f"{src} holds no {META}: not a complete sharded "
+                                     "checkpoint")
+        specs, old, old_tiers = meta
+        tiers = old_tiers if tiers is None else tiers
+        for k in range(old.world_size):
+            try:
+                shards[k] = base_open.open(src / f"rank{k}", read_only=True)
+            except StoreNotFoundError:
+                raise CorruptStoreError(f"{src} has no shards of rank {k} (its {META} lists "
+                                        f"{old.world_size} ranks): the checkpoint is not "
+                                        "complete; restore another one") from None
+            _check_shard(src / f"rank{k}", shards[k], specs, old, k)
+    except EmbstoreError as exc:
+        error = exc
+    try:
+        _agree(comm, error, "restore of the checkpoint")
+        store = _open(comm, dest, specs, tiers, plan, publish=False)
+    except BaseException:
+        _close_quietly(*shards.values())
+        raise
+    error = None
     try:
         for spec in specs:
             ids, rows = _read_full(spec, old, shards)
             _write_mine(store, spec, ids, rows)
+        store.local.flush()
+    except EmbstoreError as exc:
+        error = exc
     finally:
-        for s in shards.values():
-            s.close()
-    store.flush()
+        _close_quietly(*shards.values())
+    try:
+        _agree(comm, error, "restore of the checkpoint")
+    except BaseException:
+        # no record is written: what the ranks wrote at `path` does not open as a store
+        _close_quietly(store.local)
+        raise
+    if dest is not None:
+        doc = {"world_size": comm.world, "plan": store.plan.to_json(),
+               "tables": [s.to_json() for s in specs],
+               "tiers": None if tiers is None else [t.to_json() for t in tiers]}
+        _publish(store, doc)
     return store
+
+
+def _check_shard(where: Path, shard: EmbeddingStore, specs: list[TableSpec], plan: Plan,
+                 rank: int) -> None:
+    """Refuse a rank's checkpointed store whose tables are not its shards under `plan`."""
+    for spec in specs:
+        p = plan.tables[spec.name]
+        if rank not in p.ranks:
+            continue
+        want = replace(local_spec(spec, p, rank), tiers=None).to_json()
+        got = (replace(shard.table_spec(spec.name), tiers=None).to_json()
+               if spec.name in shard.tables else None)
+        if got != want:
+            raise CorruptStoreError(f"{where} does not hold rank {rank}'s shard of table "
+                                    f"{spec.name!r} under the checkpoint's plan (a shard of "
+                                    "another store or plan?); restore from a complete "
+                                    "checkpoint")
 
 
 def _read_full(spec: TableSpec, old: Plan, shards: dict[int, EmbeddingStore]

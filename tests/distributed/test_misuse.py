@@ -5,6 +5,9 @@ error at once, and nothing is changed or returned as good.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 pytest.importorskip("torch", reason="embstore.distributed needs torch (the 'torch' extra)")
@@ -25,3 +28,40 @@ def test_calls_without_rows_that_differ_between_ranks_fail_on_every_rank() -> No
 def test_a_closed_store_refuses_every_call_on_every_rank_and_no_tables_is_no_rows() -> None:
     got = launch.run(mu.after_close_and_empty, 2, timeout_s=50)
     assert got[0] == got[1] == [{}, {}] + ["StoreClosedError"] * 6
+
+
+@pytest.mark.timeout(60)
+def test_open_refused_on_one_rank_fails_every_rank_at_once(tmp_path) -> None:
+    got = launch.run(mu.open_refused_on_one_rank, 2, str(tmp_path / "s"), timeout_s=50)
+    assert got[0] == ["PeerFailedError", "PeerFailedError", "ConfigError", "0"]
+    assert got[1] == ["ConfigError", "ConfigError", "ConfigError", "0"]
+
+
+@pytest.mark.timeout(60)
+def test_damaged_missing_or_mismatched_shards_are_refused_on_every_rank(tmp_path) -> None:
+    launch.run(mu.checkpointed, 2, str(tmp_path / "store"), str(tmp_path / "ckpt"),
+               timeout_s=50)
+    for name in ("no-rank1", "bad-json", "other-columns"):
+        shutil.copytree(tmp_path / "ckpt", tmp_path / name)
+    shutil.rmtree(tmp_path / "no-rank1" / "rank1")
+    (tmp_path / "bad-json" / "sharded.json").write_text('{"world_size": 2, "pl')
+    meta = json.loads((tmp_path / "other-columns" / "sharded.json").read_text())
+    meta["plan"]["tables"]["b"]["columns"] = [0, 2, 6]
+    (tmp_path / "other-columns" / "sharded.json").write_text(json.dumps(meta))
+    shutil.rmtree(tmp_path / "store" / "rank1")  # this rank's rows must not read as new
+    got = launch.run(mu.damaged, 2, str(tmp_path), timeout_s=50)
+    assert got[0] == ["CorruptStoreError"] * 3 + ["StoreExistsError", "PeerFailedError"]
+    assert got[1] == ["CorruptStoreError"] * 3 + ["StoreExistsError", "CorruptStoreError"]
+    # a refused restore leaves nothing that opens as a store
+    assert not any((tmp_path / f"out-{n}" / "sharded.json").exists()
+                   for n in ("no-rank1", "bad-json", "other-columns"))
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_one_rank_cannot_write_fails_every_rank_and_stays_incomplete(
+        tmp_path) -> None:
+    got = launch.run(mu.checkpoint_fails_on_one_rank, 2, str(tmp_path), timeout_s=50)
+    done = str(["rank0", "rank1", "sharded.json"])
+    assert got[0] == ["PeerFailedError", "ok", done]
+    assert got[1] == ["StorageIOError", "ok", done]
+    assert not (tmp_path / "c1" / "sharded.json").exists()
