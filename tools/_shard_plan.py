@@ -50,17 +50,28 @@ DEFAULT_STATS = Path("/work/shared/traces/dlrm_datasets/2021/locality_stats.txt"
 
 def read_shape(path: Path) -> dict[str, float]:
     """Tables, batch size, lookups per sample per table and distinct share, over all blocks."""
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise EmbstoreError(f"{path}: not a text file of locality statistics ({exc})") from None
     blocks = [b for b in re.split(r"\n\s*\n", text) if "Avg # of indices" in b]
     if not blocks:
         raise EmbstoreError(f"{path}: no locality statistics found")
     tables, batch, ratio, unique = [], [], [], []
-    for b in blocks:
+    for k, b in enumerate(blocks):
         m = re.search(r"_t(\d+)_bs(\d+)", b)
-        n = float(re.search(r"Avg # of indices: (\d+)", b).group(1))  # type: ignore[union-attr]
-        u = float(re.search(r"Avg # of unique cols: (\d+)", b).group(1))  # type: ignore[union-attr]
-        assert m is not None
+        found_n = re.search(r"Avg # of indices: (\d+)", b)
+        found_u = re.search(r"Avg # of unique cols: (\d+)", b)
+        if m is None or found_n is None or found_u is None:
+            raise EmbstoreError(f"{path}: statistics block {k + 1} lacks its trace name "
+                                "(..._t<tables>_bs<batch>...), 'Avg # of indices: N' or "
+                                "'Avg # of unique cols: N'")
+        n, u = float(found_n.group(1)), float(found_u.group(1))
         t, bs = int(m.group(1)), int(m.group(2))
+        if not (t > 0 and bs > 0 and 0 < u <= n):
+            raise EmbstoreError(f"{path}: statistics block {k + 1} gives {t} tables, batch "
+                                f"{bs}, {n:g} indices and {u:g} unique ones; each must be "
+                                "positive, with no more unique indices than indices")
         tables.append(t)
         batch.append(bs)
         ratio.append(n / (t * bs))

@@ -47,3 +47,24 @@ def test_bench_shard_trains_at_one_and_two_processes(capsys) -> None:
     assert [r["nproc"] for r in rows] == [1, 2]
     assert rows[0]["bytes_per_step"] == 0 and rows[0]["steps_per_s"] > 0
     assert rows[1]["bytes_per_step"] >= rows[1]["min_bytes_per_step"] > 0
+
+
+@pytest.mark.parametrize("text", [
+    "fbgemm_t20_bs64_0.pt\nAvg # of indices: 6000\n",                            # no unique
+    "no trace name\nAvg # of indices: 6000\nAvg # of unique cols: 900\n",         # no _t_bs
+    "fbgemm_t0_bs64_0.pt\nAvg # of indices: 6000\nAvg # of unique cols: 900\n",   # 0 tables
+    "fbgemm_t20_bs64_0.pt\nAvg # of indices: 0\nAvg # of unique cols: 0\n",       # 0 indices
+])
+def test_shard_plan_answers_bad_statistics_with_one_line(tmp_path, capsys, text) -> None:
+    stats = tmp_path / "locality_stats.txt"
+    stats.write_text(text)
+    assert _shard_plan.main(["--stats", str(stats), "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(stats) in err and "Traceback" not in err
+
+
+def test_shard_plan_answers_a_binary_statistics_file_with_one_line(tmp_path, capsys) -> None:
+    stats = tmp_path / "locality_stats.txt"
+    stats.write_bytes(b"\xff\xfe\x00Avg # of indices")
+    assert _shard_plan.main(["--stats", str(stats), "--world", "2"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
