@@ -27,7 +27,7 @@ from .layout import bottom_dir, table_chain
 from .manifest import write_atomic
 from .spec import TableSpec, TierSpec
 
-__all__ = ["COUNTERS", "STATS_NAME", "cumulative", "fingerprints", "load", "save"]
+__all__ = ["COUNTERS", "STATS_NAME", "cumulative", "damage", "fingerprints", "load", "save"]
 
 STATS_NAME = "STATS.json"
 FORMAT = "embstore-stats"
@@ -38,23 +38,35 @@ _MAX_BYTES = 64 << 20
 
 def load(root: Path) -> dict[str, Any]:
     """The history of the store at `root`; empty when there is none or it is unreadable."""
+    return _read(root)[0]
+
+
+def damage(root: Path) -> str | None:
+    """Why the store's STATS.json cannot be read, or None (a store may lack it)."""
+    return _read(root)[1]
+
+
+def _read(root: Path) -> tuple[dict[str, Any], str | None]:
+    """(the history, None) or ({}, why it is unreadable); ({}, None) where there is none."""
     file = root / STATS_NAME
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return {}
+    except FileNotFoundError:
+        return {}, None
+    except OSError as exc:
+        return {}, f"cannot be opened ({exc.strerror or exc})"
     try:
         if os.fstat(fd).st_size > _MAX_BYTES:
-            return {}
+            return {}, f"is over {_MAX_BYTES >> 20} MiB"
         with os.fdopen(fd, "rb", closefd=False) as fh:
             doc = json.loads(fh.read())
     except (OSError, ValueError):
-        return {}
+        return {}, "is not JSON"
     finally:
         os.close(fd)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        return {}
-    return doc
+        return {}, f"is not an {FORMAT} document"
+    return doc, None
 
 
 def cumulative(history: dict[str, Any], table: str, level: int, backend: str,

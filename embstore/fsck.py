@@ -153,7 +153,15 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
                                     "checked, and nothing was changed); run fsck again once "
                                     "it has closed the store for a check of everything",
                                     note=True))
-        if not repair or not findings or parsed is None or any(f.fatal for f in findings):
+        damage = _counters.damage(root) if parsed is not None else None
+        if damage is not None:
+            findings.append(Finding(None, f"{_counters.STATS_NAME} {damage}: the counters of "
+                                    "earlier sessions are lost and the row counts of the last "
+                                    "close were not compared; the next close of a writer "
+                                    "writes it anew", file=str(root / _counters.STATS_NAME),
+                                    note=True))
+        problems = [f for f in findings if not f.note]
+        if not repair or not problems or parsed is None or any(f.fatal for f in findings):
             return moved + findings
         assert dump_dir is not None and fd is not None
         return moved + _repair(root, fd, findings, parsed, scans, dump_dir, progress)

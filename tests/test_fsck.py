@@ -288,6 +288,25 @@ def test_beside_a_writer_fsck_checks_with_a_note_and_repair_is_refused(tmp_path,
         assert "holds it for writing" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("stats", "why"), [(b"{not json", "is not JSON"),
+                                             (b'{"format": "other"}', "is not an embstore")])
+def test_an_unreadable_stats_file_is_a_note_and_no_repair(tmp_path, capsys, stats, why):
+    # STATS.json is history (counters, the row counts of the last close), not data: its loss
+    # is told, never counted as a problem, and a repair has nothing to do
+    path = _store(tmp_path / "s", "rocksdb")
+    (path / "STATS.json").write_bytes(stats)
+    (note,) = fsck.check(path)
+    assert note.note and note.table is None and why in note.message
+    assert note.file == str(path / "STATS.json")
+    assert main(["fsck", str(path)]) == 0
+    assert f"STATS.json {why}" in capsys.readouterr().out
+    assert main(["fsck", "--repair", str(path)]) == 0
+    assert (path / "STATS.json").read_bytes() == stats  # nothing rewritten
+    with embstore.open(path):
+        pass
+    assert fsck.check(path) == []  # the next close wrote it anew
+
+
 @pytest.mark.parametrize("how", ["outside", "missing", "symlink", "garbage", "version"])
 def test_a_manifest_pointing_outside_at_a_missing_file_or_at_a_symlink_is_refused(tmp_path,
                                                                                  how):
