@@ -35,7 +35,7 @@ import numpy as np
 
 from .._access_log import AccessRecorder
 from .._validate import as_ids, as_rows
-from ..errors import StoreClosedError, UnknownTableError
+from ..errors import EmbstoreError, PeerFailedError, StoreClosedError, UnknownTableError
 from ..index import IdGroups
 from ..optim import RowWiseAdagrad
 from ..spec import TableSpec
@@ -252,28 +252,47 @@ class ShardedStore:
                  for r in range(world)]
         what = "lookup_state" if state else "lookup"
         got = self._send(what, names, items, [0] * len(names))
-        # owner side: one local lookup per table, of every source's ids in rank order
-        replies: list[list[np.ndarray]] = [[] for _ in range(world)]
-        for j, name in enumerate(names):
-            parts = [got[s][j][0] for s in range(world)]
-            total = sum(len(p) for p in parts)
-            if total == 0:
-                rows = np.empty((0, 0), self._specs[name].dtype)
-            else:
-                ids = np.concatenate(parts)
-                rows = np.ascontiguousarray(self.local.lookup_state(name, ids) if state
-                                            else self.local.lookup(name, ids))
-            bounds = np.cumsum([0] + [len(p) for p in parts])
-            for s in range(world):
-                replies[s].append(rows[bounds[s]: bounds[s + 1]])
-        sends = [np.concatenate([as_bytes(x) for x in per]) if per else np.empty(0, np.uint8)
-                 for per in replies]
         widths = {n: [self._state_width(n, r) if state else self._widths[n][r]
                       for r in range(world)] for n in names}
-        sizes = [sum(len(rt.sel[r]) * widths[rt.table][r] * self._specs[rt.table].dtype.itemsize
-                     for rt in routes) for r in range(world)]
-        self._comm.traffic.minimum += sum(len(x) for s, x in enumerate(sends) if s != self.rank)
+        # owner side: one local lookup per table, of every source's ids in rank order
+        replies: list[list[np.ndarray]] = [[] for _ in range(world)]
+        failure: EmbstoreError | None = None
+        try:
+            for j, name in enumerate(names):
+                parts = [got[s][j][0] for s in range(world)]
+                total = sum(len(p) for p in parts)
+                if total == 0:
+                    rows = np.empty((0, 0), self._specs[name].dtype)
+                else:
+                    ids = np.concatenate(parts)
+                    rows = np.ascontiguousarray(self.local.lookup_state(name, ids) if state
+                                                else self.local.lookup(name, ids))
+                bounds = np.cumsum([0] + [len(p) for p in parts])
+                for s in range(world):
+                    replies[s].append(rows[bounds[s]: bounds[s + 1]])
+        except EmbstoreError as exc:
+            # the sources still get their replies' bytes (zeros) and this failure, so that no
+            # rank takes another call's bytes for rows; this rank raises after the exchange
+            failure = exc
+            replies = [[np.zeros(sum(len(got[s][j][0]) * widths[n][self.rank]
+                                     * self._specs[n].dtype.itemsize
+                                     for j, n in enumerate(names)), np.uint8)]
+                       for s in range(world)]
+        status = as_bytes(np.array([failure is not None], np.int64))
+        sends = [np.concatenate([status] + [as_bytes(x) for x in per]) for per in replies]
+        sizes = [8 + sum(len(rt.sel[r]) * widths[rt.table][r]
+                         * self._specs[rt.table].dtype.itemsize for rt in routes)
+                 for r in range(world)]
+        self._comm.traffic.minimum += sum(len(x) - 8 for s, x in enumerate(sends)
+                                          if s != self.rank)
         back = self._comm.exchange(sends, what + " reply", recv_sizes=sizes)
+        if failure is not None:
+            raise failure
+        failed = [r for r in range(world) if back[r][:8].copy().view(np.int64)[0]]
+        if failed:
+            raise PeerFailedError(f"rank(s) {failed} could not read the rows of this {what} "
+                                  "(their own error says why); it returned nothing")
+        back = [b[8:] for b in back]
         offsets = [0] * world
         return {rt.table: self._assemble(rt, back, offsets, widths[rt.table], state)
                 for rt in routes}

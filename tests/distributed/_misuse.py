@@ -121,3 +121,21 @@ def checkpoint_fails_on_one_rank(rank: int, world: int, tmp: str) -> list[str]:
         out.append(outcome(lambda: store.checkpoint(f"{tmp}/c2", step=2)))
         out.append(str(sorted(os.listdir(f"{tmp}/c2"))))
     return out
+
+
+def owner_read_fails(rank: int, world: int) -> list[Any]:
+    """Rank 1 (the owner) fails to read the rows rank 0 asked for: rank 0 gets no rows (it
+    took the bytes of rank 1's next call for rows) and the next lookups work on both.
+    """
+    plan = Plan(world, {"a": Placement("table", (1,)), "b": Placement("table", (1,))})
+    with ed.open(None, tables=specs(), plan=plan, timeout_s=20) as store:
+        store.update("a", np.arange(3), np.full((3, 4), 7, np.float32))
+        if rank == 1:
+            def fail(*args: Any, **kwargs: Any) -> None:
+                del store.local.lookup
+                raise embstore.errors.StorageIOError("read error")
+            store.local.lookup = fail  # type: ignore[method-assign]
+        out: list[Any] = [outcome(lambda: store.lookup(
+            "a", np.arange(3) if rank == 0 else np.arange(0)))]
+        out += [store.lookup("a", np.arange(3)).tolist() for _ in range(2)]
+    return out

@@ -65,3 +65,11 @@ def test_a_checkpoint_one_rank_cannot_write_fails_every_rank_and_stays_incomplet
     assert got[0] == ["PeerFailedError", "ok", done]
     assert got[1] == ["StorageIOError", "ok", done]
     assert not (tmp_path / "c1" / "sharded.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_an_owner_that_fails_to_read_makes_the_lookup_fail_everywhere() -> None:
+    got = launch.run(mu.owner_read_fails, 2, timeout_s=50)
+    rows = [[7.0] * 4] * 3
+    assert got[0] == ["PeerFailedError", rows, rows]
+    assert got[1] == ["StorageIOError", rows, rows]
