@@ -109,6 +109,17 @@ def test_a_healthy_store_after_a_random_workload_is_clean(tmp_path, bottom, seed
         assert fsck.check(tmp_path / "ckpt") == []
 
 
+def test_fsck_of_an_open_store_reports_where_its_scan_stopped(tmp_path):
+    # an open store is checked through its API: a damaged row stops the scan, named
+    path = _store(tmp_path / "s", "lmdb", cache=1000)
+    file, at = _live_value_offset(path, "lmdb")
+    _flip(file, at + 6)
+    with embstore.open(path, read_only=True) as store:
+        (stopped,) = fsck.check(store)
+    assert stopped.table == "t" and stopped.message.startswith("scan stopped after ")
+    assert "checksum" in stopped.message
+
+
 @pytest.mark.parametrize("bottom", ["lmdb", "pmem"])
 def test_a_damaged_row_is_found_repaired_and_the_next_fsck_is_clean(tmp_path, bottom, capsys):
     path = _store(tmp_path / "s", bottom)

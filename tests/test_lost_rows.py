@@ -78,6 +78,10 @@ def test_a_row_lost_by_the_medium_raises_naming_table_id_and_file(tmp_path, back
             store.apply_gradients("t", np.array([1234]), np.ones((1, DIM), np.float32))
         store.lookup("t", np.array([5, ROWS + 1]))  # the rest reads as before
         assert store.lost_rows("t").tolist() == [1234]
+        # fsck of the open store, through its API, finds the loss too
+        (lost,) = fsck.check(store)
+        assert lost.table == "t" and "1 written row(s) lost" in lost.message
+        assert "id 1234" in lost.message
     findings = fsck.check(tmp_path / "s")
     assert any("1234" in f.message for f in findings), findings
 
