@@ -155,16 +155,21 @@ def test_rows_a_table_forbids_are_not_imported_even_with_matching_checksums(
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".new")]
 
 
-def test_ids_outside_num_embeddings_are_not_imported(
-        exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    src = _copy(exported, tmp_path)
+def _set_id(src: Path, name: str, at: int, value: int) -> None:
+    """Put id `value` at position `at` of table `name`'s ids, fixing their CRC-32."""
     header = json.loads((src / "header.json").read_text())
-    t = _table(header, "item")
+    t = _table(header, name)
     ids = np.fromfile(src / t["ids_file"], dtype="<i8")
-    ids[2] = 10  # the table holds ids 0..9
+    ids[at] = value
     ids.tofile(src / t["ids_file"])
     t["ids_crc32"] = zlib.crc32(ids.tobytes())
     (src / "header.json").write_text(json.dumps(header))
+
+
+def test_ids_outside_num_embeddings_are_not_imported(
+        exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _copy(exported, tmp_path)
+    _set_id(src, "item", 2, 10)  # the table holds ids 0..9
     err = _refused(["import", str(src), str(tmp_path / "new")], capsys)
     assert "'item'" in err and "id 10" in err
     assert not (tmp_path / "new").exists()
@@ -174,17 +179,13 @@ def test_an_id_exported_twice_is_not_imported(
         exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # an export holds each row once: a repeated id is damage, not a row to overwrite
     src = _copy(exported, tmp_path)
-    header = json.loads((src / "header.json").read_text())
-    t = _table(header, "item")
-    ids = np.fromfile(src / t["ids_file"], dtype="<i8")
-    ids[3] = ids[1]
-    ids.tofile(src / t["ids_file"])
-    t["ids_crc32"] = zlib.crc32(ids.tobytes())
-    (src / "header.json").write_text(json.dumps(header))
-    with pytest.raises(CorruptStoreError, match=rf"'item'.*id {ids[1]} twice"):
+    t = _table(json.loads((src / "header.json").read_text()), "item")
+    twice = int(np.fromfile(src / t["ids_file"], dtype="<i8")[1])
+    _set_id(src, "item", 3, twice)
+    with pytest.raises(CorruptStoreError, match=rf"'item'.*id {twice} twice"):
         import_store(src, tmp_path / "new")
     err = _refused(["import", str(src), str(tmp_path / "new")], capsys)
-    assert f"id {ids[1]} twice" in err
+    assert f"id {twice} twice" in err
     assert not (tmp_path / "new").exists()
 
 
