@@ -17,7 +17,7 @@ from typing import Any
 
 from . import registry
 from .backend import Backend, BackendSpec
-from .errors import ConfigError, EmbstoreError
+from .errors import CapacityError, ConfigError, EmbstoreError
 from .hierarchy import TableChain, Tier
 from .layout import check_inside, table_chain, tier_dir
 from .policy import AdmissionPolicy, EvictionPolicy
@@ -161,6 +161,7 @@ def make_policy(name: str | None, options: dict[str, Any], family: type[Any]) ->
     Raises:
         UnknownNameError: no policy of that name.
         ConfigError: a policy of the other family, or bad options.
+        CapacityError: the options size the policy's state beyond the machine's memory.
     """
     if name is None:
         return None
@@ -172,3 +173,6 @@ def make_policy(name: str | None, options: dict[str, Any], family: type[Any]) ->
         return cls(**options)
     except TypeError as exc:
         raise ConfigError(f"{kind} policy {name!r}: bad options {options!r} ({exc})") from exc
+    except MemoryError as exc:  # a sketch or filter sized beyond this machine's memory
+        raise CapacityError(f"{kind} policy {name!r} with options {options!r} needs more "
+                            "memory than this machine has", "give it smaller sizes") from exc

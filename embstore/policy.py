@@ -15,10 +15,25 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
+from .errors import ConfigError
+
 if TYPE_CHECKING:
     from .index import IdIndex
 
-__all__ = ["AdmissionPolicy", "EvictionPolicy", "Policy", "SupportsSharedIndex"]
+__all__ = ["AdmissionPolicy", "EvictionPolicy", "Policy", "SupportsSharedIndex", "whole_setting"]
+
+
+def whole_setting(owner: str, setting: str, value: Any, least: int, most: int) -> int:
+    """`value` as an int in [least, most]: a whole-number setting of policy `owner`.
+
+    Raises:
+        ConfigError: a bool, a float or anything else that is not an int, or out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or not least <= value <= most:
+        raise ConfigError(f"{owner} {setting} must be a whole number in [{least}, {most}], "
+                          f"got {value!r}")
+    return int(value)
 
 
 class Policy(ABC):
@@ -32,7 +47,10 @@ class Policy(ABC):
     kind: ClassVar[str]
 
     def __init__(self, *, seed: int = 0) -> None:
-        self.seed = seed
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
+                or seed < 0:
+            raise ConfigError(f"{type(self).__name__} seed must be an int >= 0, got {seed!r}")
+        self.seed = int(seed)
         self.rng = np.random.default_rng(seed)
 
     def config(self) -> dict[str, Any]:

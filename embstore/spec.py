@@ -20,7 +20,8 @@ __all__ = ["TableSpec", "TierSpec", "parse_bytes"]
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
           "tib": 2**40}
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_INT64_MAX = 2**63 - 1
 
 
 def parse_bytes(text: str) -> int:
@@ -68,10 +69,22 @@ class TierSpec:
         cap = self.capacity
         if isinstance(cap, bool) or not (cap is None or isinstance(cap, (int, str))):
             raise ConfigError(f"TierSpec.capacity must be None, rows (int) or a size, got {cap!r}")
-        if isinstance(cap, int) and cap < 1:
-            raise ConfigError(f"TierSpec.capacity must be at least 1 row, got {cap}")
+        if isinstance(cap, int) and not 1 <= cap <= _INT64_MAX:
+            raise ConfigError(f"TierSpec.capacity must be 1 to 2**63 - 1 rows, got {cap}")
         if isinstance(cap, str) and parse_bytes(cap) < 1:
             raise ConfigError(f"TierSpec.capacity {cap!r} is zero bytes")
+        if isinstance(cap, str) and parse_bytes(cap) > _INT64_MAX:
+            raise ConfigError(f"TierSpec.capacity {cap!r} is more than 2**63 - 1 bytes; give a "
+                              "size a medium can hold, or None for an unbounded tier")
+        for key in ("eviction", "admission"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"TierSpec.{key} must be a policy name or None, got {value!r}")
+        for key in ("eviction_options", "admission_options", "options"):
+            value = getattr(self, key)
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise ConfigError(f"TierSpec.{key} must be a dict of keyword settings, got "
+                                  f"{value!r}")
         if self.eviction is None and cap is not None:
             object.__setattr__(self, "eviction", "clock")
 
@@ -96,8 +109,18 @@ class TierSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TierSpec:
-        """Inverse of `to_json`."""
-        return cls(**data)
+        """Inverse of `to_json`.
+
+        Raises:
+            ConfigError: `data` is not a tier's JSON form.
+        """
+        if not isinstance(data, dict):
+            raise ConfigError(f"a tier must be a JSON object, got {data!r}")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a key TierSpec does not have, or none for backend
+            raise ConfigError(f"{data!r} is not a tier: {exc}; give the keys of "
+                              "TierSpec.to_json") from exc
 
 
 @dataclass(frozen=True)
@@ -130,7 +153,7 @@ class TableSpec:
     precision: str = "fp32"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise ConfigError(
                 f"table name {self.name!r} must be 1-128 characters of letters, digits, "
                 "'_', '.', '-', not starting with '.' or '-'"
@@ -140,6 +163,8 @@ class TableSpec:
             raise ConfigError(f"table {self.name!r}: dim must be a positive int, got {self.dim!r}")
         object.__setattr__(self, "dim", int(self.dim))
         try:
+            if self.dtype is None:  # np.dtype(None) is float64: a default no one wrote
+                raise TypeError
             dtype = np.dtype(self.dtype)
         except TypeError as exc:
             raise ConfigError(f"table {self.name!r}: {self.dtype!r} is not a dtype") from exc
@@ -152,9 +177,14 @@ class TableSpec:
             raise ConfigError(
                 f"table {self.name!r}: optimizer must be an embstore.optim optimizer")
         n = self.num_embeddings
-        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
-            raise ConfigError(
-                f"table {self.name!r}: num_embeddings must be None or >= 1, got {n!r}")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer))
+                              or not 1 <= n <= _INT64_MAX):
+            raise ConfigError(f"table {self.name!r}: num_embeddings must be None or 1 to "
+                              f"2**63 - 1 (ids are int64), got {n!r}")
+        if not isinstance(self.allow_nonfinite, (bool, np.bool_)):
+            raise ConfigError(f"table {self.name!r}: allow_nonfinite must be True or False, "
+                              f"got {self.allow_nonfinite!r}")
+        object.__setattr__(self, "allow_nonfinite", bool(self.allow_nonfinite))
         if self.precision not in ("fp32", "fp16", "bf16"):
             raise ConfigError(f"table {self.name!r}: precision must be 'fp32', 'fp16' or "
                               f"'bf16', got {self.precision!r}")
@@ -163,7 +193,10 @@ class TableSpec:
                               f"weights in 16 bits and computes in float32; leave dtype at "
                               f"float32 (got {dtype})")
         if self.tiers is not None:
-            tiers = tuple(self.tiers)
+            try:
+                tiers = () if isinstance(self.tiers, TierSpec) else tuple(self.tiers)
+            except TypeError:  # not iterable
+                tiers = ()
             if not tiers or not all(isinstance(t, TierSpec) for t in tiers):
                 raise ConfigError(
                     f"table {self.name!r}: tiers must be a non-empty list of TierSpec")
@@ -199,7 +232,19 @@ class TableSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TableSpec:
-        """Inverse of `to_json`."""
+        """Inverse of `to_json`.
+
+        Raises:
+            ConfigError: `data` is not a table's JSON form.
+        """
+        try:
+            return cls._from_json(data)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"not a table's JSON form ({type(exc).__name__}: {exc}); give "
+                              "what TableSpec.to_json returns") from exc
+
+    @classmethod
+    def _from_json(cls, data: dict[str, Any]) -> TableSpec:
         return cls(
             name=data["name"], dim=data["dim"], dtype=np.dtype(data["dtype"]),
             init=init_mod.from_config(data["init"]["name"], data["init"]["config"]),

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from embstore.errors import ConfigError
-from embstore.policy import AdmissionPolicy
+from embstore.policy import AdmissionPolicy, whole_setting
 
 from ._hashing import positions
 
@@ -39,15 +39,14 @@ class FrequencyAdmission(AdmissionPolicy):
 
     def __init__(self, *, threshold: int = 2, width: int = 1 << 18, depth: int = 4,
                  reset_after: int | None = None, seed: int = 0) -> None:
-        if threshold < 1:
-            raise ConfigError(f"FrequencyAdmission threshold must be >= 1, got {threshold!r}")
-        if width < 1 or width & (width - 1):
+        threshold = whole_setting("FrequencyAdmission", "threshold", threshold, 1, 2**32)
+        width = whole_setting("FrequencyAdmission", "width", width, 1, 2**32)
+        if width & (width - 1):
             raise ConfigError(f"FrequencyAdmission width must be a power of two, got {width!r}")
-        if depth < 1:
-            raise ConfigError(f"FrequencyAdmission depth must be >= 1, got {depth!r}")
-        if reset_after is not None and reset_after < 1:
-            raise ConfigError(f"FrequencyAdmission reset_after must be >= 1 or None, "
-                             f"got {reset_after!r}")
+        depth = whole_setting("FrequencyAdmission", "depth", depth, 1, 64)
+        if reset_after is not None:
+            reset_after = whole_setting("FrequencyAdmission", "reset_after", reset_after, 1,
+                                        2**63 - 1)
         super().__init__(seed=seed)
         self.threshold = int(threshold)
         self.width = int(width)

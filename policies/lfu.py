@@ -8,6 +8,7 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from embstore.errors import ConfigError
+from embstore.policy import whole_setting
 
 from ._hashing import positions
 from ._tracked import Tracked, TrackedEviction, count_accesses, smallest
@@ -54,7 +55,10 @@ class LFUEviction(TrackedEviction):
             raise ConfigError(f"LFUEviction aging_period must be > 0 or None, got {aging_period!r}")
         if not 0 < aging_factor <= 1:
             raise ConfigError(f"LFUEviction aging_factor must be in (0, 1], got {aging_factor!r}")
-        if history_width is not None and (history_width < 1 or history_width & (history_width - 1)):
+        if history_width is not None:
+            history_width = whole_setting("LFUEviction", "history_width", history_width, 1,
+                                          2**32)
+        if history_width is not None and history_width & (history_width - 1):
             raise ConfigError("LFUEviction history_width must be a power of two or None, got "
                              f"{history_width!r}")
         super().__init__(seed=seed)

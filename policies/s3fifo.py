@@ -7,6 +7,7 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from embstore.errors import ConfigError
+from embstore.policy import whole_setting
 
 from ._tracked import SlotLog, Tracked, TrackedEviction, count_accesses_saturating
 
@@ -49,9 +50,8 @@ class S3FIFOEviction(TrackedEviction):
             raise ConfigError(f"S3FIFOEviction small_ratio must be in (0, 1), got {small_ratio!r}")
         if not ghost_ratio >= 0:
             raise ConfigError(f"S3FIFOEviction ghost_ratio must be >= 0, got {ghost_ratio!r}")
-        if not 1 <= move_to_main_threshold <= _MAX_FREQ:
-            raise ConfigError("S3FIFOEviction move_to_main_threshold must be in 1..3, got "
-                             f"{move_to_main_threshold!r}")
+        move_to_main_threshold = whole_setting("S3FIFOEviction", "move_to_main_threshold",
+                                               move_to_main_threshold, 1, _MAX_FREQ)
         super().__init__(seed=seed)
         self.small_ratio = float(small_ratio)
         self.ghost_ratio = float(ghost_ratio)

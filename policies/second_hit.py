@@ -8,7 +8,7 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from embstore.errors import ConfigError
-from embstore.policy import AdmissionPolicy
+from embstore.policy import AdmissionPolicy, whole_setting
 
 from ._hashing import positions
 
@@ -37,8 +37,7 @@ class SecondHitAdmission(AdmissionPolicy):
     name: ClassVar[str] = "second_hit"
 
     def __init__(self, *, capacity: int = 1 << 20, fp_rate: float = 0.01, seed: int = 0) -> None:
-        if capacity < 1:
-            raise ConfigError(f"SecondHitAdmission capacity must be >= 1, got {capacity!r}")
+        capacity = whole_setting("SecondHitAdmission", "capacity", capacity, 1, 2**40)
         if not 0 < fp_rate < 1:
             raise ConfigError(f"SecondHitAdmission fp_rate must be in (0, 1), got {fp_rate!r}")
         super().__init__(seed=seed)

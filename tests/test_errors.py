@@ -115,6 +115,18 @@ def test_unknown_table_names_the_known_ones():
     lambda: embstore.init.Uniform(1, 0),
     lambda: embstore.init.Normal(0, -1),
     lambda: embstore.optim.SGD(lr=-1),
+    lambda: TableSpec("t\n", dim=2),  # a name ending in a newline (it names files)
+    lambda: TableSpec("t", dim=2, allow_nonfinite="no"),
+    lambda: TableSpec("t", dim=2, dtype=None),
+    lambda: TableSpec("t", dim=2, num_embeddings=2**70),
+    lambda: TableSpec("t", dim=2, tiers=TierSpec("dram")),
+    lambda: TableSpec.from_json({"name": "t"}),
+    lambda: TierSpec("dram", capacity=10**30),
+    lambda: TierSpec("dram", capacity="99999999TiB"),
+    lambda: TierSpec("dram", options=[1]),
+    lambda: TierSpec("dram", capacity=4, eviction_options=None),
+    lambda: TierSpec("dram", capacity=4, eviction=5),
+    lambda: TierSpec.from_json({"backend": "dram", "size": 4}),
 ])
 def test_invalid_specs_raise_config_error(make):
     with pytest.raises(E.ConfigError):
@@ -128,6 +140,20 @@ def test_unknown_backend_and_policy_names_are_config_errors(tmp_path):
         embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=2)],
                       tiers=[TierSpec("dram", capacity=4, eviction="nope"), TierSpec("lmdb")])
     assert not list(tmp_path.iterdir())  # the failed create left nothing behind
+
+
+@pytest.mark.parametrize("tier", [
+    lambda: TierSpec("dram", capacity=4, eviction="lru", eviction_options={"seed": -1}),
+    lambda: TierSpec("dram", capacity=4, admission="frequency",
+                     admission_options={"threshold": 1.5}),
+    lambda: TierSpec("dram", capacity=4, options=[("chunk_rows_log2", 4)]),
+    lambda: TierSpec("pmem", capacity="99999999TiB"),
+])
+def test_bad_tier_settings_are_config_errors_and_leave_nothing(tmp_path, tier):
+    with pytest.raises(E.ConfigError):
+        embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=2)],
+                      tiers=[tier(), TierSpec("lmdb")])
+    assert not list(tmp_path.iterdir())
 
 
 def test_duplicate_table_names_are_rejected():

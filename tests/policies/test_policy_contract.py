@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from embstore import registry
+from embstore.errors import ConfigError
 from embstore.index import IdIndex
 from embstore.policy import AdmissionPolicy, EvictionPolicy, SupportsSharedIndex
 
@@ -199,3 +200,22 @@ def test_victims_chosen_through_a_shared_index_come_with_their_slots(
     assert set(rest.tolist()) == (set(ids.tolist()) - set(victims.tolist())) | set(fresh.tolist())
     assert (index.find(rest) == rest_slots).all()
     assert len(eviction) == 0
+
+
+@pytest.mark.parametrize("name", EVICTION + ADMISSION)
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "7"])
+def test_a_bad_seed_is_a_config_error(name: str, seed: object) -> None:
+    with pytest.raises(ConfigError, match="seed"):
+        registry.load_policy(name)(seed=seed)
+
+
+@pytest.mark.parametrize(("name", "setting", "value"), [
+    ("frequency", "threshold", 1.5), ("frequency", "depth", 2.0), ("frequency", "width", True),
+    ("frequency", "width", 1 << 62), ("frequency", "reset_after", 0.5),
+    ("second_hit", "capacity", 1.5), ("second_hit", "capacity", 10**15),
+    ("s3fifo", "move_to_main_threshold", 1.5), ("lfu", "history_width", 1024.0),
+])
+def test_whole_number_settings_refuse_floats_bools_and_huge_values(
+        name: str, setting: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=setting):
+        registry.load_policy(name)(**{setting: value})
