@@ -53,12 +53,20 @@ class Named(ABC):
 
         Raises:
             UnknownNameError: no class of that name in the family.
+            ConfigError: `config` holds settings the class does not take, or bad values.
         """
         if name not in cls._registry:
             raise UnknownNameError(
                 f"unknown {cls._family} {name!r}; registered: {cls.registered_names()!r}"
             )
-        return cls._registry[name](**config)  # type: ignore[return-value]
+        if not isinstance(config, dict):
+            raise ConfigError(f"{cls._family} {name!r}: its config must be a dict of settings, "
+                              f"got {config!r}")
+        try:
+            return cls._registry[name](**config)  # type: ignore[return-value]
+        except TypeError as exc:  # a setting the class does not take, or one it lacks
+            raise ConfigError(f"{cls._family} {name!r}: bad settings {config!r} ({exc}); give "
+                              "the keyword arguments of its constructor") from exc
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Named) and type(other) is type(self) \

@@ -52,6 +52,20 @@ def _unit_interval(bits: np.ndarray) -> np.ndarray:
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
 
+def _number(owner: str, name: str, value: Any) -> float:
+    """`value` as a float, or a ConfigError naming the setting (no strings, bools or None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"{owner} {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _seed(owner: str, value: Any) -> int:
+    """`value` as an int seed, or a ConfigError (a float or bool would be silently cut)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{owner} seed must be an int, got {value!r}")
+    return int(value)
+
+
 class Initializer(Named):
     """Produces the initial rows of ids that have never been written."""
 
@@ -83,7 +97,7 @@ class Constant(Initializer):
     name: ClassVar[str] = "constant"
 
     def __init__(self, value: float) -> None:
-        self.value = float(value)
+        self.value = _number("Constant", "value", value)
 
     def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
         # docstring inherited
@@ -100,9 +114,10 @@ class Uniform(Initializer):
     name: ClassVar[str] = "uniform"
 
     def __init__(self, low: float = -0.05, high: float = 0.05, *, seed: int = 0) -> None:
+        low, high = _number("Uniform", "low", low), _number("Uniform", "high", high)
         if not (np.isfinite(low) and np.isfinite(high) and low < high):
             raise ConfigError(f"Uniform needs finite low < high, got low={low}, high={high}")
-        self.low, self.high, self.seed = float(low), float(high), int(seed)
+        self.low, self.high, self.seed = low, high, _seed("Uniform", seed)
 
     def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
         # docstring inherited
@@ -120,9 +135,10 @@ class Normal(Initializer):
     name: ClassVar[str] = "normal"
 
     def __init__(self, mean: float = 0.0, std: float = 0.01, *, seed: int = 0) -> None:
+        mean, std = _number("Normal", "mean", mean), _number("Normal", "std", std)
         if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
             raise ConfigError(f"Normal needs finite mean and std > 0, got {mean}, {std}")
-        self.mean, self.std, self.seed = float(mean), float(std), int(seed)
+        self.mean, self.std, self.seed = mean, std, _seed("Normal", seed)
 
     def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
         # docstring inherited

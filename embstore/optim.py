@@ -58,8 +58,15 @@ class Optimizer(Named):
 
 
 
+def _as_float(name: str, value: Any) -> float:
+    """`value` as a float, or a ConfigError naming the setting (no strings, bools or None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
 def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
-    value = float(value)
+    value = _as_float(name, value)
     if not np.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{name} must be finite and {bound}, got {value!r}")
@@ -93,7 +100,7 @@ class SGD(Optimizer):
 
 
 def _check_beta(name: str, value: float) -> float:
-    value = float(value)
+    value = _as_float(name, value)
     if not 0.0 <= value < 1.0:  # also rejects NaN
         raise ConfigError(f"{name} must be in [0, 1), got {value!r}")
     return value
@@ -224,11 +231,13 @@ class Adam(Optimizer):
     def __init__(self, lr: float = 0.001, *, betas: Sequence[float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False) -> None:
         self.lr = _check_positive("lr", lr)
-        if len(betas) != 2:
+        if not isinstance(betas, (list, tuple, np.ndarray)) or len(betas) != 2:
             raise ConfigError(f"betas must be two floats (beta1, beta2), got {betas!r}")
         self.betas = (_check_beta("betas[0]", betas[0]), _check_beta("betas[1]", betas[1]))
         self.eps = _check_positive("eps", eps)
         self.weight_decay = _check_positive("weight_decay", weight_decay, allow_zero=True)
+        if not isinstance(amsgrad, (bool, np.bool_)):
+            raise ConfigError(f"amsgrad must be True or False, got {amsgrad!r}")
         self.amsgrad = bool(amsgrad)
 
     def state_width(self, dim: int) -> int:

@@ -99,6 +99,9 @@ def load_document(source: str | os.PathLike[str] | dict[str, Any], kind: str) ->
     where = "the given dict"
     if isinstance(source, dict):
         doc = source
+    elif not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"a {kind} is a path to its JSON file or an already parsed dict, "
+                          f"got {type(source).__name__} {source!r}")
     else:
         where = str(source)
         try:
@@ -110,7 +113,7 @@ def load_document(source: str | os.PathLike[str] | dict[str, Any], kind: str) ->
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise ConfigError(f"{where!r} is not an {fmt} document (format {got!r}); give the "
                           f"file written by `embstore {_MAKER[kind]}`")
-    if doc.get("version") != _VERSIONS[fmt]:
+    if isinstance(doc.get("version"), bool) or doc.get("version") != _VERSIONS[fmt]:
         raise ConfigError(f"{where!r}: {fmt} version {doc.get('version')!r} is not supported "
                           f"(this embstore reads version {_VERSIONS[fmt]})")
     _CHECKS[kind](doc, where)

@@ -95,6 +95,15 @@ def test_a_store_locked_by_another_handle_is_refused_by_every_command_that_needs
             assert "Traceback" not in out + err and not err, argv
 
 
+@pytest.mark.parametrize("capacity", ["\u00b2", "\u0663"])  # superscript 2, Arabic-Indic 3
+def test_a_tier_capacity_of_non_ascii_digits_is_refused_by_name(capacity, places, capsys):
+    argv = ["import", places["X"], places["N"], "--tiers", f"dram:{capacity},lmdb"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {capacity!r} as a size" in err, err
+    assert not (places["root"] / "new").exists()
+
+
 @pytest.mark.parametrize("capacity", ["5%", "0.05", "4", "1KiB", "5%,0.5,4,1KiB"])
 def test_sizes_and_fractions_read_the_way_people_write_them(capacity, places, capsys):
     assert main(["simulate", places["T"], "--capacity", capacity, "--json"]) == 0

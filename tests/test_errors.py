@@ -127,6 +127,16 @@ def test_unknown_table_names_the_known_ones():
     lambda: TierSpec("dram", capacity=4, eviction_options=None),
     lambda: TierSpec("dram", capacity=4, eviction=5),
     lambda: TierSpec.from_json({"backend": "dram", "size": 4}),
+    lambda: embstore.optim.SGD(lr=None),
+    lambda: embstore.optim.SGD(lr="x"),
+    lambda: embstore.optim.Adam(betas=None),
+    lambda: embstore.optim.Adam(amsgrad="no"),  # was truthy: AMSGrad on
+    lambda: embstore.optim.from_config("sgd", {"learning_rate": 0.1}),
+    lambda: embstore.init.Uniform(low="a"),
+    lambda: embstore.init.Uniform(seed=1.5),  # was cut to 1
+    lambda: embstore.init.Normal(std=None),
+    lambda: embstore.init.Constant("x"),
+    lambda: embstore.init.from_config("uniform", None),
 ])
 def test_invalid_specs_raise_config_error(make):
     with pytest.raises(E.ConfigError):

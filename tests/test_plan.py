@@ -412,6 +412,38 @@ def test_open_and_migrate_refuse_a_placement_that_is_not_json(
     assert _files(tmp_path / "store") == files
 
 
+@pytest.mark.parametrize("tier", [
+    {"backend": "dram", "capacity": 8, "eviction": "lru", "eviction_options": {"seed": -1}},
+    {"backend": "dram", "capacity": 8, "options": [["chunk_rows_log2", 4]]},
+])
+def test_migrate_answers_a_placement_with_bad_tier_settings_as_a_config_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], tier: dict[str, Any]) -> None:
+    spec = embstore.TableSpec("t00", dim=4)
+    with embstore.open(tmp_path / "store", tables=[spec]):
+        pass
+    files = _files(tmp_path / "store")
+    placement = {"format": "embstore.placement", "version": 1,
+                 "tables": {"t00": {"tiers": [tier, {"backend": "lmdb"}]}}}
+    (tmp_path / "p.json").write_text(json.dumps(placement))
+    argv = ["migrate", str(tmp_path / "store"), "--placement", str(tmp_path / "p.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "error:" in err, err
+    assert _files(tmp_path / "store") == files
+
+
+def test_a_placement_of_another_type_or_a_bool_version_is_a_config_error(
+        tmp_path: Path) -> None:
+    spec = embstore.TableSpec("t00", dim=4)
+    with pytest.raises(ConfigError, match="path to its JSON file or an already parsed dict"):
+        embstore.open(tmp_path / "a", tables=[spec], placement=12)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="version True is not supported"):
+        embstore.open(tmp_path / "b", tables=[spec],
+                      placement={"format": "embstore.placement", "version": True,
+                                 "tables": {}})
+    assert not list(tmp_path.iterdir())
+
+
 def test_save_document_refuses_non_finite_numbers_and_folders(tmp_path: Path) -> None:
     from embstore.placement import save_document
 

@@ -183,7 +183,7 @@ def tier_chain(text: str) -> tuple[Any, ...]:
                 raise ConfigError(f"tier {part!r} is not backend[:capacity[:eviction]]")
             cap: int | str | None = None
             if rest and rest[0]:
-                cap = int(rest[0]) if rest[0].isdigit() else rest[0]
+                cap = int(rest[0]) if rest[0].isascii() and rest[0].isdigit() else rest[0]
                 if isinstance(cap, str):
                     parse_bytes(cap)
             eviction = rest[1] if len(rest) > 1 and rest[1] else None
