@@ -101,7 +101,8 @@ class Constant(Initializer):
 
     def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
         # docstring inherited
-        return np.full((len(ids), dim), self.value, dtype=dtype)
+        with np.errstate(over="ignore"):  # a value past the dtype's range is its infinity
+            return np.full((len(ids), dim), self.value, dtype=dtype)
 
     def config(self) -> dict[str, Any]:
         # docstring inherited

@@ -192,6 +192,18 @@ class TableSpec:
             raise ConfigError(f"table {self.name!r}: precision {self.precision!r} stores "
                               f"weights in 16 bits and computes in float32; leave dtype at "
                               f"float32 (got {dtype})")
+        if not self.allow_nonfinite:
+            # a row never written reads as its initial value: NaN there would be served
+            # from a table that refuses NaN everywhere else
+            with np.errstate(over="ignore", invalid="ignore"):
+                first = self.init(np.zeros(1, np.int64), 1, dtype)
+                if self.precision == "fp16":
+                    first = first.astype(np.float16)
+            if not np.isfinite(first).all():
+                raise ConfigError(
+                    f"table {self.name!r}: its init {self.init!r} gives {first.ravel()[0]} "
+                    f"in {'float16' if self.precision == 'fp16' else dtype}, and the table "
+                    "forbids NaN and infinity; give a finite value or allow_nonfinite=True")
         if self.tiers is not None:
             try:
                 tiers = () if isinstance(self.tiers, TierSpec) else tuple(self.tiers)

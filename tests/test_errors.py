@@ -86,6 +86,22 @@ def test_nonfinite_values_are_kept_where_the_table_allows_them():
     np.testing.assert_array_equal(store.lookup("t", [4]), rows)
 
 
+@pytest.mark.parametrize(("value", "precision", "shown"), [
+    (float("nan"), "fp32", "nan in float32"), (1e40, "fp32", "inf in float32"),
+    (1e5, "fp16", "inf in float16")])
+def test_an_initial_value_the_table_forbids_is_refused(value, precision, shown):
+    # rows never written read as their initial value: a NaN there would reach the caller
+    with pytest.raises(E.ConfigError, match=shown):
+        TableSpec("t", dim=4, init=embstore.init.Constant(value), precision=precision)
+    allowed = TableSpec("t", dim=4, init=embstore.init.Constant(value), precision=precision,
+                        allow_nonfinite=True)
+    with embstore.open(None, tables=[allowed]) as store:
+        assert not np.isfinite(store.lookup("t", np.array([3]))).any()
+    with embstore.open(None, tables=[TableSpec("t", dim=4, init=embstore.init.Constant(
+            1e4 if precision == "fp16" else 1e30), precision=precision)]) as store:
+        assert np.isfinite(store.lookup("t", np.array([3]))).all()
+
+
 def test_an_optimizer_step_that_overflows_writes_nothing():
     store = _store(optimizer=embstore.optim.SGD(lr=1e30))
     store.update("t", [1], ROWS[:1])
