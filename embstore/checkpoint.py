@@ -17,6 +17,12 @@ and the directory synced (new parent directories too), so a checkpoint or restor
 survives a power cut; an interrupted one leaves only a `.<name>.tmp-*` directory and every
 earlier checkpoint intact.
 
+Every checkpoint's manifest also holds a seal (`checkpoint_seal`): a random id, its parent's
+id, and per table the number of rows it stores with the sum of their row checksums and the
+number and CRC-32C of its tombstones. `restore` checks each link of a chain against it, so a
+missing, truncated or changed file, a parent that is another store's or another checkpoint's,
+or files swapped between checkpoints are refused rather than restored.
+
 Tombstone file layout (`<table>.deleted`):
 
     offset  size  field
@@ -29,9 +35,11 @@ Tombstone file layout (`<table>.deleted`):
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import struct
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +50,19 @@ import numpy as np
 from . import _crash, registry
 from ._written import write_record
 from .backend import Backend, BackendSpec
-from .checksum import crc32c
-from .errors import ConfigError, CorruptStoreError, StoreExistsError
+from .checksum import crc32c, row_checksums
+from .errors import (
+    ConfigError,
+    CorruptStoreError,
+    EmbstoreError,
+    StorageIOError,
+    StoreExistsError,
+    StoreNotFoundError,
+)
 from .index import IdIndex
 from .layout import (
     LOCK_NAME,
+    MANIFEST_NAME,
     bottom_dir,
     manifest_body,
     read_manifest,
@@ -70,9 +86,14 @@ def _write_tombstones(file: Path, ids: np.ndarray) -> None:
 
 
 def _read_tombstones(file: Path) -> np.ndarray:
-    data = file.read_bytes()
-    if len(data) < TOMB_HEADER.size:
-        raise CorruptStoreError(f"{file}: truncated tombstone file")
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise CorruptStoreError(f"{file} is missing: the checkpoint is not complete; restore "
+                                "from an earlier one") from None
+    if len(data) < TOMB_HEADER.size or (len(data) - TOMB_HEADER.size) % 8:
+        raise CorruptStoreError(f"{file}: truncated tombstone file; the checkpoint is damaged: "
+                                "restore from an earlier one")
     magic, n, crc = TOMB_HEADER.unpack_from(data)
     ids = np.frombuffer(data, dtype="<i8", offset=TOMB_HEADER.size)
     if magic != TOMB_MAGIC or len(ids) != n or crc32c(ids) != crc:
@@ -182,68 +203,185 @@ class CheckpointSource(Protocol):
         """Stop saving pre-images; `dest` is the finished checkpoint, None after a failure."""
 
 
-def take_checkpoint(source: CheckpointSource, dest: Path, *, step: int | None,
-                    incremental: bool,
-                    progress: Callable[[str, int, int], None] | None) -> Path:
-    """Write a checkpoint of `source` to `dest` (see `EmbeddingStore.checkpoint`)."""
-    dest = Path(dest)
-    if dest.exists():
-        raise StoreExistsError(f"{dest} exists; checkpoints never overwrite: choose a new name")
-    plan = source.begin_checkpoint(incremental)
-    _crash.point("checkpoint.begin")
+def _as_path(value: object, what: str) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str) \
+            or not os.fspath(value):
+        raise ConfigError(f"{what} must be a path (str or os.PathLike), got {value!r}")
+    return Path(value)
+
+
+def _check_step(step: object) -> None:
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))
+                             or step < 0):
+        raise ConfigError(f"step must be None or an int >= 0 (the training step), got {step!r}")
+
+
+def _check_new(dest: Path, what: str) -> None:
+    """Refuse a `dest` that exists or lies inside a store or checkpoint directory.
+
+    Raises:
+        StoreExistsError: `dest` exists.
+        ConfigError: a directory above `dest` holds a store or checkpoint, whose rewrites
+            would drop it and whose checks would find it foreign.
+    """
+    if dest.exists() or dest.is_symlink():
+        raise StoreExistsError(f"{dest} exists; {what} never overwrites: choose a new path")
+    for p in Path(os.path.abspath(dest)).parents:
+        if (p / MANIFEST_NAME).exists():
+            raise ConfigError(f"{dest} lies inside the store or checkpoint {p}; {what} goes to "
+                              "a directory of its own beside it, e.g. ckpt/100")
+
+
+def _make_private(dest: Path) -> tuple[Path, list[Path]]:
+    """A new private directory to build `dest` in, and the parents of `dest` made for it.
+
+    Raises:
+        StorageIOError: `dest` cannot be made there (a parent is a file, no permission,
+            a read-only file system); nothing is left behind.
+    """
+    made: list[Path] = []  # nearest first, so that a failure removes them in order
+    d = dest.parent
+    while not d.exists() and d != d.parent:
+        made.append(d)
+        d = d.parent
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     try:
+        make_dirs(dest.parent)  # new parents: their entries must survive with what is published
         shutil.rmtree(tmp, ignore_errors=True)
-        make_dirs(dest.parent)  # new parents: their entries must survive with the checkpoint
         tmp.mkdir(mode=0o700)
+    except OSError as exc:
+        _discard(tmp, made)
+        raise _io_error(exc, dest, "create") from exc
+    return tmp, made
+
+
+def _discard(tmp: Path, made: list[Path]) -> None:
+    """Remove the private directory `tmp` and the (still empty) parents `made` for it."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:  # not empty: someone else put something there meanwhile
+            break
+
+
+def _io_error(exc: OSError, dest: Path, doing: str) -> StorageIOError:
+    """`exc`, met making or writing `dest`, as an error naming `dest` (not a private path)."""
+    why = exc.strerror or type(exc).__name__
+    if exc.errno == errno.ENOTDIR:  # say which of the user's path components is a file
+        blocker = next((p for p in reversed(dest.parents) if p.exists() and not p.is_dir()),
+                       None)
+        if blocker is not None:
+            why = f"{blocker} is not a directory"
+    return StorageIOError(exc.errno, f"cannot {doing} {dest}: {why}")
+
+
+def _digest(ids: np.ndarray, rows: np.ndarray) -> int:
+    """Sum (mod 2**64) of the rows' checksums over (id, row): independent of their order."""
+    if not len(ids):
+        return 0
+    return int(row_checksums(np.ascontiguousarray(ids),
+                             np.ascontiguousarray(rows)).sum(dtype=np.uint64))
+
+
+def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
+                    step: int | None,
+                    incremental: bool,
+                    progress: Callable[[str, int, int], None] | None) -> Path:
+    """Write a checkpoint of `source` to `dest` (see `EmbeddingStore.checkpoint`).
+
+    Raises:
+        ConfigError: `dest` is no path or lies inside a store or checkpoint; `step` is not
+            None or an int >= 0; `incremental` is not a bool.
+        StoreExistsError: `dest` exists.
+        StorageIOError: `dest` cannot be made or written; nothing is left of it.
+    """
+    dest = _as_path(dest, "the checkpoint's destination")
+    _check_step(step)
+    if not isinstance(incremental, bool):
+        raise ConfigError(f"incremental must be True or False, got {incremental!r}")
+    _check_new(dest, "a checkpoint")
+    tmp, made = _make_private(dest)
+    try:
+        plan = source.begin_checkpoint(incremental)
+    except BaseException:
+        _discard(tmp, made)
+        raise
+    _crash.point("checkpoint.begin")
+    try:
+        seal: dict[str, Any] = {}
         for spec in plan.specs:
             total = plan.rows[spec.name]
+            stored, digest = 0, 0
             with _bottom_backend(tmp, spec, plan.tiers, read_only=False) as target:
                 deleted: list[np.ndarray] = []
                 scanned = 0
                 for n, ids, rows, found in source.checkpoint_pages(spec.name, BATCH_ROWS):
-                    _write_batch(target, ids, rows, found, deleted)
+                    k, h = _write_batch(target, ids, rows, found, deleted)
+                    stored, digest = stored + k, (digest + h) % 2**64
                     _crash.point("checkpoint.page")
                     scanned += n
                     if progress is not None:
                         progress(spec.name, min(scanned, total), total)
                 saved = source.checkpoint_preimages(spec.name)
                 if saved is not None:
-                    _write_batch(target, *saved, deleted)
+                    k, h = _write_batch(target, *saved, deleted)
+                    stored, digest = stored + k, (digest + h) % 2**64
                 if not incremental:  # a full checkpoint opens as a store: its written ids
                     write_record(written_file(tmp, spec.name), spec.num_embeddings,
                                  target.ids())
+            dead = np.concatenate(deleted) if deleted and incremental else np.zeros(0, np.int64)
             if incremental:
-                _write_tombstones(tmp / f"{spec.name}.deleted",
-                                  np.concatenate(deleted) if deleted else np.zeros(0, np.int64))
+                _write_tombstones(tmp / f"{spec.name}.deleted", dead)
+            seal[spec.name] = {"rows": stored, "digest": digest, "deleted": len(dead),
+                               "deleted_crc": crc32c(np.ascontiguousarray(dead, dtype="<i8"))}
         body = manifest_body(plan.tiers, plan.specs, plan.gradient_steps)
-        body["checkpoint"] = {"step": step, "kind": "incremental" if incremental else "full",
+        body["checkpoint"] = {"step": None if step is None else int(step),
+                              "kind": "incremental" if incremental else "full",
                               "parent": None if not incremental or plan.parent is None
                               else os.path.relpath(plan.parent.resolve(),
                                                    dest.parent.resolve())}
+        parent_id = None
+        if incremental and plan.parent is not None:
+            parent_id = (read_manifest(plan.parent).get("checkpoint_seal") or {}).get("id")
+        body["checkpoint_seal"] = {"id": uuid.uuid4().hex, "parent_id": parent_id,
+                                   "tables": seal}
         write_manifest(tmp, body)
         _crash.point("checkpoint.before_publish")
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        _discard(tmp, made)
         source.end_checkpoint(None)
+        if isinstance(exc, OSError) and not isinstance(exc, EmbstoreError):
+            raise _io_error(exc, dest, "write") from exc
         raise
     source.end_checkpoint(dest)
     return dest
 
 
 def _write_batch(target: Backend, ids: np.ndarray, rows: np.ndarray, found: np.ndarray,
-                 deleted: list[np.ndarray]) -> None:
+                 deleted: list[np.ndarray]) -> tuple[int, int]:
+    """Store the found rows, note the others as deleted; returns (rows stored, their digest)."""
+    n, digest = 0, 0
     if found.any():
-        target.put(np.ascontiguousarray(ids[found]), np.ascontiguousarray(rows[found]))
+        kept, rows = np.ascontiguousarray(ids[found]), np.ascontiguousarray(rows[found])
+        target.put(kept, rows)
+        n, digest = len(kept), _digest(kept, rows)
     if not found.all():
         deleted.append(ids[~found])
+    return n, digest
 
 
 def checkpoint_chain(src: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """The checkpoints from `src` back to its full base: [(path, manifest)], newest first."""
-    chain = []
+    """The checkpoints from `src` back to its full base: [(path, manifest)], newest first.
+
+    Raises:
+        ConfigError: `src` is a store, not a checkpoint.
+        CorruptStoreError: a parent is missing, or is not the checkpoint its child was
+            taken after (another store's, or another checkpoint put in its place).
+    """
+    chain: list[tuple[Path, dict[str, Any]]] = []
     path = Path(src)
     seen = set()
     while True:
@@ -251,6 +389,14 @@ def checkpoint_chain(src: Path) -> list[tuple[Path, dict[str, Any]]]:
         info = doc.get("checkpoint")
         if info is None:
             raise ConfigError(f"{path} is a store, not a checkpoint")
+        if chain:
+            want = (chain[-1][1].get("checkpoint_seal") or {}).get("parent_id")
+            have = (doc.get("checkpoint_seal") or {}).get("id")
+            if want is not None and want != have:
+                raise CorruptStoreError(
+                    f"{chain[-1][0]}: its parent {path} is not the checkpoint it was taken "
+                    "after (another store's, or another checkpoint put in its place); put the "
+                    "right one back or restore another checkpoint")
         chain.append((path, doc))
         if info["kind"] == "full":
             return chain
@@ -264,25 +410,34 @@ def checkpoint_chain(src: Path) -> list[tuple[Path, dict[str, Any]]]:
 def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
     """Materialise the checkpoint `src` as a new store at `dest`.
 
-    `src` is a full checkpoint, or the newest of a chain of incrementals.
+    `src` is a full checkpoint, or the newest of a chain of incrementals. Every link is
+    checked against its seal (rows, their checksums, tombstones, parent) before `dest`
+    appears.
 
     Raises:
         StoreExistsError: `dest` exists.
-        CorruptStoreError: a checkpoint of the chain is missing or damaged.
+        ConfigError: `src` or `dest` is no path; `dest` lies inside a store or checkpoint.
+        CorruptStoreError: a checkpoint of the chain is missing, damaged or mismatched.
+        StorageIOError: `dest` cannot be made or written; nothing is left of it.
     """
-    dest = Path(dest)
-    if dest.exists():
-        raise StoreExistsError(f"{dest} exists; restore into a new directory")
-    chain = checkpoint_chain(Path(src))
+    src = _as_path(src, "the checkpoint to restore")
+    dest = _as_path(dest, "the restored store's path")
+    _check_new(dest, "a restore")
+    chain = checkpoint_chain(src)
     base = chain[-1][0]
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_dirs(dest.parent)
+    tmp, made = _make_private(dest)
     try:
-        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(LOCK_NAME))  # not synced
+        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(LOCK_NAME),
+                        dirs_exist_ok=True)  # not synced
         doc = read_manifest(tmp)
         tables = {t["name"]: TableSpec.from_json(t) for t in doc["tables"]}
         tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
+        for spec in tables.values():
+            with _checkpoint_rows(base, tmp, spec, tiers) as bottom:
+                stored, digest = 0, 0
+                for ids, rows in bottom.items(BATCH_ROWS):
+                    stored, digest = stored + len(ids), (digest + _digest(ids, rows)) % 2**64
+            _check_sealed(base, doc, spec.name, stored, digest, np.zeros(0, np.int64))
         for path, inc in reversed(chain[:-1]):  # oldest increment first
             _apply_increment(tmp, path, inc, tables, tiers)
         for spec in tables.values():  # the rows now stored are the written ones
@@ -295,14 +450,41 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
         if chain[0][1].get("gradient_steps"):  # the newest checkpoint's counts
             doc["gradient_steps"] = chain[0][1]["gradient_steps"]
         doc.pop("checkpoint", None)
+        doc.pop("checkpoint_seal", None)
         write_manifest(tmp, doc)
         fsync_tree(tmp)  # the copied files and their directory entries, before publishing
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        _discard(tmp, made)
+        if isinstance(exc, OSError) and not isinstance(exc, EmbstoreError):
+            raise _io_error(exc, dest, "write") from exc
         raise
     return dest
+
+
+def _check_sealed(where: Path, doc: dict[str, Any], table: str, stored: int, digest: int,
+                  dead: np.ndarray) -> None:
+    """Refuse a table of checkpoint `where` whose rows or tombstones differ from its seal.
+
+    Checkpoints written before seals existed have none and are taken as they are.
+
+    Raises:
+        CorruptStoreError: the rows stored, their checksums or the tombstones differ.
+    """
+    seal = doc.get("checkpoint_seal")
+    if seal is None:
+        return
+    want = (seal.get("tables") or {}).get(table)
+    have = {"rows": stored, "digest": digest, "deleted": len(dead),
+            "deleted_crc": crc32c(np.ascontiguousarray(dead, dtype="<i8"))}
+    if want != have:
+        raise CorruptStoreError(
+            f"{where}: table {table!r} does not hold what the checkpoint stored ({stored} rows "
+            f"and {len(dead)} deletions found, its manifest records "
+            f"{None if want is None else (want.get('rows'), want.get('deleted'))} with other "
+            "checksums): files are missing, damaged or from another checkpoint; restore "
+            "another checkpoint")
 
 
 def _bottom_backend(root: Path, spec: TableSpec, tiers: tuple[TierSpec, ...], read_only: bool
@@ -315,6 +497,23 @@ def _bottom_backend(root: Path, spec: TableSpec, tiers: tuple[TierSpec, ...], re
                     **ts.options)
 
 
+def _checkpoint_rows(where: Path, root: Path, spec: TableSpec, tiers: tuple[TierSpec, ...]
+                     ) -> Backend:
+    """The rows of `spec` in checkpoint `where` (read from its copy at `root`), read-only.
+
+    Raises:
+        CorruptStoreError: the checkpoint lacks the table's files.
+    """
+    try:
+        return _bottom_backend(root, spec, tiers, read_only=True)
+    except StoreNotFoundError as exc:
+        raise CorruptStoreError(
+            f"{where}: the rows of table {spec.name!r} are missing "
+            f"({bottom_dir(where, spec, tiers).name} holds no "
+            f"{table_chain(spec, tiers)[-1].backend} data); the checkpoint is not complete: "
+            "restore another one") from exc
+
+
 def _apply_increment(root: Path, inc_path: Path, inc: dict[str, Any],
                      tables: dict[str, TableSpec], tiers: tuple[TierSpec, ...]) -> None:
     for data in inc["tables"]:
@@ -323,10 +522,13 @@ def _apply_increment(root: Path, inc_path: Path, inc: dict[str, Any],
             raise CorruptStoreError(f"{inc_path}: table {spec.name!r} differs from its parent's")
         tables[spec.name] = spec
         with _bottom_backend(root, spec, tiers, read_only=False) as target, \
-                _bottom_backend(inc_path, spec, tiers, read_only=True) as delta:
-            for ids, rows in delta.items(BATCH_ROWS):
-                target.put(ids, rows)
+                _checkpoint_rows(inc_path, inc_path, spec, tiers) as delta:
             dead = _read_tombstones(inc_path / f"{spec.name}.deleted")
+            stored, digest = 0, 0
+            for ids, rows in delta.items(BATCH_ROWS):  # a mismatch below discards all of it
+                target.put(ids, rows)
+                stored, digest = stored + len(ids), (digest + _digest(ids, rows)) % 2**64
+            _check_sealed(inc_path, inc, spec.name, stored, digest, dead)
             if len(dead):
                 target.delete(dead)
     write_manifest(root, manifest_body(tiers, list(tables.values())))

@@ -109,6 +109,7 @@ class EmbeddingStore:
         self._changes: dict[str, IdIndex] | None = None
         self._copy: CopyState | None = None
         self._last_checkpoint: Path | None = None
+        self._reading_fd: int | None = None  # a read-only handle's lock while it checkpoints
         # what earlier sessions counted (STATS.json), added to this one's at close
         self._history = _counters.load(path) if path is not None else {}
         self._last_flush: float | None = self._history.get("last_flush")
@@ -796,16 +797,23 @@ class EmbeddingStore:
             progress: called as progress(table, rows_done, rows_total) after each batch.
                 Checkpoints asked for by several threads are taken one after the other.
 
+        A read-only handle holds the store's shared lock while it copies (writers in other
+        processes cannot open it meanwhile): it sees no pre-images of their writes.
+
         Raises:
             StoreExistsError: `dest` exists.
-            ConfigError: incremental without an earlier checkpoint from this handle.
+            ConfigError: incremental without an earlier checkpoint from this handle; `dest`
+                inside a store or checkpoint; `step` not None or an int >= 0.
+            StoreLockedError: (read-only handles) a writer holds the store.
+            StorageIOError: `dest` cannot be made or written; nothing is left of it.
         """
         # one checkpoint at a time: each keeps its own copy state from begin to end (two
         # threads checkpointing at once would share it); other calls go on meanwhile
         with self._checkpointing:
-            out = take_checkpoint(self, Path(dest), step=step, incremental=incremental,
+            out = take_checkpoint(self, dest, step=step, incremental=incremental,
                                   progress=progress)
-        self._checkpoint_info = {"path": str(out), "step": step, "time": time.time(),
+        self._checkpoint_info = {"path": str(out), "step": None if step is None else int(step),
+                                 "time": time.time(),
                                  "incremental": incremental}
         return out
 
@@ -826,6 +834,10 @@ class EmbeddingStore:
                     "an incremental checkpoint needs an earlier checkpoint taken by this handle "
                     "(changes are tracked in memory from it); take a full checkpoint first"
                 )
+            if self._read_only and self._path is not None:
+                # a writer in another process saves no pre-images for this copy: the store
+                # must hold still while it is taken
+                self._reading_fd = layout.lock_for_reading(self._path)
             self.flush()  # every dirty row is in the store of record now: its rows are T0's
             previous = self._changes
             scope = previous if incremental else None
@@ -886,6 +898,9 @@ class EmbeddingStore:
         """For `embstore.checkpoint`: stop saving pre-images; `dest` None after a failure."""
         with self._mutex:
             copy, self._copy = self._copy, None
+            fd, self._reading_fd = self._reading_fd, None
+            if fd is not None:
+                os.close(fd)
             if dest is not None:
                 self._last_checkpoint = dest
             elif copy is not None and copy.previous is not None and self._changes is not None:

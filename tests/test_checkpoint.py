@@ -216,3 +216,137 @@ def test_a_checkpoint_killed_midway_leaves_the_previous_one_intact(tmp_path):
     with embstore.open(tmp_path / "s") as store:  # the store itself reopens after the kill
         np.testing.assert_array_equal(store.lookup("t", [0]), np.zeros((1, 4), np.float32))
         store.checkpoint(tmp_path / "c1")  # and a new checkpoint under the same name works
+
+
+def test_bad_destinations_and_steps_are_refused_and_leave_nothing(tmp_path):
+    (tmp_path / "file").write_bytes(b"x")
+    with embstore.open(tmp_path / "s", tables=[_spec()]) as store:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+        before = sorted(p.name for p in tmp_path.iterdir())
+        for step in (-1, True, 1.5, "3"):
+            with pytest.raises(E.ConfigError, match="step"):
+                store.checkpoint(tmp_path / "c", step=step)
+        for dest in (None, 5, ""):
+            with pytest.raises(E.ConfigError, match="path"):
+                store.checkpoint(dest)
+        with pytest.raises(E.ConfigError, match="inside the store"):
+            store.checkpoint(tmp_path / "s" / "ck")
+        with pytest.raises(E.StorageIOError, match="is not a directory"):
+            store.checkpoint(tmp_path / "file" / "a" / "ck")
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+        assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [
+            "LOCK", "MANIFEST.json", "tier0-dram", "written"]
+        store.checkpoint(tmp_path / "c", step=np.int64(3))
+    with pytest.raises(E.ConfigError, match="inside the store or checkpoint"):
+        embstore.restore(tmp_path / "c", tmp_path / "c" / "r")
+    with pytest.raises(E.StorageIOError, match="is not a directory"):
+        embstore.restore(tmp_path / "c", tmp_path / "file" / "r")
+    with pytest.raises(E.ConfigError, match="path"):
+        embstore.restore(None, tmp_path / "r")
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        "MANIFEST.json", "tier0-dram", "written"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "file", "s"]
+
+
+def test_missing_or_truncated_tombstones_are_corrupt_not_raw_errors(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[_spec()]) as store:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+        store.checkpoint(tmp_path / "c0")
+        store.delete("t", [1, 2])
+        store.checkpoint(tmp_path / "c1", incremental=True)
+    tomb = tmp_path / "c1" / "t.deleted"
+    good = tomb.read_bytes()
+    tomb.write_bytes(good[:-3])
+    with pytest.raises(E.CorruptStoreError, match="truncated"):
+        embstore.restore(tmp_path / "c1", tmp_path / "r")
+    tomb.unlink()
+    with pytest.raises(E.CorruptStoreError, match="missing"):
+        embstore.restore(tmp_path / "c1", tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_restore_refuses_lost_rows_swapped_files_and_parents_put_in_place(tmp_path):
+    import shutil
+
+    tiers = [TierSpec("dram", capacity=8, eviction="lru"), TierSpec("pmem")]
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        store.update("t", np.arange(50), np.ones((50, 4), np.float32))
+        store.checkpoint(tmp_path / "c0")
+        for k in (1, 2, 3):
+            store.update("t", [k], np.full((1, 4), k, np.float32))
+            store.delete("t", [10 + k])
+            store.checkpoint(tmp_path / f"c{k}", incremental=True)
+        store.checkpoint(tmp_path / "later")
+    with embstore.open(tmp_path / "other", tables=[_spec()]) as other:
+        other.checkpoint(tmp_path / "foreign")
+
+    def refused(match: str) -> None:
+        with pytest.raises(E.CorruptStoreError, match=match):
+            embstore.restore(tmp_path / "c3", tmp_path / "r")
+        assert not (tmp_path / "r").exists()
+
+    # the base's rows gone: they were restored as never written
+    rows = tmp_path / "c0" / "tier1-pmem" / "t.pmem"
+    rows.rename(tmp_path / "aside")
+    refused("does not hold what the checkpoint stored")
+    (tmp_path / "aside").rename(rows)
+    # an increment's tombstones swapped with another's
+    a, b = tmp_path / "c1" / "t.deleted", tmp_path / "c2" / "t.deleted"
+    da, db = a.read_bytes(), b.read_bytes()
+    a.write_bytes(db)
+    refused("does not hold what the checkpoint stored")
+    a.write_bytes(da)
+    # an increment's rows swapped with another's
+    ra, rb = tmp_path / "c2" / "tier1-pmem" / "t.pmem", tmp_path / "c3" / "tier1-pmem" / "t.pmem"
+    xa, xb = ra.read_bytes(), rb.read_bytes()
+    ra.write_bytes(xb)
+    refused("does not hold what the checkpoint stored")
+    ra.write_bytes(xa)
+    # another checkpoint in a parent's place: a sibling, a later full one, another store's
+    for name, stand_in in (("c2", "c1"), ("c0", "later"), ("c0", "foreign")):
+        (tmp_path / name).rename(tmp_path / "aside")
+        shutil.copytree(tmp_path / stand_in, tmp_path / name)
+        refused("is not the checkpoint it was taken after")
+        shutil.rmtree(tmp_path / name)
+        (tmp_path / "aside").rename(tmp_path / name)
+    embstore.restore(tmp_path / "c3", tmp_path / "r")
+    with embstore.open(tmp_path / "r", read_only=True) as r, \
+            embstore.open(tmp_path / "later", read_only=True) as later:
+        assert _contents(r) == _contents(later)
+
+
+def test_a_read_only_handle_checkpoints_a_store_that_holds_still(tmp_path):
+    import embstore.checkpoint as ck_mod
+
+    path = tmp_path / "s"
+    with embstore.open(path, tables=[_spec()], tiers=[TierSpec("pmem")]) as store:
+        store.update("t", np.arange(300), np.ones((300, 4), np.float32))
+    blocked = []
+
+    def progress(table: str, copied: int, total: int) -> None:
+        if not blocked:  # a writer that opens mid-copy would tear the copy
+            try:
+                with embstore.open(path) as writer:
+                    writer.update("t", np.arange(300), np.zeros((300, 4), np.float32))
+                    writer.delete("t", np.arange(0, 300, 2))
+                blocked.append(False)
+            except E.StoreLockedError:
+                blocked.append(True)
+
+    with embstore.open(path, read_only=True) as reader:
+        before = _contents(reader)
+        old = ck_mod.BATCH_ROWS
+        ck_mod.BATCH_ROWS = 64
+        try:
+            reader.checkpoint(tmp_path / "ck", progress=progress)
+        finally:
+            ck_mod.BATCH_ROWS = old
+    assert blocked == [True]
+    with embstore.open(tmp_path / "ck", read_only=True) as ck:
+        assert _contents(ck) == before
+    with embstore.open(path) as writer:  # the lock went with the checkpoint
+        writer.update("t", [0], np.zeros((1, 4), np.float32))
+        with embstore.open(path, read_only=True) as reader, \
+                pytest.raises(E.StoreLockedError):
+            reader.checkpoint(tmp_path / "ck2")
+    assert not (tmp_path / "ck2").exists()
