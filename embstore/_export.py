@@ -24,10 +24,8 @@ renames it: a crash leaves no half-written export or store behind (errors name O
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import shutil
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -36,10 +34,11 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ._precision import RowCodec
+from ._private_dir import discard, make_private
 from ._rebuild import ClosablePages, page_rows, read_store, store_rows, write_store
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
 from .layout import lock
-from .manifest import fsync_dir, make_dirs, write_atomic
+from .manifest import fsync_dir, write_atomic
 from .spec import TableSpec, TierSpec
 
 __all__ = ["FORMAT", "export_store", "import_store", "read_header"]
@@ -69,31 +68,7 @@ def _fresh(dest: Path) -> tuple[Path, list[Path]]:
     """
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise StoreExistsError(f"{dest} exists; choose a new path (nothing is overwritten)")
-    made: list[Path] = []  # nearest first, so that a failure can remove them in order
-    d = dest.parent
-    while not d.exists() and d != d.parent:
-        made.append(d)
-        d = d.parent
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    try:
-        make_dirs(dest.parent)  # new parents' entries must survive with what is published
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=0o700)  # an export holds every row: as private as the store
-    except OSError as exc:
-        _discard(tmp, made)
-        raise _cannot_make(exc, dest) from exc
-    return tmp, made
-
-
-def _cannot_make(exc: OSError, dest: Path) -> OSError:
-    """`exc`, met making `dest` or its private directory, as an error naming `dest`."""
-    why = exc.strerror or type(exc).__name__
-    if exc.errno == errno.ENOTDIR:  # say which of the user's path components is a file
-        blocker = next((p for p in reversed(dest.parents) if p.exists() and not p.is_dir()),
-                       None)
-        if blocker is not None:
-            why = f"{blocker} is not a directory"
-    return OSError(exc.errno, f"cannot create {dest}: {why}")
+    return make_private(dest)
 
 
 def _public(exc: OSError, tmp: Path, dest: Path) -> OSError:
@@ -110,16 +85,6 @@ def _public(exc: OSError, tmp: Path, dest: Path) -> OSError:
     if not (private(exc.filename) or private(exc.filename2)):
         return exc
     return OSError(exc.errno, f"cannot write {dest}: {exc.strerror or type(exc).__name__}")
-
-
-def _discard(tmp: Path, made: Sequence[Path]) -> None:
-    """Remove the private directory `tmp` and the (still empty) parents `made` for it."""
-    shutil.rmtree(tmp, ignore_errors=True)
-    for d in made:
-        try:
-            d.rmdir()
-        except OSError:  # not empty: someone else put something there meanwhile
-            break
 
 
 def _private(file: Path) -> BinaryIO:
@@ -168,10 +133,10 @@ def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
             write_atomic(tmp / HEADER, json.dumps(header, indent=1).encode())
             _commit(tmp, dest)
         except OSError as exc:
-            _discard(tmp, made)
+            discard(tmp, made)
             raise _public(exc, tmp, dest) from exc
         except BaseException:
-            _discard(tmp, made)
+            discard(tmp, made)
             raise
     finally:
         os.close(fd)
@@ -434,10 +399,10 @@ def import_store(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
         counts = write_store(tmp, chain, specs, source, extras=extras, progress=progress)
         _commit(tmp, out)
     except OSError as exc:
-        _discard(tmp, made)
+        discard(tmp, made)
         raise _public(exc, tmp, out) from exc
     except BaseException:
-        _discard(tmp, made)
+        discard(tmp, made)
         raise
     return counts
 

@@ -35,7 +35,6 @@ Tombstone file layout (`<table>.deleted`):
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import struct
@@ -48,6 +47,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _crash, registry
+from ._private_dir import discard, make_private, reason
 from ._written import write_record
 from .backend import Backend, BackendSpec
 from .checksum import crc32c, row_checksums
@@ -70,7 +70,7 @@ from .layout import (
     write_manifest,
     written_file,
 )
-from .manifest import fsync_dir, fsync_tree, make_dirs, write_atomic
+from .manifest import fsync_dir, fsync_tree, write_atomic
 from .spec import TableSpec, TierSpec
 
 __all__ = ["CheckpointPlan", "CheckpointSource", "CopyState", "restore"]
@@ -232,48 +232,9 @@ def _check_new(dest: Path, what: str) -> None:
                               "a directory of its own beside it, e.g. ckpt/100")
 
 
-def _make_private(dest: Path) -> tuple[Path, list[Path]]:
-    """A new private directory to build `dest` in, and the parents of `dest` made for it.
-
-    Raises:
-        StorageIOError: `dest` cannot be made there (a parent is a file, no permission,
-            a read-only file system); nothing is left behind.
-    """
-    made: list[Path] = []  # nearest first, so that a failure removes them in order
-    d = dest.parent
-    while not d.exists() and d != d.parent:
-        made.append(d)
-        d = d.parent
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    try:
-        make_dirs(dest.parent)  # new parents: their entries must survive with what is published
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=0o700)
-    except OSError as exc:
-        _discard(tmp, made)
-        raise _io_error(exc, dest, "create") from exc
-    return tmp, made
-
-
-def _discard(tmp: Path, made: list[Path]) -> None:
-    """Remove the private directory `tmp` and the (still empty) parents `made` for it."""
-    shutil.rmtree(tmp, ignore_errors=True)
-    for d in made:
-        try:
-            d.rmdir()
-        except OSError:  # not empty: someone else put something there meanwhile
-            break
-
-
 def _io_error(exc: OSError, dest: Path, doing: str) -> StorageIOError:
-    """`exc`, met making or writing `dest`, as an error naming `dest` (not a private path)."""
-    why = exc.strerror or type(exc).__name__
-    if exc.errno == errno.ENOTDIR:  # say which of the user's path components is a file
-        blocker = next((p for p in reversed(dest.parents) if p.exists() and not p.is_dir()),
-                       None)
-        if blocker is not None:
-            why = f"{blocker} is not a directory"
-    return StorageIOError(exc.errno, f"cannot {doing} {dest}: {why}")
+    """`exc`, met writing `dest`, as an error naming `dest` (not a private path)."""
+    return StorageIOError(exc.errno, f"cannot {doing} {dest}: {reason(exc, dest)}")
 
 
 def _digest(ids: np.ndarray, rows: np.ndarray) -> int:
@@ -301,11 +262,11 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
     if not isinstance(incremental, bool):
         raise ConfigError(f"incremental must be True or False, got {incremental!r}")
     _check_new(dest, "a checkpoint")
-    tmp, made = _make_private(dest)
+    tmp, made = make_private(dest, StorageIOError)
     try:
         plan = source.begin_checkpoint(incremental)
     except BaseException:
-        _discard(tmp, made)
+        discard(tmp, made)
         raise
     _crash.point("checkpoint.begin")
     try:
@@ -351,7 +312,7 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
     except BaseException as exc:
-        _discard(tmp, made)
+        discard(tmp, made)
         source.end_checkpoint(None)
         if isinstance(exc, OSError) and not isinstance(exc, EmbstoreError):
             raise _io_error(exc, dest, "write") from exc
@@ -425,7 +386,7 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
     _check_new(dest, "a restore")
     chain = checkpoint_chain(src)
     base = chain[-1][0]
-    tmp, made = _make_private(dest)
+    tmp, made = make_private(dest, StorageIOError)
     try:
         shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(LOCK_NAME),
                         dirs_exist_ok=True)  # not synced
@@ -456,7 +417,7 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
     except BaseException as exc:
-        _discard(tmp, made)
+        discard(tmp, made)
         if isinstance(exc, OSError) and not isinstance(exc, EmbstoreError):
             raise _io_error(exc, dest, "write") from exc
         raise

@@ -1,0 +1,64 @@
+"""The private directory a checkpoint, restore, export or import is built in before it appears.
+
+Each builds `dest` in `.<name>.tmp-<pid>` beside it (mode 0700: it holds every row) and
+renames it into place once complete, so a failure or a crash never leaves a half-made `dest`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .manifest import make_dirs
+
+__all__ = ["discard", "make_private", "reason"]
+
+
+def make_private(dest: Path, error: Callable[[int, str], OSError] = OSError
+                 ) -> tuple[Path, list[Path]]:
+    """A new private directory to build `dest` in, and the parents of `dest` made for it.
+
+    Raises:
+        OSError (or what `error(errno, message)` makes): `dest` cannot be made there (a
+            parent is a file, no permission, a read-only file system); the message names
+            `dest`, not the private path, and nothing is left behind.
+    """
+    made: list[Path] = []  # nearest first, so that a failure removes them in order
+    d = dest.parent
+    while not d.exists() and d != d.parent:
+        made.append(d)
+        d = d.parent
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    try:
+        make_dirs(dest.parent)  # new parents: their entries must survive with what is published
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o700)
+    except OSError as exc:
+        discard(tmp, made)
+        raise error(exc.errno or errno.EIO, f"cannot create {dest}: {reason(exc, dest)}"
+                    ) from exc
+    return tmp, made
+
+
+def discard(tmp: Path, made: Sequence[Path]) -> None:
+    """Remove the private directory `tmp` and the (still empty) parents `made` for it."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:  # not empty: someone else put something there meanwhile
+            break
+
+
+def reason(exc: OSError, dest: Path) -> str:
+    """Why `exc` stopped the making or writing of `dest`, in the user's path's terms."""
+    why = exc.strerror or type(exc).__name__
+    if exc.errno == errno.ENOTDIR:  # say which of the user's path components is a file
+        blocker = next((p for p in reversed(dest.parents) if p.exists() and not p.is_dir()),
+                       None)
+        if blocker is not None:
+            why = f"{blocker} is not a directory"
+    return why
