@@ -26,9 +26,16 @@ __all__ = ["AdmissionPolicy", "EvictionPolicy", "Policy", "SupportsSharedIndex",
 def whole_setting(owner: str, setting: str, value: Any, least: int, most: int) -> int:
     """`value` as an int in [least, most]: a whole-number setting of policy `owner`.
 
+    A float with no fraction (2.0) counts as its int: manifests written before this check
+    hold settings as the user gave them, and such a store must still open.
+
     Raises:
-        ConfigError: a bool, a float or anything else that is not an int, or out of range.
+        ConfigError: a bool, a float with a fraction, NaN or infinity, anything else that is
+            not a number, or out of range.
     """
+    if isinstance(value, (float, np.floating)) and np.isfinite(value) \
+            and float(value).is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
             or not least <= value <= most:
         raise ConfigError(f"{owner} {setting} must be a whole number in [{least}, {most}], "

@@ -210,12 +210,37 @@ def test_a_bad_seed_is_a_config_error(name: str, seed: object) -> None:
 
 
 @pytest.mark.parametrize(("name", "setting", "value"), [
-    ("frequency", "threshold", 1.5), ("frequency", "depth", 2.0), ("frequency", "width", True),
-    ("frequency", "width", 1 << 62), ("frequency", "reset_after", 0.5),
-    ("second_hit", "capacity", 1.5), ("second_hit", "capacity", 10**15),
-    ("s3fifo", "move_to_main_threshold", 1.5), ("lfu", "history_width", 1024.0),
+    ("frequency", "threshold", 1.5), ("frequency", "depth", float("nan")),
+    ("frequency", "width", True), ("frequency", "width", 1 << 62),
+    ("frequency", "reset_after", 0.5), ("second_hit", "capacity", 1.5),
+    ("second_hit", "capacity", 10**15), ("s3fifo", "move_to_main_threshold", 1.5),
+    ("lfu", "history_width", float("inf")),
 ])
-def test_whole_number_settings_refuse_floats_bools_and_huge_values(
+def test_whole_number_settings_refuse_fractions_bools_and_huge_values(
         name: str, setting: str, value: object) -> None:
     with pytest.raises(ConfigError, match=setting):
         registry.load_policy(name)(**{setting: value})
+
+
+def test_a_store_whose_manifest_holds_a_whole_float_setting_still_opens(tmp_path) -> None:
+    # manifests keep settings as given; one written as 2.0 before settings were checked as
+    # whole numbers must still open (and the setting reads as the int)
+    import embstore
+
+    tiers = [embstore.TierSpec("dram", capacity=8, eviction="lru"),
+             embstore.TierSpec("lmdb", admission="frequency",
+                               admission_options={"threshold": 2})]
+    with embstore.open(tmp_path / "s", tables=[embstore.TableSpec("t", dim=2)],
+                       tiers=tiers) as store:
+        store.update("t", np.arange(4), np.ones((4, 2), np.float32))
+        store.flush()
+        before = store.lookup("t", np.arange(4))
+    from embstore.manifest import read_manifest, write_manifest
+
+    doc = read_manifest(tmp_path / "s")  # as the earlier code wrote it
+    doc["tiers"][1]["admission_options"]["threshold"] = 2.0
+    write_manifest(tmp_path / "s", doc)
+    assert '"threshold": 2.0' in (tmp_path / "s" / "MANIFEST.json").read_text()
+    assert registry.load_policy("frequency")(threshold=2.0).config()["threshold"] == 2
+    with embstore.open(tmp_path / "s", read_only=True) as store:
+        np.testing.assert_array_equal(store.lookup("t", np.arange(4)), before)
