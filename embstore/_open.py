@@ -118,6 +118,8 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
             raise ConfigError("an in-memory store cannot be read-only")
         if not specs:
             raise ConfigError("an in-memory store needs tables=[TableSpec(...)]")
+        for spec in specs:
+            spec.check_initial_values()
         return EmbeddingStore(None, specs, tier_specs or DEFAULT_TIERS, read_only=False,
                               lock_fd=None)
 
@@ -175,6 +177,8 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
         else:
             all_specs, chain, added = specs, tier_specs or DEFAULT_TIERS, specs
             steps = {}
+        for spec in added:  # new tables only: stored ones opened before this check
+            spec.check_initial_values()
         store = EmbeddingStore(directory, all_specs, chain, read_only=read_only, lock_fd=lock_fd,
                                gradient_steps=steps)
     except BaseException:

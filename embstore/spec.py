@@ -192,18 +192,6 @@ class TableSpec:
             raise ConfigError(f"table {self.name!r}: precision {self.precision!r} stores "
                               f"weights in 16 bits and computes in float32; leave dtype at "
                               f"float32 (got {dtype})")
-        if not self.allow_nonfinite:
-            # a row never written reads as its initial value: NaN there would be served
-            # from a table that refuses NaN everywhere else
-            with np.errstate(over="ignore", invalid="ignore"):
-                first = self.init(np.zeros(1, np.int64), 1, dtype)
-                if self.precision == "fp16":
-                    first = first.astype(np.float16)
-            if not np.isfinite(first).all():
-                raise ConfigError(
-                    f"table {self.name!r}: its init {self.init!r} gives {first.ravel()[0]} "
-                    f"in {'float16' if self.precision == 'fp16' else dtype}, and the table "
-                    "forbids NaN and infinity; give a finite value or allow_nonfinite=True")
         if self.tiers is not None:
             try:
                 tiers = () if isinstance(self.tiers, TierSpec) else tuple(self.tiers)
@@ -213,6 +201,35 @@ class TableSpec:
                 raise ConfigError(
                     f"table {self.name!r}: tiers must be a non-empty list of TierSpec")
             object.__setattr__(self, "tiers", tiers)
+
+    def check_initial_values(self) -> None:
+        """Refuse an init whose first row is not finite where the table forbids it.
+
+        A row never written reads as its initial value, so NaN there would be served from
+        a table that refuses NaN everywhere else. Checked when a table is created, not when
+        a stored one is read back: a store made before the check must still open.
+
+        Raises:
+            ConfigError: the init gives NaN or infinity (in float16 too, for fp16 weights)
+                in a table that forbids them, or fails on one row.
+        """
+        if self.allow_nonfinite:
+            return
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                first = self.init(np.zeros(1, np.int64), self.dim, self.dtype)
+                if self.precision == "fp16":
+                    first = first.astype(np.float16)
+            finite = bool(np.isfinite(first).all())
+        except Exception as exc:  # a user's initializer: its error, named
+            raise ConfigError(f"table {self.name!r}: its init {self.init!r} failed on one row "
+                              f"({type(exc).__name__}: {exc})") from exc
+        if not finite:
+            bad = first.ravel()[~np.isfinite(first.ravel())][0]
+            raise ConfigError(
+                f"table {self.name!r}: its init {self.init!r} gives {bad} in "
+                f"{'float16' if self.precision == 'fp16' else self.dtype}, and the table "
+                "forbids NaN and infinity; give a finite value or allow_nonfinite=True")
 
     @property
     def row_width(self) -> int:

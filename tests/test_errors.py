@@ -89,17 +89,48 @@ def test_nonfinite_values_are_kept_where_the_table_allows_them():
 @pytest.mark.parametrize(("value", "precision", "shown"), [
     (float("nan"), "fp32", "nan in float32"), (1e40, "fp32", "inf in float32"),
     (1e5, "fp16", "inf in float16")])
-def test_an_initial_value_the_table_forbids_is_refused(value, precision, shown):
+def test_a_new_table_whose_initial_value_it_forbids_is_refused(tmp_path, value, precision,
+                                                               shown):
     # rows never written read as their initial value: a NaN there would reach the caller
+    spec = TableSpec("t", dim=4, init=embstore.init.Constant(value), precision=precision)
     with pytest.raises(E.ConfigError, match=shown):
-        TableSpec("t", dim=4, init=embstore.init.Constant(value), precision=precision)
+        embstore.open(None, tables=[spec])
+    with pytest.raises(E.ConfigError, match=shown):
+        embstore.open(tmp_path / "s", tables=[spec])
+    assert not (tmp_path / "s").exists()
     allowed = TableSpec("t", dim=4, init=embstore.init.Constant(value), precision=precision,
                         allow_nonfinite=True)
     with embstore.open(None, tables=[allowed]) as store:
         assert not np.isfinite(store.lookup("t", np.array([3]))).any()
-    with embstore.open(None, tables=[TableSpec("t", dim=4, init=embstore.init.Constant(
-            1e4 if precision == "fp16" else 1e30), precision=precision)]) as store:
-        assert np.isfinite(store.lookup("t", np.array([3]))).all()
+
+
+def test_a_stored_table_with_such_an_initial_value_still_opens(tmp_path):
+    # made before the check: its manifest holds the spec, and the store must stay readable
+    from embstore.manifest import read_manifest, write_manifest
+
+    with embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=2)]) as store:
+        store.update("t", np.arange(2), np.ones((2, 2), np.float32))
+    doc = read_manifest(tmp_path / "s")
+    doc["tables"][0]["init"] = {"name": "constant", "config": {"value": float("nan")}}
+    write_manifest(tmp_path / "s", doc)
+    with embstore.open(tmp_path / "s") as store:
+        np.testing.assert_array_equal(store.lookup("t", np.arange(2)), np.ones((2, 2)))
+
+
+class _Failing(embstore.init.Initializer):
+    name = "failing_for_test"
+    listed = False  # registered (every initializer is), but no name users see
+
+    def __call__(self, ids, dim, dtype):
+        raise ZeroDivisionError("no rows here")
+
+    def config(self):
+        return {}
+
+
+def test_an_init_that_fails_on_a_new_table_is_a_config_error():
+    with pytest.raises(E.ConfigError, match="failed on one row.*ZeroDivisionError"):
+        embstore.open(None, tables=[TableSpec("t", dim=2, init=_Failing())])
 
 
 def test_an_optimizer_step_that_overflows_writes_nothing():
