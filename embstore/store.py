@@ -838,13 +838,17 @@ class EmbeddingStore:
                 # a writer in another process saves no pre-images for this copy: the store
                 # must hold still while it is taken
                 self._reading_fd = layout.lock_for_reading(self._path)
-            self.flush()  # every dirty row is in the store of record now: its rows are T0's
+            try:
+                self.flush()  # every dirty row is in the store of record now: T0's rows
+                scope = self._changes if incremental else None
+                rows = {name: len(scope[name]) if scope is not None
+                        else len(t.chain.tiers[-1].backend) for name, t in self._tables.items()}
+            except BaseException:
+                self._release_reading_lock()  # no checkpoint began: no end_checkpoint comes
+                raise
             previous = self._changes
-            scope = previous if incremental else None
             self._changes = {name: IdIndex() for name in self._tables}  # changes after T0
             self._copy = CopyState(scope, previous)
-            rows = {name: len(scope[name]) if scope is not None
-                    else len(t.chain.tiers[-1].backend) for name, t in self._tables.items()}
             return CheckpointPlan([t.spec for t in self._tables.values()], self._default_tiers,
                                   parent, rows, self._gradient_steps())
 
@@ -898,9 +902,7 @@ class EmbeddingStore:
         """For `embstore.checkpoint`: stop saving pre-images; `dest` None after a failure."""
         with self._mutex:
             copy, self._copy = self._copy, None
-            fd, self._reading_fd = self._reading_fd, None
-            if fd is not None:
-                os.close(fd)
+            self._release_reading_lock()
             if dest is not None:
                 self._last_checkpoint = dest
             elif copy is not None and copy.previous is not None and self._changes is not None:
@@ -909,6 +911,12 @@ class EmbeddingStore:
                     ids = changed.items()[0]
                     if len(ids):
                         self._changes[name].add(ids)
+
+    def _release_reading_lock(self) -> None:
+        """Let writers in again: the lock a read-only handle holds while it checkpoints."""
+        fd, self._reading_fd = self._reading_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def flush(self) -> None:
         """Make every acknowledged write durable in the persistent tiers.
@@ -1101,6 +1109,7 @@ class EmbeddingStore:
             raise first
 
     def _release_lock(self) -> None:
+        self._release_reading_lock()  # a checkpoint cut short by close()
         if self._lock_fd is not None:
             layout.release(self._lock_fd)
             self._lock_fd = None

@@ -350,3 +350,20 @@ def test_a_read_only_handle_checkpoints_a_store_that_holds_still(tmp_path):
                 pytest.raises(E.StoreLockedError):
             reader.checkpoint(tmp_path / "ck2")
     assert not (tmp_path / "ck2").exists()
+
+
+def test_a_read_only_checkpoint_that_fails_to_begin_lets_writers_in_again(tmp_path,
+                                                                         monkeypatch):
+    path = tmp_path / "s"
+    with embstore.open(path, tables=[_spec()], tiers=[TierSpec("pmem")]) as store:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+    with embstore.open(path, read_only=True) as reader:
+        def failing_flush() -> None:
+            raise E.StorageIOError(5, "the medium failed")
+
+        monkeypatch.setattr(reader, "flush", failing_flush)
+        with pytest.raises(E.StorageIOError, match="the medium failed"):
+            reader.checkpoint(tmp_path / "ck")
+        with embstore.open(path) as writer:  # the reader's lock went with the failure
+            writer.update("t", [0], np.zeros((1, 4), np.float32))
+    assert not (tmp_path / "ck").exists()
