@@ -393,15 +393,23 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
         doc = read_manifest(tmp)
         tables = {t["name"]: TableSpec.from_json(t) for t in doc["tables"]}
         tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
-        for spec in tables.values():
+        base_ids: dict[str, np.ndarray] = {}
+        for spec in tables.values():  # the seal's check reads every row of the base once
             with _checkpoint_rows(base, tmp, spec, tiers) as bottom:
-                stored, digest = 0, 0
+                stored, digest, seen = 0, 0, []
                 for ids, rows in bottom.items(BATCH_ROWS):
                     stored, digest = stored + len(ids), (digest + _digest(ids, rows)) % 2**64
+                    if len(chain) == 1:  # no increment follows: these are the written ids
+                        seen.append(ids)
             _check_sealed(base, doc, spec.name, stored, digest, np.zeros(0, np.int64))
+            base_ids[spec.name] = np.concatenate(seen) if seen else np.zeros(0, np.int64)
         for path, inc in reversed(chain[:-1]):  # oldest increment first
             _apply_increment(tmp, path, inc, tables, tiers)
         for spec in tables.values():  # the rows now stored are the written ones
+            if len(chain) == 1:  # the base's, as its scan listed them
+                write_record(written_file(tmp, spec.name), spec.num_embeddings,
+                             base_ids[spec.name])
+                continue
             with _bottom_backend(tmp, spec, tiers, read_only=True) as bottom:
                 write_record(written_file(tmp, spec.name), spec.num_embeddings, bottom.ids())
         doc.pop("format"), doc.pop("version")
