@@ -59,8 +59,11 @@ def _read(root: Path) -> tuple[dict[str, Any], str | None]:
         if os.fstat(fd).st_size > _MAX_BYTES:
             return {}, f"is over {_MAX_BYTES >> 20} MiB"
         with os.fdopen(fd, "rb", closefd=False) as fh:
-            doc = json.loads(fh.read())
-    except (OSError, ValueError):
+            raw = fh.read()
+        doc = json.loads(raw)
+    except OSError as exc:
+        return {}, f"cannot be read ({exc.strerror or exc})"
+    except ValueError:
         return {}, "is not JSON"
     finally:
         os.close(fd)
