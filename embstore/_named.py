@@ -10,9 +10,18 @@ import json
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, TypeVar
 
+import numpy as np
+
 from .errors import ConfigError, UnknownNameError
 
-__all__ = ["Named"]
+__all__ = ["Named", "number_setting"]
+
+
+def number_setting(what: str, value: Any) -> float:
+    """`value` as a float, or a ConfigError naming setting `what` (no strings, bools, None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"{what} must be a number, got {value!r}")
+    return float(value)
 
 T = TypeVar("T", bound="Named")
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ._named import Named
+from ._named import Named, number_setting
 from .errors import ConfigError
 
 __all__ = ["Constant", "Initializer", "Normal", "Uniform", "Zeros", "from_config",
@@ -53,10 +53,7 @@ def _unit_interval(bits: np.ndarray) -> np.ndarray:
 
 
 def _number(owner: str, name: str, value: Any) -> float:
-    """`value` as a float, or a ConfigError naming the setting (no strings, bools or None)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ConfigError(f"{owner} {name} must be a number, got {value!r}")
-    return float(value)
+    return number_setting(f"{owner} {name}", value)
 
 
 def _seed(owner: str, value: Any) -> int:

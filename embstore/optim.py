@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from . import _optim_rules as rules
-from ._named import Named
+from ._named import Named, number_setting
 from .errors import ConfigError, DtypeMismatchError
 
 __all__ = [
@@ -58,15 +58,8 @@ class Optimizer(Named):
 
 
 
-def _as_float(name: str, value: Any) -> float:
-    """`value` as a float, or a ConfigError naming the setting (no strings, bools or None)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    return float(value)
-
-
 def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
-    value = _as_float(name, value)
+    value = number_setting(name, value)
     if not np.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{name} must be finite and {bound}, got {value!r}")
@@ -100,7 +93,7 @@ class SGD(Optimizer):
 
 
 def _check_beta(name: str, value: float) -> float:
-    value = _as_float(name, value)
+    value = number_setting(name, value)
     if not 0.0 <= value < 1.0:  # also rejects NaN
         raise ConfigError(f"{name} must be in [0, 1), got {value!r}")
     return value
