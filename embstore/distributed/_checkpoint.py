@@ -10,46 +10,76 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import EmbstoreError, PeerFailedError, StoreExistsError
+from .._private_dir import discard
+from ..checkpoint import _as_path, _check_new, _check_step, _io_error
 from ..manifest import make_dirs, write_atomic
 
-__all__ = ["META", "checkpoint_sharded"]
+__all__ = ["META", "checkpoint_sharded", "missing_dirs"]
 
 META = "sharded.json"
 """The sharded store's own record beside the ranks' stores: world size, plan, tables."""
 
 
-def checkpoint_sharded(store: Any, dest: Path, step: int | None) -> Path:
-    """Write every rank's shards to ``dest/rank<r>`` and the plan to ``dest/sharded.json``."""
+def missing_dirs(directory: Path) -> list[Path]:
+    """`directory` and its parents that do not exist, nearest first (what making it makes)."""
+    made = []
+    d = directory
+    while not d.exists() and d != d.parent:
+        made.append(d)
+        d = d.parent
+    return made
+
+
+def checkpoint_sharded(store: Any, dest: object, step: int | None) -> Path:
+    """Write every rank's shards to ``dest/rank<r>`` and the plan to ``dest/sharded.json``.
+
+    Each step ends in an agreement of every rank (`Comm.agree`): a failure on any rank makes
+    every rank raise at once, and rank 0 removes the `dest` it made, so that the same
+    checkpoint can be taken again.
+    """
     comm = store._comm
-    error = ""
+    error: BaseException | None = None
+    path = Path()
+    try:  # every rank checks everything before anything is made
+        store._check_open()
+        path = _as_path(dest, "the checkpoint's destination")
+        _check_step(step)
+        _check_new(path, "a checkpoint")
+    except Exception as exc:
+        error = exc
+    comm.agree(error, "checkpoint's destination and step")
+    made: list[Path] = []
+
+    def undo() -> None:  # incomplete: nothing of it stays, a retry starts afresh
+        if made:
+            discard(made[0], made[1:])
+
+    error = None
     if comm.rank == 0:
-        if dest.exists():
-            error = f"{dest} exists; checkpoint into a new directory"
-        else:
-            make_dirs(dest)  # synced into its parent, as the ranks' checkpoints are into it
-    errors = comm.gather_objects(error, "checkpoint start")
-    if errors[0]:
-        raise StoreExistsError(str(errors[0]))
-    failure: EmbstoreError | None = None
+        made = missing_dirs(path)
+        try:
+            make_dirs(path)  # synced into its parent, as the ranks' checkpoints are into it
+        except OSError as exc:
+            error = _io_error(exc, path, "create")
+    comm.agree(error, "checkpoint's directory", undo=undo)
+    error = None
     try:
-        store.local.checkpoint(dest / f"rank{comm.rank}", step=step)
-    except EmbstoreError as exc:  # said to the others, which would wait for this rank
-        failure = exc
-    errors = comm.gather_objects("" if failure is None else f"{type(failure).__name__}: "
-                                 f"{failure}", "checkpoint shards")
-    if failure is not None:
-        raise failure
-    failed = [r for r, e in enumerate(errors) if e]
-    if failed:
-        raise PeerFailedError(f"rank {failed[0]} could not write its shards into {dest} "
-                              f"({errors[failed[0]]}); the checkpoint is incomplete (it has "
-                              f"no {META}) and the store is unchanged")
+        store.local.checkpoint(path / f"rank{comm.rank}", step=step)
+    except Exception as exc:  # said to the others, which would wait for this rank
+        error = exc
+    comm.agree(error, "checkpoint of every rank's shards", undo=undo)
+    error = None
     if comm.rank == 0:
-        meta = json.loads((store.path / META).read_text()) if store.path else {
-            "world_size": comm.world, "plan": store.plan.to_json(),
-            "tables": [store.table_spec(t).to_json() for t in store.tables], "tiers": None}
-        meta["step"] = step
-        write_atomic(dest / META, json.dumps(meta, indent=1).encode())
-    comm.barrier("checkpoint done")
-    return dest
+        try:
+            meta = json.loads((store.path / META).read_text()) if store.path else {
+                "world_size": comm.world, "plan": store.plan.to_json(),
+                "tables": [store.table_spec(t).to_json() for t in store.tables],
+                "tiers": None}
+            meta["step"] = None if step is None else int(step)
+            write_atomic(path / META, json.dumps(meta, indent=1).encode())
+        except OSError as exc:
+            error = _io_error(exc, path / META, "write")
+        except Exception as exc:
+            error = exc
+    comm.agree(error, "checkpoint's record", undo=undo)
+    return path

@@ -8,14 +8,18 @@ different calls are caught by a signature sent with the sizes.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, PeerFailedError
+from ..errors import ConfigError, EmbstoreError, PeerFailedError
 
 __all__ = ["Comm", "as_bytes"]
 
@@ -144,6 +148,43 @@ class Comm:
         out: list[object] = [None] * self.world
         self._run(lambda: dist.all_gather_object(out, obj, group=self.group), what)
         return out
+
+    def agree(self, error: BaseException | None, what: str, value: Any = None,
+              undo: Callable[[], None] | None = None) -> None:
+        """Tell every rank whether this rank's part of `what` failed; raise if any did.
+
+        Every rank calls it whatever happened to it, with the error it met (else None) and,
+        optionally, a JSON value all ranks must share. A rank raises its own error; the
+        others raise PeerFailedError naming it, at once; ranks whose values differ raise
+        ConfigError. So no rank is left waiting in a collective that another one skipped.
+
+        On a failure every rank first runs its `undo` (removing what it made), and, where the
+        ranks could tell each other, waits for the others' before it raises: so no rank's
+        next call finds what another rank has not yet removed.
+        """
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        try:
+            seen = cast(list[tuple[str | None, str]],
+                        self.gather_objects((mine, json.dumps(value, sort_keys=True)), what))
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+        failed = [(r, e) for r, (e, _) in enumerate(seen) if e is not None]
+        if error is None and failed:
+            error = PeerFailedError(f"the {what} failed on rank {failed[0][0]} "
+                                    f"({failed[0][1]}; its own error says why)")
+        elif error is None and len({v for _, v in seen}) != 1:
+            error = ConfigError(f"ranks disagree on the {what}; every rank must make the same "
+                                "call with the same arguments (path or none, tables, tiers, "
+                                "plan)")
+        if error is None:
+            return
+        if undo is not None:
+            undo()
+            with contextlib.suppress(EmbstoreError):
+                self.barrier(f"{what}: undone")
+        raise error
 
     def _run(self, fn: object, what: str) -> None:
         try:

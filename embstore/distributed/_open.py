@@ -16,29 +16,33 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
 from .. import _open as base_open
 from .._access_log import AccessRecorder, check_rates
+from .._private_dir import discard, reason
 from ..errors import (
     ConfigError,
     CorruptStoreError,
     EmbstoreError,
     PeerFailedError,
+    StorageIOError,
     StoreExistsError,
     StoreNotFoundError,
 )
 from ..manifest import MANIFEST_NAME, make_dirs, write_atomic
 from ..spec import TableSpec, TierSpec
 from ..store import EmbeddingStore
-from ._checkpoint import META, checkpoint_sharded
+from ._checkpoint import META, checkpoint_sharded, missing_dirs
 from ._comm import Comm
 from ._shards import local_spec, state_layout
 from .plan import Plan, default_plan
@@ -82,20 +86,29 @@ def _read_meta(directory: Path
     return specs, plan, tiers
 
 
-def _agree(comm: Comm, error: BaseException | None, what: str, value: Any = None) -> None:
-    """Raise on every rank if any rank failed (its own error there) or the values differ."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    seen = cast(list[tuple[str | None, str]],
-                comm.gather_objects((mine, json.dumps(value, sort_keys=True)), what))
-    if error is not None:
-        raise error
-    failed = [(r, e) for r, (e, _) in enumerate(seen) if e is not None]
-    if failed:
-        raise PeerFailedError(f"{what} failed on rank {failed[0][0]} ({failed[0][1]}); nothing "
-                              "was changed")
-    if len({v for _, v in seen}) != 1:
-        raise ConfigError(f"ranks disagree on the {what}; every rank must open the sharded "
-                          "store with the same path or none, tables, tiers and plan")
+@dataclass
+class _Made:
+    """What this rank made for a new sharded store: removed again if the opening fails."""
+
+    root: list[Path] = field(default_factory=list)
+    """Rank 0: the store's directory and the parents made for it, nearest first."""
+    own: Path | None = None
+    """This rank's ``rank<r>`` directory, where it did not exist."""
+
+    def discard(self) -> None:
+        if self.own is not None:
+            shutil.rmtree(self.own, ignore_errors=True)
+        for _ in range(20):  # another rank may still be closing its store inside it
+            if not self.root or not self.root[0].exists():
+                return
+            discard(self.root[0], self.root[1:])
+            time.sleep(0.05)
+
+
+def _io_error(exc: OSError, path: Path, doing: str) -> StorageIOError:
+    if isinstance(exc, EmbstoreError):
+        return exc  # type: ignore[return-value]
+    return StorageIOError(exc.errno, f"cannot {doing} {path}: {reason(exc, path)}")
 
 
 def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = None,
@@ -128,18 +141,20 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
     if not dist.is_available() or not dist.is_initialized():  # no peers to tell: say why first
         _check_args(directory, plan, record_accesses, record_sample)
     comm = _comm(group, timeout_s)
-    return _open(comm, directory, tables, tiers, plan, record_accesses, record_sample)
+    store, _ = _open(comm, directory, tables, tiers, plan, record_accesses, record_sample)
+    return store
 
 
 def _open(comm: Comm, directory: Path | None, tables: list[TableSpec] | None,
           tiers: list[TierSpec] | None, plan: Plan | None,
           record_accesses: str | os.PathLike[str] | None = None,
           record_sample: float | Mapping[str, float] = 1.0, *, publish: bool = True
-          ) -> ShardedStore:
+          ) -> tuple[ShardedStore, _Made]:
     """`open` over `comm`: every check on every rank, agreed before anything is created.
 
-    With `publish` False a new store's record (sharded.json) is left for the caller to
-    write with `_publish` once it holds what it should.
+    Returns the store and what this rank made for it. With `publish` False a new store's
+    record (sharded.json) is left for the caller to write with `_publish` once it holds what
+    it should (or to remove what was made with `_abandon`).
     """
     error: BaseException | None = None
     doc: dict[str, Any] = {}
@@ -152,32 +167,59 @@ def _open(comm: Comm, directory: Path | None, tables: list[TableSpec] | None,
                "tables": [s.to_json() for s in specs], "tiers": tier_json}
     except EmbstoreError as exc:
         error = exc
-    _agree(comm, error, "sharded store's tables, tiers and plan",
-           {**doc, "on_disk": directory is not None})
+    comm.agree(error, "sharded store's tables, tiers and plan",
+               {**doc, "on_disk": directory is not None})
+    return _open_made(comm, directory, meta, specs, placed, tier_specs, doc, record_accesses,
+                      record_sample, publish=publish)
+
+
+def _open_made(comm: Comm, directory: Path | None, meta: Any, specs: list[TableSpec],
+               placed: Plan, tier_specs: list[TierSpec] | None, doc: dict[str, Any],
+               record_accesses: str | os.PathLike[str] | None,
+               record_sample: float | Mapping[str, float], *, publish: bool
+               ) -> tuple[ShardedStore, _Made]:
+    """Make (or reopen) the agreed store, and say what this rank made for it.
+
+    A failure on any rank makes every rank raise at once, and what the ranks made for a new
+    store is removed, so that the same call can be made again.
+    """
+    new = directory is not None and meta is None
+    made = _Made()
+    error: BaseException | None = None
+    if new and comm.rank == 0:
+        assert directory is not None
+        made.root = missing_dirs(directory)
+        try:
+            make_dirs(directory)  # its entry must survive a power cut like the record in it
+        except OSError as exc:
+            error = _io_error(exc, directory, "create")
+    comm.agree(error, "sharded store's directory", undo=made.discard)
+    error = None
     local = recorder = None
     try:
-        if directory is not None and meta is None and comm.rank == 0:
-            make_dirs(directory)  # its entry must survive a power cut like the record in it
-        comm.barrier("open")
+        if new:
+            assert directory is not None
+            where = directory / f"rank{comm.rank}"
+            made.own = None if where.exists() else where
         local = _open_local(directory, comm.rank, specs, placed, tier_specs, meta is not None)
         if record_accesses is not None:
             recorder = AccessRecorder(Path(record_accesses) / f"rank{comm.rank}",
                                       [s.name for s in specs], record_sample)
-    except EmbstoreError as exc:
+    except OSError as exc:
+        error = _io_error(exc, directory or Path(), "open")
+    except Exception as exc:
         error = exc
-    except BaseException:
+
+    def undo() -> None:
         _close_quietly(local, recorder)
-        raise
-    try:
-        _agree(comm, error, "opening of every rank's shards")
-    except BaseException:
-        _close_quietly(local, recorder)
-        raise
+        made.discard()
+
+    comm.agree(error, "opening of every rank's shards", undo=undo)
     assert local is not None
     store = ShardedStore(comm, placed, specs, local, directory, recorder)
-    if directory is not None and meta is None and publish:
-        _publish(store, doc)
-    return store
+    if new and publish:
+        _publish(store, doc, made)
+    return store, made
 
 
 def _settle(comm: Comm, directory: Path | None, tables: list[TableSpec] | None,
@@ -223,12 +265,28 @@ def _check_args(directory: Path | None, plan: Plan | None,
         check_rates(record_sample)
 
 
-def _publish(store: ShardedStore, doc: dict[str, Any]) -> None:
-    """Write a new store's record once every rank holds its shards (collective)."""
+def _publish(store: ShardedStore, doc: dict[str, Any], made: _Made) -> None:
+    """Write a new store's record once every rank holds its shards (collective).
+
+    If rank 0 cannot, every rank closes its shards (releasing their locks) and what the
+    ranks made for the store is removed.
+    """
+    error: BaseException | None = None
     if store.rank == 0:
         assert store.path is not None
-        write_atomic(store.path / META, json.dumps(doc, indent=1).encode())
-    store._comm.barrier("open record")
+        try:
+            write_atomic(store.path / META, json.dumps(doc, indent=1).encode())
+        except OSError as exc:
+            error = _io_error(exc, store.path / META, "write")
+        except Exception as exc:
+            error = exc
+    store._comm.agree(error, "sharded store's record", undo=lambda: _abandon(store, made))
+
+
+def _abandon(store: ShardedStore, made: _Made) -> None:
+    """Close this rank's part of a store that failed to open, and remove what it made."""
+    _close_quietly(store.local, store._recorder)
+    made.discard()
 
 
 def _close_quietly(*opened: EmbeddingStore | AccessRecorder | None) -> None:
@@ -290,11 +348,11 @@ def restore(src: str | os.PathLike[str], path: str | os.PathLike[str] | None, *,
                                         f"{old.world_size} ranks): the checkpoint is not "
                                         "complete; restore another one") from None
             _check_shard(src / f"rank{k}", shards[k], specs, old, k)
-    except EmbstoreError as exc:
+    except Exception as exc:
         error = exc
     try:
-        _agree(comm, error, "restore of the checkpoint")
-        store = _open(comm, dest, specs, tiers, plan, publish=False)
+        comm.agree(error, "restore's checks of the checkpoint")
+        store, made = _open(comm, dest, specs, tiers, plan, publish=False)
     except BaseException:
         _close_quietly(*shards.values())
         raise
@@ -304,21 +362,20 @@ def restore(src: str | os.PathLike[str], path: str | os.PathLike[str] | None, *,
             ids, rows = _read_full(spec, old, shards)
             _write_mine(store, spec, ids, rows)
         store.local.flush()
-    except EmbstoreError as exc:
+    except OSError as exc:
+        error = _io_error(exc, dest or src, "restore into")
+    except Exception as exc:
         error = exc
     finally:
         _close_quietly(*shards.values())
-    try:
-        _agree(comm, error, "restore of the checkpoint")
-    except BaseException:
-        # no record is written: what the ranks wrote at `path` does not open as a store
-        _close_quietly(store.local)
-        raise
+    # no record is written: what the ranks made at `path` is removed, so that the restore
+    # can be made again
+    comm.agree(error, "restore of the checkpoint", undo=lambda: _abandon(store, made))
     if dest is not None:
         doc = {"world_size": comm.world, "plan": store.plan.to_json(),
                "tables": [s.to_json() for s in specs],
                "tiers": None if tiers is None else [t.to_json() for t in tiers]}
-        _publish(store, doc)
+        _publish(store, doc, made)
     return store
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from .._access_log import AccessRecorder
 from .._validate import as_ids, as_rows
-from ..errors import EmbstoreError, PeerFailedError, StoreClosedError, UnknownTableError
+from ..errors import PeerFailedError, StoreClosedError, UnknownTableError
 from ..index import IdGroups
 from ..optim import RowWiseAdagrad
 from ..spec import TableSpec
@@ -256,7 +256,7 @@ class ShardedStore:
                       for r in range(world)] for n in names}
         # owner side: one local lookup per table, of every source's ids in rank order
         replies: list[list[np.ndarray]] = [[] for _ in range(world)]
-        failure: EmbstoreError | None = None
+        failure: Exception | None = None
         try:
             for j, name in enumerate(names):
                 parts = [got[s][j][0] for s in range(world)]
@@ -270,9 +270,10 @@ class ShardedStore:
                 bounds = np.cumsum([0] + [len(p) for p in parts])
                 for s in range(world):
                     replies[s].append(rows[bounds[s]: bounds[s + 1]])
-        except EmbstoreError as exc:
+        except Exception as exc:
             # the sources still get their replies' bytes (zeros) and this failure, so that no
             # rank takes another call's bytes for rows; this rank raises after the exchange
+            # (whatever the error: a raw one too must not skip the reply)
             failure = exc
             replies = [[np.zeros(sum(len(got[s][j][0]) * widths[n][self.rank]
                                      * self._specs[n].dtype.itemsize
@@ -503,19 +504,31 @@ class ShardedStore:
     # --- whole store -----------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Flush every rank's shards; returns when all are durable."""
-        self.local.flush()
-        if self._recorder is not None:
-            self._recorder.flush()
-        self._comm.barrier("flush")
+        """Flush every rank's shards; returns when all are durable.
+
+        A rank whose flush fails (or whose store is closed) raises its own error and the
+        others PeerFailedError, at once.
+        """
+        error: BaseException | None = None
+        try:
+            self._check_open()
+            self.local.flush()
+            if self._recorder is not None:
+                self._recorder.flush()
+        except Exception as exc:
+            error = exc
+        self._comm.agree(error, "flush")
 
     def stats(self) -> list[dict[str, Any]]:
         """Every rank's local `stats()` (its shards), in rank order, on every rank."""
-        return self._comm.gather_objects(self.local.stats(), "stats")  # type: ignore[return-value]
+        with self._inputs("stats"):
+            self._check_open()
+            mine = self.local.stats()
+        return self._comm.gather_objects(mine, "stats")  # type: ignore[return-value]
 
     def checkpoint(self, dest: str | Path, *, step: int | None = None) -> Path:
         """A consistent checkpoint of every shard in `dest` (see `embstore.distributed`)."""
-        return checkpoint_sharded(self, Path(dest), step)
+        return checkpoint_sharded(self, dest, step)
 
     def close(self) -> None:
         """Close this rank's shards after every rank has reached `close` (collective)."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,8 +62,122 @@ def after_close_and_empty(rank: int, world: int) -> list[Any]:
                  lambda: store.update("a", np.arange(1), np.ones((1, 4), np.float32)),
                  lambda: store.apply_gradients("b", np.arange(1), np.ones((1, 6), np.float32)),
                  lambda: store.delete("a", np.arange(3)),
-                 lambda: store.num_rows("a")):
+                 lambda: store.num_rows("a"),
+                 store.flush,
+                 store.stats):
         out.append(outcome(call))
+    return out
+
+
+def closed_on_one_rank(rank: int, world: int) -> list[Any]:
+    """Rank 1 closed its shards (its `with` block failed): flush and stats raise
+    StoreClosedError there and PeerFailedError on rank 0, at once (rank 0 is not left
+    waiting for rank 1's next call), and both ranks then open a store together.
+    """
+    store = ed.open(None, tables=specs(), timeout_s=5)
+    if rank == 1:
+        store.local.close()
+    out: list[Any] = [outcome(store.flush), outcome(store.stats)]
+    store.local.close()
+    with ed.open(None, tables=specs(), timeout_s=5) as again:
+        out.append(again.num_rows("a"))
+    return out
+
+
+def _no_space(*args: Any, **kwargs: Any) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def checkpoint_numpy_step_and_failed_record(rank: int, world: int, tmp: str) -> list[Any]:
+    """A numpy step is recorded as an int; a record rank 0 cannot write fails every rank at
+    once and leaves nothing, so the same checkpoint is taken next.
+    """
+    import embstore.distributed._checkpoint as ck
+
+    with ed.open(None, tables=specs(), timeout_s=5) as store:
+        store.update("a", np.arange(4), np.ones((4, 4), np.float32))
+        out: list[Any] = [outcome(lambda: store.checkpoint(f"{tmp}/c1", step=np.int64(3)))]
+        real = ck.write_atomic
+        if rank == 0:
+            ck.write_atomic = _no_space  # type: ignore[assignment]
+        out.append(outcome(lambda: store.checkpoint(f"{tmp}/c2", step=4)))
+        ck.write_atomic = real
+        out.append(os.path.exists(f"{tmp}/c2"))
+        out.append(outcome(lambda: store.checkpoint(f"{tmp}/c2", step=4)))
+    with open(f"{tmp}/c1/sharded.json") as f:
+        out.append(json.load(f)["step"])
+    return out
+
+
+def checkpoint_bad_step_leaves_nothing(rank: int, world: int, tmp: str) -> list[Any]:
+    """A refused step is refused on every rank before anything is made: the retry works."""
+    with ed.open(None, tables=specs(), timeout_s=5) as store:
+        out: list[Any] = [outcome(lambda: store.checkpoint(f"{tmp}/c", step=-1)),
+                          outcome(lambda: store.checkpoint(f"{tmp}/c", step="1")),
+                          os.path.exists(f"{tmp}/c"),
+                          outcome(lambda: store.checkpoint(f"{tmp}/c", step=1))]
+    return out
+
+
+def open_fails_to_make_or_publish(rank: int, world: int, tmp: str) -> list[Any]:
+    """A path under a file, and a record rank 0 cannot write: StorageIOError there,
+    PeerFailedError on rank 1, at once; nothing is left, and the store then opens.
+    """
+    import embstore.distributed._open as eo
+
+    out: list[Any] = [outcome(lambda: ed.open(f"{tmp}/file/s", tables=specs(), timeout_s=5))]
+    real = eo.write_atomic
+    if rank == 0:
+        eo.write_atomic = _no_space  # type: ignore[assignment]
+    out.append(outcome(lambda: ed.open(f"{tmp}/new/s", tables=specs(), timeout_s=5)))
+    eo.write_atomic = real
+    out.append(os.path.exists(f"{tmp}/new"))
+    with ed.open(f"{tmp}/new/s", tables=specs(), timeout_s=5) as store:
+        out.append(store.num_rows("a"))
+    return out
+
+
+def restore_fails_then_retried(rank: int, world: int, tmp: str) -> list[Any]:
+    """Rank 1 cannot write its rows of a restore: every rank raises at once, nothing is left
+    at the path, and the same restore then works.
+    """
+    import embstore.distributed._open as eo
+
+    with ed.open(None, tables=specs(), timeout_s=5) as store:
+        store.update("a", np.arange(20), np.ones((20, 4), np.float32))
+        store.checkpoint(f"{tmp}/ckpt", step=1)
+    real = eo._write_mine
+    if rank == 1:
+        def fail(*args: Any, **kwargs: Any) -> None:
+            raise embstore.errors.StorageIOError(errno.EIO, "write error")
+        eo._write_mine = fail
+    out: list[Any] = [outcome(lambda: ed.restore(f"{tmp}/ckpt", f"{tmp}/new/r", timeout_s=5))]
+    eo._write_mine = real
+    out.append(os.path.exists(f"{tmp}/new"))
+    with ed.restore(f"{tmp}/ckpt", f"{tmp}/new/r", timeout_s=5) as restored:
+        out.append(restored.num_rows("a"))
+    return out
+
+
+def owner_read_raises_raw(rank: int, world: int) -> list[Any]:
+    """The owner's read raises an error that is no embstore error: it still sends its
+    failure to the others (which raise PeerFailedError), raises it, and the next lookups work.
+    """
+    plan = Plan(world, {"a": Placement("table", (1,)), "b": Placement("table", (1,))})
+    with ed.open(None, tables=specs(), plan=plan, timeout_s=5) as store:
+        store.update("a", np.arange(3), np.full((3, 4), 7, np.float32))
+        if rank == 1:
+            def fail(*args: Any, **kwargs: Any) -> None:
+                del store.local.lookup
+                raise KeyError("raw")
+            store.local.lookup = fail  # type: ignore[method-assign]
+        out: list[Any] = []
+        try:
+            store.lookup("a", np.arange(3) if rank == 0 else np.arange(0))
+            out.append("ok")
+        except Exception as exc:
+            out.append(type(exc).__name__)
+        out += [store.lookup("a", np.arange(3)).tolist() for _ in range(2)]
     return out
 
 

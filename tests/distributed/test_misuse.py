@@ -27,7 +27,7 @@ def test_calls_without_rows_that_differ_between_ranks_fail_on_every_rank() -> No
 @pytest.mark.timeout(60)
 def test_a_closed_store_refuses_every_call_on_every_rank_and_no_tables_is_no_rows() -> None:
     got = launch.run(mu.after_close_and_empty, 2, timeout_s=50)
-    assert got[0] == got[1] == [{}, {}] + ["StoreClosedError"] * 6
+    assert got[0] == got[1] == [{}, {}] + ["StoreClosedError"] * 8
 
 
 @pytest.mark.timeout(60)
@@ -73,3 +73,49 @@ def test_an_owner_that_fails_to_read_makes_the_lookup_fail_everywhere() -> None:
     rows = [[7.0] * 4] * 3
     assert got[0] == ["PeerFailedError", rows, rows]
     assert got[1] == ["StorageIOError", rows, rows]
+
+
+@pytest.mark.timeout(40)
+def test_flush_and_stats_of_a_store_closed_on_one_rank_fail_every_rank_at_once() -> None:
+    got = launch.run(mu.closed_on_one_rank, 2, timeout_s=30)
+    assert got[0] == ["PeerFailedError", "PeerFailedError", 0]
+    assert got[1] == ["StoreClosedError", "StoreClosedError", 0]
+
+
+@pytest.mark.timeout(40)
+def test_a_numpy_step_is_recorded_and_a_record_rank0_cannot_write_fails_every_rank(
+        tmp_path) -> None:
+    got = launch.run(mu.checkpoint_numpy_step_and_failed_record, 2, str(tmp_path),
+                     timeout_s=30)
+    assert got[0] == ["ok", "StorageIOError", False, "ok", 3]
+    assert got[1] == ["ok", "PeerFailedError", False, "ok", 3]
+
+
+@pytest.mark.timeout(40)
+def test_a_refused_step_leaves_no_checkpoint_directory(tmp_path) -> None:
+    got = launch.run(mu.checkpoint_bad_step_leaves_nothing, 2, str(tmp_path), timeout_s=30)
+    assert got[0] == got[1] == ["ConfigError", "ConfigError", False, "ok"]
+
+
+@pytest.mark.timeout(40)
+def test_an_open_that_cannot_make_its_directory_or_record_fails_every_rank_at_once(
+        tmp_path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    got = launch.run(mu.open_fails_to_make_or_publish, 2, str(tmp_path), timeout_s=30)
+    assert got[0] == ["StorageIOError", "StorageIOError", False, 0]
+    assert got[1] == ["PeerFailedError", "PeerFailedError", False, 0]
+
+
+@pytest.mark.timeout(40)
+def test_a_failed_restore_leaves_nothing_and_can_be_made_again(tmp_path) -> None:
+    got = launch.run(mu.restore_fails_then_retried, 2, str(tmp_path), timeout_s=30)
+    assert got[0] == ["PeerFailedError", False, 20]
+    assert got[1] == ["StorageIOError", False, 20]
+
+
+@pytest.mark.timeout(40)
+def test_an_owner_read_that_raises_a_raw_error_still_answers_the_lookup() -> None:
+    got = launch.run(mu.owner_read_raises_raw, 2, timeout_s=30)
+    rows = [[7.0] * 4] * 3
+    assert got[0] == ["PeerFailedError", rows, rows]
+    assert got[1] == ["KeyError", rows, rows]
