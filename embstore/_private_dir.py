@@ -12,9 +12,23 @@ import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .errors import EmbstoreError, StorageIOError
 from .manifest import make_dirs
 
-__all__ = ["discard", "make_private", "reason"]
+__all__ = ["discard", "io_error", "make_private", "missing_dirs", "reason"]
+
+
+def missing_dirs(directory: Path) -> list[Path]:
+    """`directory` and its parents that do not exist, nearest first (what making it makes).
+
+    Nearest first, so that a failure can remove them in order (`discard`).
+    """
+    made = []
+    d = directory
+    while not d.exists() and d != d.parent:
+        made.append(d)
+        d = d.parent
+    return made
 
 
 def make_private(dest: Path, error: Callable[[int, str], OSError] = OSError
@@ -26,11 +40,7 @@ def make_private(dest: Path, error: Callable[[int, str], OSError] = OSError
             parent is a file, no permission, a read-only file system); the message names
             `dest`, not the private path, and nothing is left behind.
     """
-    made: list[Path] = []  # nearest first, so that a failure removes them in order
-    d = dest.parent
-    while not d.exists() and d != d.parent:
-        made.append(d)
-        d = d.parent
+    made = missing_dirs(dest.parent)
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     try:
         make_dirs(dest.parent)  # new parents: their entries must survive with what is published
@@ -62,3 +72,13 @@ def reason(exc: OSError, dest: Path) -> str:
         if blocker is not None:
             why = f"{blocker} is not a directory"
     return why
+
+
+def io_error(exc: OSError, dest: Path, doing: str) -> OSError:
+    """`exc`, met while `doing` `dest`, as a StorageIOError naming `dest`, not a private path.
+
+    An embstore error already says what it means and is returned as it is.
+    """
+    if isinstance(exc, EmbstoreError):
+        return exc
+    return StorageIOError(exc.errno, f"cannot {doing} {dest}: {reason(exc, dest)}")

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _crash, registry
-from ._private_dir import discard, make_private, reason
+from ._private_dir import discard, io_error, make_private
 from ._written import write_record
 from .backend import Backend, BackendSpec
 from .checksum import crc32c, row_checksums
@@ -232,11 +232,6 @@ def _check_new(dest: Path, what: str) -> None:
                               "a directory of its own beside it, e.g. ckpt/100")
 
 
-def _io_error(exc: OSError, dest: Path, doing: str) -> StorageIOError:
-    """`exc`, met writing `dest`, as an error naming `dest` (not a private path)."""
-    return StorageIOError(exc.errno, f"cannot {doing} {dest}: {reason(exc, dest)}")
-
-
 def _digest(ids: np.ndarray, rows: np.ndarray) -> int:
     """Sum (mod 2**64) of the rows' checksums over (id, row): independent of their order."""
     if not len(ids):
@@ -315,7 +310,7 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
         discard(tmp, made)
         source.end_checkpoint(None)
         if isinstance(exc, OSError) and not isinstance(exc, EmbstoreError):
-            raise _io_error(exc, dest, "write") from exc
+            raise io_error(exc, dest, "write") from exc
         raise
     source.end_checkpoint(dest)
     return dest
@@ -427,7 +422,7 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
     except BaseException as exc:
         discard(tmp, made)
         if isinstance(exc, OSError) and not isinstance(exc, EmbstoreError):
-            raise _io_error(exc, dest, "write") from exc
+            raise io_error(exc, dest, "write") from exc
         raise
     return dest
 

@@ -10,24 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .._private_dir import discard
-from ..checkpoint import _as_path, _check_new, _check_step, _io_error
+from .._private_dir import discard, io_error, missing_dirs
+from ..checkpoint import _as_path, _check_new, _check_step
 from ..manifest import make_dirs, write_atomic
 
-__all__ = ["META", "checkpoint_sharded", "missing_dirs"]
+__all__ = ["META", "checkpoint_sharded"]
 
 META = "sharded.json"
 """The sharded store's own record beside the ranks' stores: world size, plan, tables."""
-
-
-def missing_dirs(directory: Path) -> list[Path]:
-    """`directory` and its parents that do not exist, nearest first (what making it makes)."""
-    made = []
-    d = directory
-    while not d.exists() and d != d.parent:
-        made.append(d)
-        d = d.parent
-    return made
 
 
 def checkpoint_sharded(store: Any, dest: object, step: int | None) -> Path:
@@ -60,7 +50,7 @@ def checkpoint_sharded(store: Any, dest: object, step: int | None) -> Path:
         try:
             make_dirs(path)  # synced into its parent, as the ranks' checkpoints are into it
         except OSError as exc:
-            error = _io_error(exc, path, "create")
+            error = io_error(exc, path, "create")
     comm.agree(error, "checkpoint's directory", undo=undo)
     error = None
     try:
@@ -78,7 +68,7 @@ def checkpoint_sharded(store: Any, dest: object, step: int | None) -> Path:
             meta["step"] = None if step is None else int(step)
             write_atomic(path / META, json.dumps(meta, indent=1).encode())
         except OSError as exc:
-            error = _io_error(exc, path / META, "write")
+            error = io_error(exc, path / META, "write")
         except Exception as exc:
             error = exc
     comm.agree(error, "checkpoint's record", undo=undo)

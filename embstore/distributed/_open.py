@@ -29,20 +29,19 @@ import torch.distributed as dist
 
 from .. import _open as base_open
 from .._access_log import AccessRecorder, check_rates
-from .._private_dir import discard, reason
+from .._private_dir import discard, io_error, missing_dirs
 from ..errors import (
     ConfigError,
     CorruptStoreError,
     EmbstoreError,
     PeerFailedError,
-    StorageIOError,
     StoreExistsError,
     StoreNotFoundError,
 )
 from ..manifest import MANIFEST_NAME, make_dirs, write_atomic
 from ..spec import TableSpec, TierSpec
 from ..store import EmbeddingStore
-from ._checkpoint import META, checkpoint_sharded, missing_dirs
+from ._checkpoint import META, checkpoint_sharded
 from ._comm import Comm
 from ._shards import local_spec, state_layout
 from .plan import Plan, default_plan
@@ -103,12 +102,6 @@ class _Made:
                 return
             discard(self.root[0], self.root[1:])
             time.sleep(0.05)
-
-
-def _io_error(exc: OSError, path: Path, doing: str) -> StorageIOError:
-    if isinstance(exc, EmbstoreError):
-        return exc  # type: ignore[return-value]
-    return StorageIOError(exc.errno, f"cannot {doing} {path}: {reason(exc, path)}")
 
 
 def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = None,
@@ -192,7 +185,7 @@ def _open_made(comm: Comm, directory: Path | None, meta: Any, specs: list[TableS
         try:
             make_dirs(directory)  # its entry must survive a power cut like the record in it
         except OSError as exc:
-            error = _io_error(exc, directory, "create")
+            error = io_error(exc, directory, "create")
     comm.agree(error, "sharded store's directory", undo=made.discard)
     error = None
     local = recorder = None
@@ -206,7 +199,7 @@ def _open_made(comm: Comm, directory: Path | None, meta: Any, specs: list[TableS
             recorder = AccessRecorder(Path(record_accesses) / f"rank{comm.rank}",
                                       [s.name for s in specs], record_sample)
     except OSError as exc:
-        error = _io_error(exc, directory or Path(), "open")
+        error = io_error(exc, directory or Path(), "open")
     except Exception as exc:
         error = exc
 
@@ -277,7 +270,7 @@ def _publish(store: ShardedStore, doc: dict[str, Any], made: _Made) -> None:
         try:
             write_atomic(store.path / META, json.dumps(doc, indent=1).encode())
         except OSError as exc:
-            error = _io_error(exc, store.path / META, "write")
+            error = io_error(exc, store.path / META, "write")
         except Exception as exc:
             error = exc
     store._comm.agree(error, "sharded store's record", undo=lambda: _abandon(store, made))
@@ -363,7 +356,7 @@ def restore(src: str | os.PathLike[str], path: str | os.PathLike[str] | None, *,
             _write_mine(store, spec, ids, rows)
         store.local.flush()
     except OSError as exc:
-        error = _io_error(exc, dest or src, "restore into")
+        error = io_error(exc, dest or src, "restore into")
     except Exception as exc:
         error = exc
     finally:
