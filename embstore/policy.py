@@ -54,11 +54,8 @@ class Policy(ABC):
     kind: ClassVar[str]
 
     def __init__(self, *, seed: int = 0) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
-                or seed < 0:
-            raise ConfigError(f"{type(self).__name__} seed must be an int >= 0, got {seed!r}")
-        self.seed = int(seed)
-        self.rng = np.random.default_rng(seed)
+        self.seed = whole_setting(type(self).__name__, "seed", seed, 0, 2**63 - 1)
+        self.rng = np.random.default_rng(self.seed)
 
     def config(self) -> dict[str, Any]:
         """Constructor settings, JSON-serialisable; `type(self)(**config())` recreates it."""
