@@ -61,3 +61,6 @@ class ForwardPlan:
     """Feature names in output order."""
     versions: list[Any] | None = None
     """The version counters of the tensors in `args` when the plan was made (`_versions`)."""
+    error: BaseException | None = None
+    """An error a collective lookup of the plan's rows raised on every rank: the forward
+    served this plan raises it, at its step, as the lookup would have there."""

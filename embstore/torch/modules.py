@@ -157,6 +157,8 @@ class _StoreModule(nn.Module):
         plan = self._staged
         if plan is not None and _same(plan.args, args) and plan.versions == _versions(args):
             self._staged = None
+            if plan.error is not None:
+                raise plan.error
         else:
             plan = self.prepare_forward(*args)
         pool_in_store(self.store, plan, self.mode, self.device)

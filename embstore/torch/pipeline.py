@@ -72,7 +72,8 @@ def _weak_hook(me: weakref.ref[TrainPipeline[Any]]) -> Callable[..., None]:
 
 
 def _abandon(stop: threading.Event, hook: Callable[..., None],
-             readers: ThreadPoolExecutor | None, touched: set[_StoreModule]) -> None:
+             readers: ThreadPoolExecutor | None,
+             touched: dict[_StoreModule, ForwardPlan]) -> None:
     """What close() does for a pipeline collected unclosed, short of waiting for the thread.
 
     The thread sees `stop` within 0.1 s of waiting for a free slot (or once the batches'
@@ -82,8 +83,14 @@ def _abandon(stop: threading.Event, hook: Callable[..., None],
     _write_hooks.remove(hook)
     if readers is not None:
         readers.shutdown(wait=False)
-    for module in touched:
-        module._staged = None
+    _unstage(touched)
+
+
+def _unstage(touched: dict[_StoreModule, ForwardPlan]) -> None:
+    """Drop the plans a pipeline staged and no forward used: not another pipeline's."""
+    for module, plan in touched.items():
+        if module._staged is plan:
+            module._staged = None
 
 
 class TrainPipeline(Generic[B]):
@@ -152,7 +159,7 @@ class TrainPipeline(Generic[B]):
         self._done = False
         self._ended = False  # every batch was handed out
         self._stream: Any = None
-        self._touched: set[_StoreModule] = set()
+        self._touched: dict[_StoreModule, ForwardPlan] = {}  # the last plan staged on each
         # the thread and the listener hold the pipeline weakly: one dropped without close()
         # (a loop left by break, outside a with block) is collected, and its finalizer stops
         # the thread and the listener, which would otherwise poll and log updates for ever
@@ -304,10 +311,15 @@ class TrainPipeline(Generic[B]):
         for module, plan in staged:
             if _collective(module):
                 # a sharded store's lookups are collective: every rank makes them on its
-                # training thread, in step order (only the grouping of ids was done ahead)
-                module.fetch_forward(plan)
+                # training thread, in step order (only the grouping of ids was done ahead).
+                # Every rank fails such a lookup together (one its ids, the others
+                # PeerFailedError): each forward raises it, as it would without a pipeline
+                try:
+                    module.fetch_forward(plan)
+                except EmbstoreError as exc:
+                    plan.error = exc
             module.stage(plan)
-            self._touched.add(module)
+            self._touched[module] = plan
         return cast(B, batch)
 
     def _refresh(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int) -> None:
@@ -361,8 +373,7 @@ class TrainPipeline(Generic[B]):
         self._thread.join()
         if self._readers is not None:
             self._readers.shutdown(wait=True)
-        for module in self._touched:
-            module._staged = None
+        _unstage(self._touched)
 
     def __enter__(self) -> TrainPipeline[B]:
         return self

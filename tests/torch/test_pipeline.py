@@ -507,3 +507,22 @@ def test_the_trainers_own_writes_between_steps_reach_the_staged_rows(stage_rows)
     plain = _train(_store(), batches, also=_own_writes)
     piped = _train(_store(), batches, depth=3, stage_rows=stage_rows, also=_own_writes)
     _assert_identical(plain, piped)
+
+
+def test_closing_one_pipeline_keeps_the_plan_another_staged_on_a_shared_module():
+    store = _store()
+    model = Model(store)
+    first = et.TrainPipeline(_batches(4), inputs=lambda b: {model.ebc: b.sparse},
+                             stage_rows=True)
+    model(next(first)).sum().backward()  # the first pipeline has served the module
+    with et.TrainPipeline(_batches(3, seed=1), inputs=lambda b: {model.ebc: b.sparse},
+                          stage_rows=True) as second:
+        batch = next(second)
+        staged = model.ebc._staged
+        assert staged is not None and staged.tables[0].rows is not None
+        first.close()
+        assert model.ebc._staged is staged  # the second pipeline's plan is its own
+        lookups = [store.stats()[t]["tiers"][0].lookups for t in ("t", "u")]
+        model(batch)
+        # served from the staged rows: the forward read nothing from the store
+        assert [store.stats()[t]["tiers"][0].lookups for t in ("t", "u")] == lookups
