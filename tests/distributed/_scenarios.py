@@ -371,3 +371,33 @@ def _chains_differ(store: ed.ShardedStore, plan: Plan, rank: int) -> list[str]:
                 for s, t in zip(levels, want, strict=False)):
             bad.append(f"{spec.name}: tiers run {levels}, planned {want}")
     return bad
+
+
+def pipeline_bad_ids(rank: int, world: int) -> list[str]:
+    """Through a TrainPipeline, rank 1's second batch holds an id outside the table: each
+    rank's forward of that step raises (rank 1 the ids' error, rank 0 PeerFailedError),
+    as without a pipeline, and the loop goes on with the next batches.
+    """
+    import torch
+
+    import embstore.torch as et
+
+    spec = embstore.TableSpec("t", 4, num_embeddings=ID_RANGE, init=embstore.init.Uniform(seed=1),
+                              optimizer=optim.Adagrad(0.1))
+    batches = []
+    for step in range(4):
+        ids = np.random.default_rng([step, rank]).integers(0, ID_RANGE, 6)
+        if step == 1 and rank == 1:
+            ids[3] = ID_RANGE
+        batches.append((torch.from_numpy(ids), torch.tensor([0, 2, 4])))
+    seen = []
+    with ed.open(None, tables=[spec], timeout_s=30) as store:
+        bag = et.EmbeddingBag(store, "t", mode="sum")
+        with et.TrainPipeline(batches, inputs=lambda b: {bag: b}) as pipe:
+            for ids, offsets in pipe:
+                try:
+                    bag(ids, offsets).sum().backward()
+                    seen.append("ok")
+                except embstore.errors.EmbstoreError as exc:
+                    seen.append(type(exc).__name__)
+    return seen

@@ -109,3 +109,10 @@ def test_a_sharded_store_records_the_log_one_store_fed_the_ranks_in_order_would(
     assert main(["profile", str(ref), "-o", str(tmp_path / "p2.json")]) == 0
     p1, p2 = (json.loads((tmp_path / f"p{k}.json").read_text()) for k in (1, 2))
     assert p1["tables"] == p2["tables"]
+
+
+@pytest.mark.timeout(120)
+def test_ids_refused_through_a_pipeline_fail_that_steps_forward_on_every_rank() -> None:
+    got = launch.run(sc.pipeline_bad_ids, 2, timeout_s=90)
+    assert got[0] == ["ok", "PeerFailedError", "ok", "ok"]
+    assert got[1] == ["ok", "InvalidIdsError", "ok", "ok"]
