@@ -59,8 +59,8 @@ class ForwardPlan:
     tables: list[TablePlan]
     order: list[str]
     """Feature names in output order."""
-    versions: list[Any] | None = None
-    """The version counters of the tensors in `args` when the plan was made (`_versions`)."""
+    snapshot: list[Any] | None = None
+    """What the tensors in `args` held when the plan was made (`modules._snapshot`)."""
     error: BaseException | None = None
     """An error a collective lookup of the plan's rows raised on every rank: the forward
     served this plan raises it, at its step, as the lookup would have there."""

@@ -40,22 +40,14 @@ def _same(a: Any, b: Any) -> bool:
     return False
 
 
-def _versions(args: Any) -> list[Any]:
-    """The version counters of every tensor in `args` (torch bumps one at each in-place change).
-
-    A plan made ahead of its forward serves it only while these are unchanged: a step that
-    edits its batch's ids in place gets them read anew, as the loop without a pipeline would.
-    A tensor without a counter (made in inference mode) gets a fresh object, so never matches.
-    """
-    out: list[Any] = []
+def _tensors(args: Any) -> list[torch.Tensor]:
+    """Every tensor in `args`, in a fixed order (a torchrec KeyedJaggedTensor's too)."""
+    out: list[torch.Tensor] = []
     stack = [args]
     while stack:
         a = stack.pop()
         if isinstance(a, torch.Tensor):
-            try:
-                out.append(a._version)
-            except RuntimeError:
-                out.append(object())
+            out.append(a)
         elif isinstance(a, (tuple, list)):
             stack.extend(reversed(a))
         elif isinstance(a, Mapping):
@@ -65,6 +57,46 @@ def _versions(args: Any) -> list[Any]:
             stack.extend([a.values(), a.lengths(), getattr(a, "weights_or_none",
                                                            lambda: None)()])
     return out
+
+
+def _snapshot(args: Any) -> list[Any]:
+    """What shows a change of the tensors in `args`: CPU ones copied, others' versions.
+
+    A plan made ahead of its forward serves it only while `_unchanged` holds: a step that
+    edits its batch's ids in place gets them read anew, as the loop without a pipeline would.
+    On the CPU a copy, not torch's version counter: an edit through a numpy view of the
+    tensor bumps no counter, and tensors made in inference mode have none. A device tensor
+    without a counter gets a fresh object, so never matches.
+    """
+    out: list[Any] = []
+    for t in _tensors(args):
+        if t.device.type == "cpu":
+            out.append(t.detach().clone())
+            continue
+        out.append(_version(t))
+    return out
+
+
+def _unchanged(snapshot: list[Any] | None, args: Any) -> bool:
+    """Whether the tensors of `args` hold what they held when `snapshot` was taken."""
+    tensors = _tensors(args)
+    if snapshot is None or len(snapshot) != len(tensors):
+        return False
+    for then, now in zip(snapshot, tensors, strict=True):
+        if isinstance(then, torch.Tensor):
+            if not (now.device.type == "cpu" and then.dtype == now.dtype
+                    and then.shape == now.shape and torch.equal(then, now.detach())):
+                return False
+        elif now.device.type == "cpu" or _version(now) != then:
+            return False
+    return True
+
+
+def _version(t: torch.Tensor) -> Any:
+    try:
+        return t._version
+    except RuntimeError:  # no counter: never the same
+        return object()
 
 
 class _StoreModule(nn.Module):
@@ -138,12 +170,19 @@ class _StoreModule(nn.Module):
         return (*args, *[None] * (high - len(args)))
 
     def prepare_forward(self, *args: Any) -> ForwardPlan:
-        """Check `args` (as forward takes them) and group their ids; nothing is read yet."""
-        args = self._call_args(args)
-        versions = _versions(args)  # before the ids are read: a change meanwhile shows
-        plan = prepare(args, self._features(args), self.padding_idx)
-        plan.versions = versions
+        """Check `args` (as forward takes them) and group their ids; nothing is read yet.
+
+        For a plan made ahead of the forward (a pipeline's): the forward uses it only if
+        the tensors of its arguments still hold what they held here.
+        """
+        snapshot = _snapshot(args)  # before the ids are read: a change meanwhile shows
+        plan = self._plan(args)
+        plan.snapshot = snapshot
         return plan
+
+    def _plan(self, args: tuple[Any, ...]) -> ForwardPlan:
+        args = self._call_args(args)
+        return prepare(args, self._features(args), self.padding_idx)
 
     def fetch_forward(self, plan: ForwardPlan) -> None:
         """Look up the rows `plan` needs and put them on the module's device."""
@@ -155,12 +194,12 @@ class _StoreModule(nn.Module):
 
     def _outputs(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
         plan = self._staged
-        if plan is not None and _same(plan.args, args) and plan.versions == _versions(args):
+        if plan is not None and _same(plan.args, args) and _unchanged(plan.snapshot, args):
             self._staged = None
             if plan.error is not None:
                 raise plan.error
         else:
-            plan = self.prepare_forward(*args)
+            plan = self._plan(args)
         pool_in_store(self.store, plan, self.mode, self.device)
         self.fetch_forward(plan)  # what a pipeline did not stage, nor the store pools
         return run(self.store, plan, self.mode, train=self.training and torch.is_grad_enabled())
