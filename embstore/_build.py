@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +153,26 @@ def build_chain(spec: TableSpec, default_tiers: Sequence[TierSpec], root: Path |
                       background_writes=background_writes)
 
 
+def check_ignored_settings(tiers: Iterable[TierSpec]) -> None:
+    """Refuse policy settings a chain would ignore without a word.
+
+    Those of admission "always" (which takes none but `seed`), and eviction settings for no
+    eviction policy. Checked where a user gives tiers (a new store, a new table's own
+    chain), not on reopen: a store made before this check, whose manifest holds such
+    settings, still opens.
+
+    Raises:
+        ConfigError: naming the tier and the settings.
+    """
+    for ts in tiers:
+        if ts.admission in (None, "always") and ts.admission_options:
+            make_policy("always", ts.admission_options, AdmissionPolicy)
+        if ts.eviction is None and ts.eviction_options:
+            raise ConfigError(f"tier {ts.backend!r}: eviction_options "
+                              f"{ts.eviction_options!r} given but no eviction policy (an "
+                              "unbounded tier evicts nothing): name one, or give a capacity")
+
+
 def make_policy(name: str | None, options: dict[str, Any], family: type[Any]) -> Any:
     """Build the registered policy `name` of `family` with `options`.
 
@@ -170,9 +190,7 @@ def make_policy(name: str | None, options: dict[str, Any], family: type[Any]) ->
     if cls.kind != kind:
         raise ConfigError(f"{name!r} is an {cls.kind} policy, given as the {kind} policy")
     try:
-        return cls(**options)
-    except TypeError as exc:
-        raise ConfigError(f"{kind} policy {name!r}: bad options {options!r} ({exc})") from exc
+        return cls.from_options(options)
     except MemoryError as exc:  # a sketch or filter sized beyond this machine's memory
         raise CapacityError(f"{kind} policy {name!r} with options {options!r} needs more "
                             "memory than this machine has", "give it smaller sizes") from exc

@@ -11,6 +11,7 @@ from typing import Any
 
 from . import layout
 from ._access_log import AccessRecorder, check_rates
+from ._build import check_ignored_settings
 from .errors import ConfigError, ReadOnlyError, StoreNotFoundError
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
 from .manifest import make_dirs
@@ -99,6 +100,14 @@ def _check_log_outside(path: str | os.PathLike[str] | None, log: object) -> None
                           "beside the store, e.g. runs/ctr-log")
 
 
+def _check_new(specs: list[TableSpec], chain: tuple[TierSpec, ...]) -> None:
+    """The checks of what a user gives for new tables and a new store's default `chain`."""
+    check_ignored_settings(chain)
+    for spec in specs:
+        spec.check_initial_values()
+        check_ignored_settings(spec.tiers or ())
+
+
 def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
           tiers: list[TierSpec] | None, read_only: bool,
           placement: str | os.PathLike[str] | dict[str, Any] | None) -> EmbeddingStore:
@@ -118,8 +127,7 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
             raise ConfigError("an in-memory store cannot be read-only")
         if not specs:
             raise ConfigError("an in-memory store needs tables=[TableSpec(...)]")
-        for spec in specs:
-            spec.check_initial_values()
+        _check_new(specs, tier_specs or ())
         return EmbeddingStore(None, specs, tier_specs or DEFAULT_TIERS, read_only=False,
                               lock_fd=None)
 
@@ -177,8 +185,8 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
         else:
             all_specs, chain, added = specs, tier_specs or DEFAULT_TIERS, specs
             steps = {}
-        for spec in added:  # new tables only: stored ones opened before this check
-            spec.check_initial_values()
+        # new tables and chains only: stored ones opened before these checks
+        _check_new(added, tier_specs if not exists and tier_specs else ())
         store = EmbeddingStore(directory, all_specs, chain, read_only=read_only, lock_fd=lock_fd,
                                gradient_steps=steps)
     except BaseException:

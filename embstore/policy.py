@@ -10,8 +10,10 @@ a logical clock, the batch counter, so runs are reproducible) and randomness com
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
     from .index import IdIndex
 
 __all__ = ["AdmissionPolicy", "EvictionPolicy", "Policy", "SupportsSharedIndex", "whole_setting"]
+
+P = TypeVar("P", bound="Policy")
 
 
 def whole_setting(owner: str, setting: str, value: Any, least: int, most: int) -> int:
@@ -60,6 +64,34 @@ class Policy(ABC):
     def config(self) -> dict[str, Any]:
         """Constructor settings, JSON-serialisable; `type(self)(**config())` recreates it."""
         return {"seed": self.seed}
+
+    @classmethod
+    def setting_names(cls) -> list[str]:
+        """The settings the policy's constructor takes, sorted."""
+        return sorted(name for name, p in inspect.signature(cls).parameters.items()
+                      if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+    @classmethod
+    def from_options(cls: type[P], options: Mapping[str, Any]) -> P:
+        """The policy built from its `options` (keyword settings).
+
+        Raises:
+            ConfigError: options that are no mapping, a setting the policy does not take
+                (the message lists those it takes), or a bad value.
+        """
+        what = f"{cls.kind} policy {cls.name!r}"
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"{what}: its options must be a dict of settings, got "
+                              f"{options!r}")
+        takes = cls.setting_names()
+        unknown = sorted(set(options) - set(takes))
+        if unknown:
+            raise ConfigError(f"{what} takes no setting {unknown[0]!r}; its settings: "
+                              f"{', '.join(takes)}")
+        try:
+            return cls(**options)
+        except (TypeError, ValueError, OverflowError) as exc:  # a value it cannot take
+            raise ConfigError(f"{what}: bad options {dict(options)!r} ({exc})") from exc
 
 
 def as_ids(ids: np.ndarray) -> np.ndarray:

@@ -258,8 +258,8 @@ def parse_policy(spec: str, kind: str, seed: int = 0) -> EvictionPolicy | Admiss
             raise ConfigError(f"policy spec {spec!r}: expected key=value, got {item!r}")
         kwargs[key] = _number(value)
     try:
-        return cls(**kwargs)  # type: ignore[no-any-return]
-    except (TypeError, ValueError) as exc:
+        return cls.from_options(kwargs)  # type: ignore[no-any-return]
+    except ConfigError as exc:
         raise ConfigError(f"policy spec {spec!r}: {exc}") from exc
 
 
