@@ -22,6 +22,8 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "tib": 2**40}
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _INT64_MAX = 2**63 - 1
+MAX_ROW_BYTES = 2**31
+"""The most bytes one stored row (weights and optimizer state) may take."""
 
 
 def parse_bytes(text: str) -> int:
@@ -192,6 +194,12 @@ class TableSpec:
             raise ConfigError(f"table {self.name!r}: precision {self.precision!r} stores "
                               f"weights in 16 bits and computes in float32; leave dtype at "
                               f"float32 (got {dtype})")
+        row_bytes = self.storage_width * self.storage_dtype.itemsize
+        if row_bytes > MAX_ROW_BYTES:
+            raise ConfigError(
+                f"table {self.name!r}: a row of dim {self.dim} with its optimizer state takes "
+                f"{row_bytes} bytes, more than the {MAX_ROW_BYTES} a row may take (RocksDB and "
+                "LMDB store a row as one value, under 4 GiB); give a smaller dim")
         if self.tiers is not None:
             try:
                 tiers = () if isinstance(self.tiers, TierSpec) else tuple(self.tiers)

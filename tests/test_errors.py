@@ -166,6 +166,8 @@ def test_unknown_table_names_the_known_ones():
     lambda: TableSpec("t", dim=2, allow_nonfinite="no"),
     lambda: TableSpec("t", dim=2, dtype=None),
     lambda: TableSpec("t", dim=2, num_embeddings=2**70),
+    lambda: TableSpec("t", dim=2**33),  # rows beyond what a backend stores as one value
+    lambda: TableSpec("t", dim=2**28, optimizer=embstore.optim.Adam()),  # 3 GiB with state
     lambda: TableSpec("t", dim=2, tiers=TierSpec("dram")),
     lambda: TableSpec.from_json({"name": "t"}),
     lambda: TierSpec("dram", capacity=10**30),
