@@ -5,8 +5,9 @@ chain of tiers (DRAM, persistent memory, RocksDB, LMDB) with admission and evict
 See `embstore.open`.
 
 Caveats:
-    - A store is used by one process at a time (a lock file enforces it); within the process
-      one handle per store, shared by threads.
+    - A store has one writer at a time (a lock file enforces it: StoreLockedError); within
+      the process one writing handle per store, shared by threads. Read-only handles
+      (`open(path, read_only=True)`) take no lock and may open beside the writer.
     - Cache tiers start empty on every open; only the bottom tier is the store of record.
     - Only `flush()` (or `close()`) makes writes durable. After a flush fails, the handle
       refuses every later flush (SyncFailedError): close it and reopen the store.
