@@ -21,6 +21,7 @@ __all__ = [
     "NonFiniteValueError",
     "PeerFailedError",
     "ReadOnlyError",
+    "ShardsDivergedError",
     "StoreClosedError",
     "StoreExistsError",
     "StoreLockedError",
@@ -131,6 +132,16 @@ class PeerFailedError(EmbstoreError):
     """A collective call of a sharded store failed on another rank.
 
     That rank died, raised, or did not make the same call within the group's timeout.
+    """
+
+
+class ShardsDivergedError(PeerFailedError):
+    """A sharded store's shards may no longer agree.
+
+    A write failed on one rank's shards after its exchange, where the other ranks may have
+    applied their parts. The rank where it failed raised that write's own error; from the
+    next call on, every call on every rank raises this one (a checkpoint too, so none saves
+    shards that disagree). Restart every rank from the last checkpoint.
     """
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -19,12 +20,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, EmbstoreError, PeerFailedError
+from ..errors import ConfigError, EmbstoreError, PeerFailedError, ShardsDivergedError
 
 __all__ = ["Comm", "as_bytes"]
 
 _REJECTED = -1
 """The signature a rank sends in place of a call whose input it rejected."""
+_DIVERGED = -2
+"""The signature a rank sends in place of every call once its shards may disagree."""
 
 
 def as_bytes(a: np.ndarray) -> np.ndarray:
@@ -62,6 +65,26 @@ class Comm:
         nccl = dist.get_backend(group) == "nccl"
         self.device = (torch.device("cuda", torch.cuda.current_device()) if nccl
                        else torch.device("cpu"))
+        self.diverged: str | None = None
+        """Why this rank's shards may disagree with the others' (None while they agree)."""
+
+    @contextmanager
+    def applying(self, what: str) -> Iterator[None]:
+        """Around the local writes of a call whose exchange is done.
+
+        The other ranks have applied their parts, so a failure here leaves the shards apart.
+        This rank raises the failure; every later call on every rank raises
+        `ShardsDivergedError`.
+        """
+        try:
+            yield
+        except BaseException as exc:
+            self.diverged = (f"rank {self.rank} failed to apply its part of a {what} that the "
+                             f"other ranks applied ({type(exc).__name__}: {exc})")
+            raise
+
+    def _signature(self, what: str) -> int:
+        return _DIVERGED if self.diverged is not None else signature(what)
 
     def _fail(self, what: str, exc: BaseException) -> PeerFailedError:
         return PeerFailedError(
@@ -79,7 +102,7 @@ class Comm:
         """
         sizes = [len(s) for s in sends]
         if recv_sizes is None:
-            sig = signature(what)
+            sig = self._signature(what)
             meta = torch.tensor([[sig, n] for n in sizes], dtype=torch.int64,
                                 device=self.device)
             got = torch.empty_like(meta)
@@ -99,6 +122,15 @@ class Comm:
 
     def _check_calls(self, got: torch.Tensor, sig: int, what: str) -> list[int]:
         """The values the ranks sent with their signatures ([world, 2]), once all agree."""
+        diverged = [r for r in range(self.world) if int(got[r, 0]) == _DIVERGED]
+        if diverged:
+            if self.diverged is None:
+                self.diverged = (f"rank(s) {diverged} failed to apply their part of a write "
+                                 "that this rank applied (their own error said why)")
+            raise ShardsDivergedError(
+                f"the sharded store's shards may no longer agree: {self.diverged}; every "
+                "call on every rank raises this now: restart every rank from the last "
+                "checkpoint (embstore.distributed.restore)")
         rejected = [r for r in range(self.world) if int(got[r, 0]) == _REJECTED]
         if rejected:
             raise PeerFailedError(
@@ -116,8 +148,8 @@ class Comm:
 
         The caller raises its own error `exc` next, the other ranks PeerFailedError.
         """
-        meta = torch.tensor([[_REJECTED, 0]] * self.world, dtype=torch.int64,
-                            device=self.device)
+        meta = torch.tensor([[_REJECTED if self.diverged is None else _DIVERGED, 0]]
+                            * self.world, dtype=torch.int64, device=self.device)
         got = torch.empty_like(meta)
         self._run(lambda: dist.all_to_all_single(got, meta, group=self.group), what)
 
@@ -128,7 +160,7 @@ class Comm:
         call (or an exchange) raise ConfigError, and a rank that rejected its input
         (`abort`) makes the others raise PeerFailedError, instead of pairing unrelated calls.
         """
-        sig = signature(what)
+        sig = self._signature(what)
         meta = torch.tensor([[sig, value]] * self.world, dtype=torch.int64, device=self.device)
         got = torch.empty_like(meta)
         self._run(lambda: dist.all_to_all_single(got, meta, group=self.group), what)

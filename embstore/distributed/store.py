@@ -21,10 +21,14 @@ A call that one rank rejects (bad ids, non-finite values, an unknown table) rais
 rank's own error and `PeerFailedError` on the others at once, and changes nothing; ranks that
 make different calls raise ConfigError. A rank that dies or stops calling makes the others
 raise `PeerFailedError` after the group's timeout; the job then restarts from a checkpoint.
+A write that fails on a rank after its exchange (an optimizer step overflowing, an I/O error),
+where the other ranks applied their parts, raises its error on that rank and
+`ShardsDivergedError` on every rank from the next call on (`Comm.applying`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +39,7 @@ import numpy as np
 
 from .._access_log import AccessRecorder
 from .._validate import as_ids, as_rows
-from ..errors import PeerFailedError, StoreClosedError, UnknownTableError
+from ..errors import PeerFailedError, ShardsDivergedError, StoreClosedError, UnknownTableError
 from ..index import IdGroups
 from ..optim import RowWiseAdagrad
 from ..spec import TableSpec
@@ -356,11 +360,12 @@ class ShardedStore:
                   for rt, last in zip(routes, lasts, strict=True)] for r in range(self._comm.world)]
         got = self._send("update", names, items, [self._widths[n][self.rank] for n in names],
                          has_rows=True)
-        for j, name in enumerate(names):
-            ids = np.concatenate([got[s][j][0] for s in range(self._comm.world)])
-            if len(ids):
-                rows = np.concatenate([got[s][j][2] for s in range(self._comm.world)])
-                self.local.update(name, ids, rows)
+        with self._comm.applying("update"):
+            for j, name in enumerate(names):
+                ids = np.concatenate([got[s][j][0] for s in range(self._comm.world)])
+                if len(ids):
+                    rows = np.concatenate([got[s][j][2] for s in range(self._comm.world)])
+                    self.local.update(name, ids, rows)
 
     def apply_gradients(self, table: str, ids: Any, grads: Any) -> None:
         """Apply the table's fused optimizer with every rank's gradients ([len(ids), dim])."""
@@ -383,18 +388,19 @@ class ShardedStore:
                          [self._widths[n][self.rank] for n in names], has_mult=True,
                          has_rows=True)
         pending = []
-        for j, name in enumerate(names):
-            parts = [got[s][j] for s in range(world)]
-            if not sum(len(i) for i, _, _ in parts):
-                continue
-            ids = np.concatenate([np.repeat(i, m) for i, m, _ in parts])
-            grads = np.concatenate([g for _, _, g in parts])
-            if needs_row_mean(self._specs[name], self.plan.tables[name]):
-                pending.append((name, ids, grads))
-            else:
-                self.local.apply_gradients(name, ids, grads)
-        if any(needs_row_mean(self._specs[n], self.plan.tables[n]) for n in names):
-            self._apply_row_mean(names, pending)
+        with self._comm.applying("apply_gradients"):
+            for j, name in enumerate(names):
+                parts = [got[s][j] for s in range(world)]
+                if not sum(len(i) for i, _, _ in parts):
+                    continue
+                ids = np.concatenate([np.repeat(i, m) for i, m, _ in parts])
+                grads = np.concatenate([g for _, _, g in parts])
+                if needs_row_mean(self._specs[name], self.plan.tables[name]):
+                    pending.append((name, ids, grads))
+                else:
+                    self.local.apply_gradients(name, ids, grads)
+            if any(needs_row_mean(self._specs[n], self.plan.tables[n]) for n in names):
+                self._apply_row_mean(names, pending)
 
     def _record_writes(self, written: list[tuple[str, np.ndarray]]) -> None:
         """Log checked writes (every table of the call checked first, as the local store)."""
@@ -487,7 +493,8 @@ class ShardedStore:
         items = [[(rt.groups.unique[rt.sel[r]], None, None)] for r in range(self._comm.world)]
         got = self._send("delete", [table], items, [0])
         ids_all = np.concatenate([got[s][0][0] for s in range(self._comm.world)])
-        removed = self.local.delete(table, ids_all) if len(ids_all) else 0
+        with self._comm.applying("delete"):
+            removed = self.local.delete(table, ids_all) if len(ids_all) else 0
         p = self.plan.tables[table]
         counts = p.kind != "column" or p.counting_rank() == self.rank
         return self._comm.all_sum(removed if counts else 0, f"delete count:{table}")
@@ -535,7 +542,8 @@ class ShardedStore:
         if self.local.closed:
             return
         try:
-            self._comm.barrier("close")
+            with contextlib.suppress(ShardsDivergedError):  # closing is all that is left
+                self._comm.barrier("close")
         finally:
             try:
                 self.local.close()

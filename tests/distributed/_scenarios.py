@@ -401,3 +401,37 @@ def pipeline_bad_ids(rank: int, world: int) -> list[str]:
                 except embstore.errors.EmbstoreError as exc:
                     seen.append(type(exc).__name__)
     return seen
+
+
+def diverges(rank: int, world: int, ckpt: str) -> list[str]:
+    """Rank 1's gradient overflows the row rank 0 owns, after the exchange (both ranks'
+    inputs are finite): rank 0 raises the step's error and, from the next call on, every
+    rank raises ShardsDivergedError, a checkpoint too, without waiting for a timeout.
+    """
+    spec = embstore.TableSpec("t", 4, optimizer=optim.SGD(1.0))
+    plan = Plan(world, {"t": Placement("table", (0,))})
+    out = []
+    store = ed.open(None, tables=[spec], plan=plan, timeout_s=30)
+    try:
+        store.update("t", np.arange(1), np.full((1, 4), 3e38, np.float32))
+        calls = [
+            lambda: store.apply_gradients("t", np.arange(1) if rank == 1 else np.arange(0),
+                                          np.full((rank, 4), -3e38, np.float32)),
+            lambda: store.lookup("t", np.arange(2)),
+            lambda: store.apply_gradients("t", np.arange(1), np.ones((1, 4), np.float32)),
+            lambda: store.checkpoint(ckpt, step=1),
+            lambda: store.flush(),
+        ]
+        for call in calls:
+            start = time.monotonic()
+            try:
+                call()
+                out.append("no error")
+            except embstore.errors.EmbstoreError as exc:
+                out.append(type(exc).__name__)
+            if time.monotonic() - start > 10:
+                out.append("slow")
+    finally:
+        store.close()  # closes: closing is all that is left
+    out.append("closed" if store.closed else "open")
+    return out

@@ -116,3 +116,13 @@ def test_ids_refused_through_a_pipeline_fail_that_steps_forward_on_every_rank() 
     got = launch.run(sc.pipeline_bad_ids, 2, timeout_s=90)
     assert got[0] == ["ok", "PeerFailedError", "ok", "ok"]
     assert got[1] == ["ok", "InvalidIdsError", "ok", "ok"]
+
+
+@pytest.mark.timeout(120)
+def test_a_write_failing_after_its_exchange_fails_every_later_call_on_every_rank(
+        tmp_path) -> None:
+    got = launch.run(sc.diverges, 2, str(tmp_path / "ckpt"), timeout_s=90)
+    later = ["ShardsDivergedError"] * 4 + ["closed"]
+    assert got[0] == ["NonFiniteValueError", *later]
+    assert got[1] == ["no error", *later]  # the owner's failure came after the exchange
+    assert not (tmp_path / "ckpt").exists()
