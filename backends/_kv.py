@@ -15,13 +15,24 @@ from typing import Any
 import numpy as np
 
 from embstore.backend import Backend, BackendSpec
-from embstore.errors import ConfigError
+from embstore.errors import ConfigError, StoreNotFoundError
 
 from ._keys import decode_keys, decode_values
 
-__all__ = ["KeyValueBackend", "check_table_meta", "table_meta"]
+__all__ = ["KeyValueBackend", "check_table_meta", "missing_medium", "table_meta"]
 
 FORMAT = 1  # of the per-table metadata record
+
+
+def missing_medium(what: str, directory: object) -> StoreNotFoundError:
+    """The error of a read-only open that finds no database (`what`) in `directory`.
+
+    In a store that is a lost or removed file, not one to make: opening the store for
+    writing would make an empty one, whose written rows then read as lost.
+    """
+    return StoreNotFoundError(
+        f"no {what} in {directory}: never made, or its files were removed or lost (`embstore "
+        "fsck STORE` checks a store); a read-only open makes none")
 
 
 def table_meta(spec: BackendSpec) -> dict[str, Any]:

@@ -23,6 +23,8 @@ import rocksdict
 from embstore.errors import CorruptStoreError, StoreNotFoundError
 from embstore.manifest import read_bytes_nofollow
 
+from ._kv import missing_medium
+
 __all__ = ["check_log_framing", "db_files", "error_text", "open_read_only"]
 
 _VIEW_PREFIX: Final = "embstore-rocksdb-read-"
@@ -126,15 +128,13 @@ def open_read_only(directory: Path, db_options: Any,
         view = Path(tempfile.mkdtemp(prefix=_VIEW_PREFIX))
         try:
             if not directory.is_dir():
-                raise StoreNotFoundError(
-                    f"no RocksDB database in {directory}; open it for writing first to create it")
+                raise missing_medium("RocksDB database", directory)
             with os.scandir(directory) as entries:
                 for entry in entries:
                     if _DB_FILE.match(entry.name) and entry.is_file(follow_symlinks=False):
                         os.symlink(os.path.abspath(entry.path), view / entry.name)
             if not (view / "CURRENT").exists():
-                raise StoreNotFoundError(
-                    f"no RocksDB database in {directory}; open it for writing first to create it")
+                raise missing_medium("RocksDB database", directory)
             cfs = rocksdict.Rdict.list_cf(str(view), rocksdict.Options(raw_mode=True))
             families = ({n: cf_options() for n in cfs if n != "default"} or None
                         if cf_options is not None else None)

@@ -62,7 +62,7 @@ from ._keys import (
     encode_values,
     record_dtype,
 )
-from ._kv import KeyValueBackend, check_table_meta, table_meta
+from ._kv import KeyValueBackend, check_table_meta, missing_medium, table_meta
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "FILE_MODE", "PAYLOAD_OFFSET", "VALUE_LAYOUT",
            "LMDBBackend"]
@@ -425,9 +425,7 @@ def _open_env(directory: Path, settings: tuple[tuple[str, Any], ...], read_only:
     s = dict(settings)
     file = directory / "data.mdb"
     if read_only and not file.exists():
-        raise StoreNotFoundError(
-            f"no LMDB environment in {directory}; open it for writing first to create it"
-        )
+        raise missing_medium("LMDB environment", directory)
     created_before = file.exists()
     if created_before:
         check_data_file(file)

@@ -54,7 +54,7 @@ from ._keys import (
     encode_values,
     record_dtype,
 )
-from ._kv import KeyValueBackend, check_table_meta, table_meta
+from ._kv import KeyValueBackend, check_table_meta, missing_medium, table_meta
 from ._rocksdb_read import check_log_framing, db_files, error_text, open_read_only
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend",
@@ -587,9 +587,7 @@ def _open_db(directory: Path, settings: tuple[tuple[str, Any], ...], read_only: 
     path = str(directory)
     exists = (directory / "CURRENT").exists()
     if read_only and not exists:
-        raise StoreNotFoundError(
-            f"no RocksDB database in {directory}; open it for writing first to create it"
-        )
+        raise missing_medium("RocksDB database", directory)
     if read_only:  # beside a writer, through a private directory of links (_rocksdb_read)
         files = db_files(directory)
         try:

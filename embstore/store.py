@@ -315,11 +315,12 @@ class EmbeddingStore:
     def _raise_lost(self, name: str, lost: np.ndarray) -> None:
         t = self._tables[name]
         record = t.written.file if t.written is not None else None
+        more = f" (and {len(lost) - 1} more in this batch)" if len(lost) > 1 else ""
         raise CorruptStoreError(
-            f"table {name!r}: id {int(lost[0])} (and {len(lost) - 1} more in this batch) was "
-            f"written but its row is gone from {t.chain.tiers[-1].backend.spec.path} (the "
-            f"written-id record {record} holds it): the medium lost it; restore the table "
-            "from a checkpoint, or run `embstore fsck` to list every lost row")
+            f"table {name!r}: id {int(lost[0])}{more} was written but its row is gone from "
+            f"{t.chain.tiers[-1].backend.spec.path} (the written-id record {record} holds "
+            "it): the medium lost it; restore the table from a checkpoint, or run `embstore "
+            "fsck` to list every lost row")
 
     # --- public API -------------------------------------------------------------------------
 

@@ -72,7 +72,8 @@ def test_a_row_lost_by_the_medium_raises_naming_table_id_and_file(tmp_path, back
     _make(tmp_path / "s", backend, bounded)
     where = _drop_from_medium(tmp_path / "s", backend, np.array([1234]))
     with embstore.open(tmp_path / "s") as store:
-        with pytest.raises(CorruptStoreError, match=r"table 't': id 1234 .*" + str(where)):
+        with pytest.raises(CorruptStoreError, match=r"table 't': id 1234 was written but its "
+                           r"row is gone from .*" + str(where)):
             store.lookup("t", np.array([5, 1234, ROWS + 1]))
         with pytest.raises(CorruptStoreError):
             store.apply_gradients("t", np.array([1234]), np.ones((1, DIM), np.float32))
@@ -84,6 +85,19 @@ def test_a_row_lost_by_the_medium_raises_naming_table_id_and_file(tmp_path, back
         assert "id 1234" in lost.message
     findings = fsck.check(tmp_path / "s")
     assert any("1234" in f.message for f in findings), findings
+
+
+@pytest.mark.parametrize("backend", [b for b in PERSISTENT if b in ("lmdb", "rocksdb")])
+def test_a_read_only_open_of_a_removed_database_says_it_may_be_lost(tmp_path, backend):
+    # not "open it for writing to create it": that makes an empty one, whose rows read lost
+    _make(tmp_path / "s", backend, True)
+    where = _drop_from_medium(tmp_path / "s", backend, np.array([1]))
+    for entry in where.iterdir():
+        if entry.name in ("data.mdb", "CURRENT"):
+            entry.unlink()
+    with pytest.raises(embstore.errors.StoreNotFoundError,
+                       match="removed or lost .*embstore fsck"):
+        embstore.open(tmp_path / "s", read_only=True)
 
 
 def _tree(root: Path) -> dict[str, bytes]:
