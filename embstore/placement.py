@@ -58,6 +58,9 @@ __all__ = ["KNOWN_TIERS", "apply_placement", "load_document", "placement_chains"
 
 KNOWN_TIERS = ("dram", "pmem", "rocksdb", "lmdb")
 """Tier (backend) names a tier model or placement may use."""
+MAX_NUMBER = 2**53
+"""The largest number a document's field may hold (JSON's largest exact integer): products
+and sums of a few such figures stay finite floats, so no planner figure overflows."""
 _VERSIONS = {"embstore.profile": 1, "embstore.tiers": 1, "embstore.placement": 1}
 
 
@@ -166,21 +169,25 @@ def _number(obj: dict[str, Any], key: str, where: str, what: str, *, least: floa
             optional: bool = False) -> Any:
     """`obj[key]`, checked to be a finite number (an int if `whole`) within its range.
 
-    The range is [least, most], or (least, most] when `above`; an `optional` key may be
-    absent (None is returned). NaN and infinities, which Python's json reads, are refused
-    here: they would otherwise reach the planner's arithmetic and come out as "nan" figures.
+    The range is [least, most], or (least, most] when `above`, `most` being `MAX_NUMBER`
+    unless given; an `optional` key may be absent (None is returned). NaN, infinities and
+    huge numbers, which Python's json reads, are refused here: they would otherwise reach
+    the planner's arithmetic and come out as "nan" figures or overflow a float.
     """
     if not isinstance(obj, dict) or key not in obj:
         if optional:
             return None
         raise ConfigError(f"{where!r}: {what} lacks {key!r}")
     value = obj[key]
+    most = MAX_NUMBER if most is None else most
     low = f"> {least:g}" if above else f">= {least:g}"
-    want = f"{'a whole number' if whole else 'a finite number'} {low}" + (
-        f" and <= {most:g}" if most is not None else "")
+    high = "2**53" if most == MAX_NUMBER else f"{most:g}"
+    want = f"{'a whole number' if whole else 'a finite number'} {low} and <= {high}"
     if (not _is_number(value) or (whole and not isinstance(value, int)) or value < least
-            or (above and value == least) or (most is not None and value > most)):
-        raise ConfigError(f"{where!r}: {what}.{key} must be {want}, got {value!r}")
+            or (above and value == least) or value > most):
+        shown = repr(value)  # a huge number is cut short: the message stays one line
+        shown = shown if len(shown) <= 40 else f"{shown[:37]}..."
+        raise ConfigError(f"{where!r}: {what}.{key} must be {want}, got {shown}")
     return value
 
 
@@ -211,9 +218,10 @@ def _check_profile(doc: dict[str, Any], where: str) -> None:
         if not caps or not curves:
             raise ConfigError(f"{where!r}: {what}.mrc needs capacities and at least one curve")
         # capacities become cache sizes (whole rows) and are interpolated in log C
-        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in caps):
+        if not all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= MAX_NUMBER
+                   for c in caps):
             raise ConfigError(f"{where!r}: {what}.mrc.capacities must be whole row counts "
-                              ">= 1")
+                              ">= 1 and <= 2**53")
         if any(b <= a for a, b in zip(caps, caps[1:], strict=False)):
             raise ConfigError(f"{where!r}: {what}.mrc.capacities must increase")
         for k in curves:
@@ -254,7 +262,9 @@ def _check_tiers(doc: dict[str, Any], where: str) -> None:
             raise ConfigError(f"{where!r}: unknown tier {name!r}; known: {list(KNOWN_TIERS)}")
         for op in ("read", "write"):
             o = _need(t, op, dict, where, f"tier {name!r}")
-            _number(o, "bytes_per_s", where, f"tier {name!r}.{op}", above=True)
+            # at least a byte a second: a throughput nearer 0 makes a batch last forever
+            # (a divisor: a huge one is harmless, and a fit of two close timings makes one)
+            _number(o, "bytes_per_s", where, f"tier {name!r}.{op}", least=1, most=1e30)
             _number(o, "batch_latency_s", where, f"tier {name!r}.{op}")
         # bytes a row costs beyond its own: none is fine, fewer than none is not
         _number(t, "overhead_bytes_per_row", where, f"tier {name!r}", optional=True)

@@ -452,3 +452,63 @@ def test_save_document_refuses_non_finite_numbers_and_folders(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="not a directory"):
         save_document(tmp_path, {"a": 1})
     assert list(tmp_path.iterdir()) == []
+
+
+_HUGE = 10**400  # json reads it as an int that no float can hold
+
+
+@pytest.mark.parametrize(("doc", "field", "value"), [
+    ("p.json", "tables.t00.rows_touched", _HUGE), ("p.json", "tables.t00.row_bytes", _HUGE),
+    ("p.json", "tables.t00.distinct_per_batch", 1e308),
+    ("t.json", "tiers.dram.read.batch_latency_s", 1e308),
+    ("t.json", "tiers.rocksdb.read.batch_latency_s", _HUGE),
+    ("t.json", "tiers.dram.overhead_bytes_per_row", 1e308),
+    ("t.json", "tiers.dram.read.bytes_per_s", 1e-320),
+    ("t.json", "tiers.pmem.write.bytes_per_s", 0.5)])
+def test_a_huge_or_vanishing_figure_is_refused_by_name_not_overflowed(
+        files: Path, capsys: pytest.CaptureFixture[str], doc: str, field: str,
+        value: Any) -> None:
+    # they overflowed the planner's floats: an OverflowError, or a NaN placement refused as
+    # "a bug: please report it"
+    bad = _set(json.loads((files / doc).read_text()), field, value)
+    (files / "bad.json").write_text(json.dumps(bad))
+    err = _plan_fails(files, capsys, budget="dram=1MiB,pmem=1MiB",
+                      **{"profile" if doc == "p.json" else "tiers": "bad.json"})
+    assert f"{field.split('.', 2)[-1].split('.')[-1]} must be a" in err
+    assert len(err) < 300, err  # the huge number is cut short
+
+
+def test_a_huge_mrc_capacity_is_refused(profile: dict[str, Any]) -> None:
+    caps = profile["tables"]["t00"]["mrc"]["capacities"]
+    bad = _set(profile, "tables.t00.mrc.capacities", [*caps[:-1], _HUGE])
+    with pytest.raises(ConfigError, match=r"capacities must be whole row counts"):
+        load_document(bad, "profile")
+
+
+def test_a_budget_of_more_digits_than_a_float_holds_is_refused(
+        files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _plan_fails(files, capsys, budget="dram=1" + "0" * 400)
+    assert "--budget dram: 401 characters is too large" in err
+
+
+def test_bench_tiers_refuses_no_tier_and_a_bad_output_before_measuring(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import embstore.tools._bench_tiers as bench_tiers
+
+    # no tier: it wrote a model of no tier (exit 0) that plan then refused
+    assert main(["bench", "tiers", "--quick", "--tiers", ",", "-o",
+                 str(tmp_path / "t.json")]) == 2
+    assert "--tiers names no tier" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
+
+    def measured(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured before checking -o")
+
+    monkeypatch.setattr(bench_tiers, "_measure", measured)
+    for out, says in ((str(tmp_path / "none" / "t.json"), "does not exist"),
+                      ("", "-o is empty"), (str(tmp_path), "is a directory")):
+        assert main(["bench", "tiers", "--quick", "--tiers", "dram", "-o", out]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []

@@ -220,7 +220,15 @@ def test_a_plot_in_another_format_is_drawn_in_it(tmp_path: Path) -> None:
     ("--warmup", "1", "--warmup 1.0: the share of batches that only warm the caches must be "
                       "in [0, 1)"),
     ("--warmup", "nan", "--warmup nan:"),
-    ("--sample-rate", "0", "--sample-rate 0.0: the SHARDS rate must be in (0, 1]")])
+    ("--sample-rate", "0", "--sample-rate 0.0: the SHARDS rate must be in (0, 1]"),
+    # huge ones: --points filled memory with capacities, --step-calls looped for ever, the
+    # others overflowed a float (an internal error)
+    ("--points", "100000000", "--points 100000000: capacities per curve must be an "
+                              "integer >= 2 and <= 1000"),
+    ("--step-calls", "10000000000", "--step-calls 10000000000: tier calls per batch must "
+                                    "be an integer >= 1 and <= 1000"),
+    ("--samples-per-batch", "1" + "0" * 40, "training samples per batch must be an integer "
+                                            ">= 1 and <= 2**53")])
 def test_a_setting_out_of_range_names_its_flag_and_range_before_the_work(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None, flag: str,
         value: str, message: str) -> None:
@@ -252,3 +260,11 @@ def test_a_directory_that_is_no_access_log_is_refused_in_our_words(
         (lost / name).write_bytes(np.zeros(1, "<i8").tobytes())
     err = _profile_fails(tmp_path, capsys, str(lost), "-o", str(tmp_path / "p.json"))
     assert "holds the files of access log tables (user) but no ACCESS_LOG.json" in err
+
+
+def test_a_huge_row_size_is_refused_not_overflowed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # bytes_per_sample overflowed a float: an internal error
+    err = _profile_fails(tmp_path, capsys, SMALL, "-o", str(tmp_path / "p.json"),
+                         "--row-bytes", "1" + "0" * 40)
+    assert "a row of more than 2**53 bytes" in err

@@ -75,7 +75,11 @@ def parse_budget(text: str, row_bytes: int, model: dict[str, Any]) -> dict[str, 
         if name not in model["tiers"]:
             raise ConfigError(f"--budget gives {name} but the tier model has no {name!r} tier; "
                               "measure it (embstore bench tiers) or drop the budget")
-        out[name] = parse_bytes(size)
+        try:
+            out[name] = parse_bytes(size)
+        except OverflowError:  # more digits than a float holds
+            raise ConfigError(f"--budget {name}: {len(size)} characters is too large for a "
+                              "size; give it with a unit, e.g. 8GiB") from None
         if out[name] < row_bytes:
             raise ConfigError(f"--budget {name}={size} is below one row ({row_bytes} bytes); "
                               "raise it or leave the tier out")

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from embstore.errors import ConfigError
+from embstore.placement import MAX_NUMBER
 
 __all__ = ["build_profile", "check_plot_path", "check_settings", "load_tables", "plot_profile",
            "read_trace", "register", "save_tables", "split_tables"]
@@ -30,6 +31,10 @@ __all__ = ["build_profile", "check_plot_path", "check_settings", "load_tables", 
 EXACT_LOOKUPS = 2_000_000
 """Tables with more lookups than this are profiled by SHARDS sampling (unless told)."""
 _TABLE_SHIFT = 40
+MAX_POINTS = 1000
+"""The most capacities a curve may have (`--points`)."""
+MAX_STEP_CALLS = 1000
+"""The most tier calls per batch (`--step-calls`): each is replayed at every capacity."""
 
 
 def read_trace(spec: str, notes: list[str] | None = None
@@ -168,6 +173,9 @@ def _row_bytes(text: str | int, names: Sequence[str]) -> dict[str, int]:
             raise ConfigError(f"--row-bytes {text!r}: {value!r} is not a byte count") from None
         if n < 1:
             raise ConfigError(f"--row-bytes {text!r}: a row needs at least 1 byte")
+        if n > MAX_NUMBER:  # the planner's figures must stay finite floats
+            raise ConfigError(f"--row-bytes {text!r}: a row of more than 2**53 bytes is no "
+                              "row an embedding table has")
         if eq:
             if key not in names:
                 raise ConfigError(f"--row-bytes names table {key!r}, not in the trace "
@@ -193,20 +201,23 @@ def check_settings(*, samples_per_batch: int = 1, sample_rate: float | None = No
     def refuse(flag: str, value: object, allowed: str) -> NoReturn:
         raise ConfigError(f"{flag} {value!r}: {allowed}")
 
-    if not _whole(samples_per_batch) or samples_per_batch < 1:
+    if not _whole(samples_per_batch) or not 1 <= samples_per_batch <= MAX_NUMBER:
         refuse("--samples-per-batch", samples_per_batch,
-               "training samples per batch must be an integer >= 1")
+               "training samples per batch must be an integer >= 1 and <= 2**53")
     if sample_rate is not None and (isinstance(sample_rate, bool) or not isinstance(
             sample_rate, (int, float)) or not 0 < sample_rate <= 1):
         refuse("--sample-rate", sample_rate, "the SHARDS rate must be in (0, 1], e.g. 0.01")
-    if not _whole(points) or points < 2:
-        refuse("--points", points, "capacities per curve must be an integer >= 2")
+    if not _whole(points) or not 2 <= points <= MAX_POINTS:
+        # each capacity is a replay per policy: more only cost time (curves are
+        # interpolated in log C), and a huge count would not even fit in memory
+        refuse("--points", points, f"capacities per curve must be an integer >= 2 and <= "
+               f"{MAX_POINTS}")
     if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
         refuse("--warmup", warmup, "the share of batches that only warm the caches must be "
                "in [0, 1)")
-    if not _whole(step_calls) or step_calls < 1:
+    if not _whole(step_calls) or not 1 <= step_calls <= MAX_STEP_CALLS:
         refuse("--step-calls", step_calls, "tier calls per batch must be an integer >= 1 "
-               "(3 for training steps, 1 for lookups only)")
+               f"and <= {MAX_STEP_CALLS} (3 for training steps, 1 for lookups only)")
     if not _whole(seed) or seed < 0:
         refuse("--seed", seed, "the seed must be an integer >= 0")
 
