@@ -35,7 +35,8 @@ _LOAD = 65536
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench tiers`."""
-    parser.add_argument("-o", "--output", type=Path, default=Path("tiers.json"),
+    # a str, not a Path: Path("") is "." and an empty -o must be told apart from a folder
+    parser.add_argument("-o", "--output", default="tiers.json",
                         help="tier model to write (default tiers.json)")
     parser.add_argument("--rows", type=int, default=400_000, help="rows loaded per tier")
     parser.add_argument("--row-bytes", type=int, default=260,
@@ -93,7 +94,7 @@ def measure_tiers(tiers: list[str], *, rows: int, row_bytes: int, small: int, la
     Tiers whose library is missing are left out with a note in ``"skipped"``.
 
     Raises:
-        ConfigError: a bad size or an unknown tier.
+        ConfigError: a bad size, an unknown tier, no tier named, or none measurable.
     """
     if row_bytes < 4 or row_bytes % 4 or not 1 <= small < large <= rows or repeats < 1:
         raise ConfigError("bench tiers: need --row-bytes a multiple of 4, 1 <= --small < "
@@ -102,6 +103,10 @@ def measure_tiers(tiers: list[str], *, rows: int, row_bytes: int, small: int, la
     unknown = sorted(set(tiers) - set(KNOWN_TIERS))
     if unknown:
         raise ConfigError(f"unknown tiers {unknown}; known: {list(KNOWN_TIERS)}")
+    if not tiers:  # a model of no tier is one `embstore plan` refuses
+        raise ConfigError(f"bench tiers: --tiers names no tier; give some of "
+                          f"{','.join(KNOWN_TIERS)}")
+    tiers = list(dict.fromkeys(tiers))  # each measured once
     doc: dict[str, Any] = {"format": "embstore.tiers", "version": 1,
                            "host": f"{platform.node()} ({platform.machine()}, measured)",
                            "row_bytes": row_bytes, "tiers": {}, "skipped": {}}
@@ -126,11 +131,18 @@ def measure_tiers(tiers: list[str], *, rows: int, row_bytes: int, small: int, la
                                   f"{'loaded' if stats.get('libpmem') else 'absent'}, "
                                   "not persistent memory): the fallback")
         doc["tiers"][name] = entry
+    if not doc["tiers"]:
+        why = "; ".join(f"{n}: {w}" for n, w in doc["skipped"].items())
+        raise ConfigError(f"bench tiers: no tier could be measured ({why}); install the "
+                          "library of one, or measure dram")
     return doc
 
 
 def run(args: argparse.Namespace) -> int:
     """Measure, write the model, print it."""
+    from ._args import check_output
+
+    check_output(args.output, "-o")  # before minutes of measuring, not after
     if args.quick:
         args.rows, args.large, args.repeats = 20_000, 2048, 3
     tiers = [t for t in args.tiers.split(",") if t]
