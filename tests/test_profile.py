@@ -268,3 +268,15 @@ def test_a_huge_row_size_is_refused_not_overflowed(
     err = _profile_fails(tmp_path, capsys, SMALL, "-o", str(tmp_path / "p.json"),
                          "--row-bytes", "1" + "0" * 40)
     assert "a row of more than 2**53 bytes" in err
+
+
+def test_a_per_table_trace_whose_tables_hold_no_ids_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # it wrote a profile of no table (exit 0), which plan then refused
+    save_tables(tmp_path / "t.npz", {"user": [np.zeros(0, np.int64)] * 2,
+                                     "item": [np.zeros(0, np.int64)] * 2})
+    err = _profile_fails(tmp_path, capsys, str(tmp_path / "t.npz"), "-o",
+                         str(tmp_path / "p.json"))
+    assert "holds no ids in any table" in err
+    with pytest.raises(ConfigError, match="holds no ids in any table"):
+        build_profile({"user": [np.zeros(0, np.int64)]})

@@ -306,3 +306,16 @@ def test_simulate_refuses_an_empty_list_of_policies(
     np.save(tmp_path / "t.npy", np.arange(20).reshape(2, 10))
     assert main(["simulate", str(tmp_path / "t.npy"), *flags]) == 2
     assert f"{flags[0]} names no policy" in capsys.readouterr().err
+
+
+def test_simulate_refuses_a_trace_without_ids(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # it printed every capacity as a perfect cache (0/0 taken as no miss) and exited 0
+    np.save(tmp_path / "empty.npy", np.zeros(0, np.int64))
+    np.savez(tmp_path / "empty.npz", ids=np.zeros(0, np.int64), offsets=np.zeros(3, np.int64))
+    for trace in (str(tmp_path / "empty.npy"), str(tmp_path / "empty.npz"),
+                  "synth:seed=1,batches=0"):
+        assert main(["simulate", trace]) == 2
+        out, err = capsys.readouterr()
+        assert not out and "holds no ids; nothing to simulate" in err, err
+        assert len(err.strip().splitlines()) == 1

@@ -250,7 +250,7 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         progress: an object with ``update(n)`` called once per table, or None.
 
     Raises:
-        ConfigError: a bad setting (`check_settings`) or policy spec.
+        ConfigError: a bad setting (`check_settings`) or policy spec, or no table has ids.
     """
     from embstore._access_log import sample_mask
     from embstore.tools.simulator import Trace, parse_policy
@@ -322,6 +322,10 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
                 out[name]["error_bound"] = None
         if progress is not None:
             progress.update(1)
+    if not out:  # a profile of no table is one `embstore plan` refuses
+        named = f" {trace_name!r}" if trace_name else ""
+        raise ConfigError(f"the trace{named} holds no ids in any table; profile a trace "
+                          "that has ids")
     return {"format": "embstore.profile", "version": 1, "trace": trace_name,
             "batches": most, "warmup_batches": int(warmup * most),
             "step_calls": step_calls,

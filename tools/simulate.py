@@ -55,6 +55,8 @@ def _run(args: argparse.Namespace) -> int:
         if not specs:  # nothing would be simulated, and exit 0 would say all went well
             raise ConfigError(f"{flag} names no policy; give at least one, e.g. lru")
     trace = load_trace(args.trace, batch_size=args.batch_size)
+    if not trace.lookups:  # every ratio would be 0/0, printed as a perfect cache
+        raise ConfigError(f"trace {args.trace!r} holds no ids; nothing to simulate")
     distinct = max(1, int(trace.distinct))
     capacities = [c.fraction if c.fraction is not None and c.fraction < 1
                   else float(c.as_rows(distinct, args.row_bytes)) for c in args.capacity]
