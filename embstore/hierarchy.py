@@ -20,7 +20,7 @@ crash the store of record alone defines the table.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -193,6 +193,12 @@ class TableChain:
         # a training step reads a batch (lookup) and then writes it (apply_gradients): the
         # slots the read found serve the write without a second probe
         self._slot_memo = SlotMemo()
+        # feature expiry (the bottom tier's eviction): `expire_listener`, where set, is told
+        # of the distinct ids the bottom drops, before it drops them (the store records them
+        # as changed, as it records a delete); their clean copies above are dropped with
+        # them once the call that expired them is done (`_settle_expired`)
+        self.expire_listener: Callable[[np.ndarray], None] | None = None
+        self._expired: list[np.ndarray] = []
 
     def _tick(self) -> int:
         self._clock += 1
@@ -273,6 +279,7 @@ class TableChain:
     def promote(self, ids: np.ndarray, rows: np.ndarray, level_of: np.ndarray) -> None:
         """Promote distinct `ids` read from the levels `level_of` with `rows` (prefetch)."""
         self._promote(ids, rows, level_of.copy(), self._tick())
+        self._settle_expired()
 
     def _read_below(self, u: np.ndarray, now: int) -> tuple[np.ndarray, np.ndarray]:
         """Read distinct `u`, absent from the top tier, from the tiers below; promote them.
@@ -306,6 +313,7 @@ class TableChain:
         # rows found nowhere are zeros here; the store fills in their initial values
         nowhere = np.flatnonzero(level_of < 0)
         self._promote(u, urows, level_of, now)
+        self._settle_expired()
         absent = u[nowhere]
         self._absent = None
         if len(absent):
@@ -369,6 +377,7 @@ class TableChain:
         if tier.dirty is not None:
             tier.dirty.mark(ids, slots)
         self._enforce_capacity(tier, now)
+        self._settle_expired()
 
     def _promote(self, ids: np.ndarray, rows: np.ndarray, level_of: np.ndarray, now: int) -> None:
         """Copy rows found below into the topmost tier above them that admits them."""
@@ -401,6 +410,11 @@ class TableChain:
         Returns bool[N], False where feature admission dropped the write (the id has no stored row
         and the bottom tier did not admit it).
         """
+        written = self._put(ids, rows)
+        self._settle_expired()
+        return written
+
+    def _put(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
         now = self._tick()
         self._absent = None
         written = np.ones(len(ids), dtype=bool)
@@ -484,6 +498,8 @@ class TableChain:
         if not len(victims):
             return
         victims = np.ascontiguousarray(victims, dtype=np.int64)
+        if tier.is_bottom:
+            self._expiring(victims)
         if tier.dirty is not None:
             dirty, slots = tier.dirty.which(victims, slots)
             if dirty.any():
@@ -493,6 +509,52 @@ class TableChain:
         tier.backend.delete(victims)
         tier.rows -= len(victims)
         tier.counters["evictions"] += len(victims)
+
+    def _expiring(self, ids: np.ndarray) -> None:
+        """Distinct `ids` leave the store of record (feature expiry), which still holds them.
+
+        The listener learns of them first, while their stored rows can still be read; the
+        tiers above drop their clean copies once the call under way is done: a clean copy
+        stands for the row below, and a read must not find a row the table no longer holds.
+        A dirty copy is newer than the stored row and stays, to be written back.
+        """
+        if self.expire_listener is not None:
+            self.expire_listener(ids)
+        if self.watchers:
+            self.note_bottom_write(ids)
+        self._expired.append(ids)
+
+    def _settle_expired(self) -> None:
+        """Drop the clean copies above of the rows the store of record has expired.
+
+        Called where a chain operation is done (not while a tier is evicting: the rows it
+        evicts must stay until it drops them). Rows written into the store of record again
+        since, and rows a tier holds dirty (with the clean copies above it), stay.
+        """
+        if not self._expired:
+            return
+        parts, self._expired = self._expired, []
+        ids = unique_sorted(np.concatenate(parts)) if len(parts) > 1 else parts[0]
+        ids = np.ascontiguousarray(ids[~self.tiers[-1].backend.contains(ids)])
+        for tier in reversed(self.tiers[:-1]):
+            if not len(ids):
+                return
+            held = tier.backend.contains(ids)
+            if not held.any():
+                continue
+            assert tier.dirty is not None  # a cache tier
+            dirty, _ = tier.dirty.which(np.ascontiguousarray(ids[held]), None)
+            drop = np.ascontiguousarray(ids[held][~dirty])
+            if len(drop):
+                if tier.eviction is not None:
+                    tier.eviction.record_remove(drop)
+                removed = tier.backend.delete(drop)
+                if tier.eviction is not None:
+                    tier.rows -= int(np.count_nonzero(removed))
+            # a dirty copy is the latest value: the copies above it are its, and stay
+            keep = np.ones(len(ids), dtype=bool)
+            keep[np.flatnonzero(held)[dirty]] = False
+            ids = ids[keep]
 
     def _write_back(self, tier: Tier, ids: np.ndarray, slots: np.ndarray | None,
                     now: int, *, in_line: bool = False) -> None:
@@ -589,6 +651,7 @@ class TableChain:
             dirty, slots = tier.dirty.items()
             if len(dirty):
                 self._write_back(tier, dirty, slots, now, in_line=True)
+        self._settle_expired()
 
     def flush(self) -> None:
         """Write back every dirty row, then make the store of record durable."""

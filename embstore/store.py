@@ -140,8 +140,14 @@ class EmbeddingStore:
     # --- construction -----------------------------------------------------------------------
 
     def _build_chain(self, spec: TableSpec) -> TableChain:
-        return build_chain(spec, self._default_tiers, self._path, read_only=self._read_only,
-                           checked=self._checked)
+        chain = build_chain(spec, self._default_tiers, self._path, read_only=self._read_only,
+                            checked=self._checked)
+        name = spec.name
+        # feature expiry drops rows as a delete does: recorded for the next incremental
+        # checkpoint, pre-imaged for a running one, told to the write listeners
+        chain.expire_listener = lambda ids: self._before_write(name, self._tables[name], ids,
+                                                               deleting=True)
+        return chain
 
     def _open_written(self, spec: TableSpec, chain: TableChain) -> WrittenIds | None:
         """The written-id record of a table whose store of record persists and keeps every row.

@@ -367,3 +367,67 @@ def test_a_read_only_checkpoint_that_fails_to_begin_lets_writers_in_again(tmp_pa
         with embstore.open(path) as writer:  # the reader's lock went with the failure
             writer.update("t", [0], np.zeros((1, 4), np.float32))
     assert not (tmp_path / "ck").exists()
+
+
+# the last tier's eviction is feature expiry: rows leave the table without a delete call
+EXPIRING = {
+    "lru-bottom": [TierSpec("dram", capacity=8, eviction="lru"),
+                   TierSpec("rocksdb", capacity=40, eviction="lru")],
+    "bounded-middle-lfu-bottom": [TierSpec("dram", capacity=8, eviction="lru"),
+                                  TierSpec("pmem", capacity=20, eviction="clock"),
+                                  TierSpec("rocksdb", capacity=50, eviction="lfu")],
+    "ttl-bottom": [TierSpec("dram", capacity=6, eviction="s3fifo"),
+                   TierSpec("lmdb", eviction="ttl", eviction_options={"ttl": 6})],
+}
+
+
+def _table_of(store: embstore.EmbeddingStore, ids: np.ndarray) -> tuple[bytes, bytes, int]:
+    """Weights and optimizer state of `ids` as lookups read them, and the stored row count."""
+    return (store.lookup("t", ids).tobytes(), store.lookup_state("t", ids).tobytes(),
+            store.num_rows("t"))
+
+
+@pytest.mark.parametrize("layout", sorted(EXPIRING))
+def test_incrementals_of_a_table_with_feature_expiry_restore_bit_for_bit(tmp_path, layout):
+    spec = TableSpec("t", dim=4, init=embstore.init.Uniform(seed=3),
+                     optimizer=embstore.optim.Adam(lr=0.01))
+    rng = np.random.default_rng(0)
+    probe = np.arange(150)
+    with embstore.open(tmp_path / "s", tables=[spec], tiers=EXPIRING[layout]) as store:
+        store.apply_gradients("t", np.arange(30), rng.standard_normal((30, 4)).astype(np.float32))
+        store.checkpoint(tmp_path / "c0", step=0)
+        for k in range(1, 4):  # rows move between tiers, are deleted, and expire
+            ids = rng.integers(0, 100, 40)
+            store.apply_gradients("t", ids, rng.standard_normal((40, 4)).astype(np.float32))
+            store.lookup("t", rng.integers(0, 120, 30))
+            store.delete("t", rng.integers(0, 100, 5))
+            store.checkpoint(tmp_path / f"c{k}", step=k, incremental=True)
+        expired = sum(t.evictions for t in store.tier_statistics("t")[-1:])
+        live = _table_of(store, probe)
+        stored = _contents(store)
+    assert expired > 0  # the scenario expires rows
+    embstore.restore(tmp_path / "c3", tmp_path / "r")
+    with embstore.open(tmp_path / "r") as restored:
+        assert _contents(restored) == stored
+        assert _table_of(restored, probe) == live
+
+
+def test_rows_expiring_while_a_checkpoint_copies_stay_in_it(tmp_path, monkeypatch):
+    import embstore.checkpoint as ck_mod
+
+    monkeypatch.setattr(ck_mod, "BATCH_ROWS", 4)  # several pages: writes go on between them
+    tiers = [TierSpec("rocksdb", capacity=16, eviction="fifo")]
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        store.update("t", np.arange(16), np.arange(64, dtype=np.float32).reshape(16, 4))
+        before = _contents(store)
+        pushed = []
+
+        def progress(table: str, copied: int, total: int) -> None:
+            if not pushed:  # after the first page: new rows expire every older one
+                store.update("t", np.arange(100, 116), np.ones((16, 4), np.float32))
+                pushed.append(True)
+
+        store.checkpoint(tmp_path / "ck", progress=progress)
+        assert set(_contents(store)["t"]) == set(range(100, 116))
+    with embstore.open(tmp_path / "ck", read_only=True) as ck:
+        assert _contents(ck) == before  # the checkpoint is the table as the call began

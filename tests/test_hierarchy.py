@@ -150,3 +150,39 @@ def test_wrong_policy_configuration_is_a_config_error(tmp_path, tier):
         embstore.open(tmp_path / "s", tables=[_spec()], tiers=[tier, TierSpec("lmdb")])
     assert not (tmp_path / "s").exists()  # a failed create leaves nothing behind
     embstore.open(tmp_path / "s", tables=[_spec()], tiers=[TierSpec("lmdb")]).close()
+
+
+def test_an_expired_row_is_not_served_from_a_clean_copy_in_a_cache(tmp_path):
+    tiers = [TierSpec("dram", capacity=8, eviction="lru"),
+             TierSpec("lmdb", capacity=4, eviction="lru")]
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        store.update("t", [0, 1, 2, 3], np.ones((4, 4), np.float32))
+        store.flush()  # stored below; clean copies stay in DRAM
+        store.update("t", [10, 11, 12, 13], np.full((4, 4), 2, np.float32))
+        store.flush()  # the store of record takes 10..13 and expires 0..3
+        assert store.tier_statistics("t")[1].evictions == 4
+        np.testing.assert_array_equal(store.lookup("t", [0, 1, 2, 3]),
+                                      np.full((4, 4), 0.5, np.float32))
+        assert store.num_rows("t") == len({int(i) for b, _, _ in store.items("t") for i in b})
+        store.checkpoint(tmp_path / "ck")
+        live = store.lookup("t", np.arange(16))
+    with embstore.open(tmp_path / "ck", read_only=True) as ck:
+        np.testing.assert_array_equal(ck.lookup("t", np.arange(16)), live)
+
+
+def test_a_row_expired_below_a_newer_dirty_copy_keeps_the_newer_value(tmp_path):
+    tiers = [TierSpec("dram", capacity=8, eviction="lru", admission="frequency",
+                      admission_options={"threshold": 2}),
+             TierSpec("lmdb", capacity=3, eviction="lru")]
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=tiers) as store:
+        store.update("t", [5], ONES)  # first sighting: straight into the store of record
+        store.update("t", [5], ONES * 2)  # admitted above: dirty, newer than the stored row
+        store.update("t", [20, 21, 22, 23], np.full((4, 4), 3, np.float32))  # expire 5 below
+        assert store.tier_statistics("t")[1].evictions >= 1
+        np.testing.assert_array_equal(store.lookup("t", [5]), ONES * 2)
+        store.checkpoint(tmp_path / "ck")  # its flush writes 5 back
+        live = store.lookup("t", [5, 20, 21, 22, 23])
+        assert store.num_rows("t") == 3
+    with embstore.open(tmp_path / "ck", read_only=True) as ck:
+        np.testing.assert_array_equal(ck.lookup("t", [5, 20, 21, 22, 23]), live)
+        np.testing.assert_array_equal(ck.lookup("t", [5]), ONES * 2)
