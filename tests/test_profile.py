@@ -280,3 +280,20 @@ def test_a_per_table_trace_whose_tables_hold_no_ids_is_refused(
     assert "holds no ids in any table" in err
     with pytest.raises(ConfigError, match="holds no ids in any table"):
         build_profile({"user": [np.zeros(0, np.int64)]})
+
+
+def test_a_sample_rate_that_keeps_too_few_ids_claims_no_error_bound(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # --sample-rate 0.01 kept a few dozen ids of a table yet claimed the tested bound (0.03)
+    # for curves more than 0.1 off the exact ones
+    few = {"t": [np.arange(1000) + 500 * (b % 4) for b in range(8)]}
+    t = build_profile(few, policies=[], sample_rate=0.01, points=4)["tables"]["t"]
+    assert t["method"] == "shards" and t["error_bound"] is None
+    many = {"t": [np.arange(20_000) + 5000 * (b % 4) for b in range(4)]}
+    t = build_profile(many, policies=[], sample_rate=0.1, points=4)["tables"]["t"]
+    assert t["error_bound"] == SHARDS_ERROR_BOUND
+    save_tables(tmp_path / "few.npz", few)
+    assert main(["profile", str(tmp_path / "few.npz"), "-o", str(tmp_path / "p.json"),
+                 "--sample-rate", "0.01", "--policies", "clock", "--points", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "shards!" in out and "give a higher --sample-rate" in out, out

@@ -313,13 +313,15 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
             "error_bound": 0.0 if rate >= 1 else SHARDS_ERROR_BOUND,
             "reuse": reuse_histogram(trace, rate, skip), "mrc": mrc,
         }
-        if recorded < 1:
-            # a log's rate is the recording's choice: below MIN_SAMPLED_IDS ids the tests
-            # bound no error (small tables want a higher record_sample)
-            out[name]["recorded_rate"] = recorded
-            out[name]["sampled_ids"] = kept = int(sample_mask(trace.ids, rate).sum())
+        if rate < 1:
+            # a log's rate is the recording's choice, and --sample-rate the caller's: below
+            # MIN_SAMPLED_IDS ids the tests bound no error (small tables want a higher rate)
+            kept = int(sample_mask(trace.ids, rate).sum())
             if kept < MIN_SAMPLED_IDS:
                 out[name]["error_bound"] = None
+        if recorded < 1:
+            out[name]["recorded_rate"] = recorded
+            out[name]["sampled_ids"] = kept
         if progress is not None:
             progress.update(1)
     if not out:  # a profile of no table is one `embstore plan` refuses
@@ -504,7 +506,10 @@ def _run(args: argparse.Namespace) -> int:
     if any(t["error_bound"] is None for t in profile["tables"].values()):
         from embstore.tools._mrc import MIN_SAMPLED_IDS
 
-        print(f"!: the log kept fewer than {MIN_SAMPLED_IDS} of this table's ids; its curves "
-              "may be far off: record it at a higher record_sample")
+        raise_it = ("record it at a higher record_sample"
+                    if any("recorded_rate" in t for t in profile["tables"].values())
+                    else "give a higher --sample-rate")
+        print(f"!: sampling kept fewer than {MIN_SAMPLED_IDS} of this table's ids; its "
+              f"curves may be far off: {raise_it}")
     print(f"wrote {args.output}" + (f" and {args.plot}" if args.plot else ""))
     return 0
