@@ -297,3 +297,19 @@ def test_a_sample_rate_that_keeps_too_few_ids_claims_no_error_bound(
                  "--sample-rate", "0.01", "--policies", "clock", "--points", "4"]) == 0
     out = capsys.readouterr().out
     assert "shards!" in out and "give a higher --sample-rate" in out, out
+
+
+def test_a_table_with_no_ids_after_the_warmup_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # its curves were all 0 (no lookup counted, none missed): a one-row cache looked perfect
+    empty = np.zeros(0, np.int64)
+    tables = {"a": [np.arange(100) + 10 * b for b in range(5)] + [empty] * 5,
+              "b": [np.arange(100) + 10 * b for b in range(10)]}
+    with pytest.raises(ConfigError, match=r"table 'a' has no ids after its first 5 batches"):
+        build_profile(tables, policies=["clock"], warmup=0.5, points=4)
+    t = build_profile(tables, policies=["clock"], warmup=0.4, points=4)["tables"]["a"]
+    assert min(t["mrc"]["lru"]) > 0
+    save_tables(tmp_path / "t.npz", tables)
+    err = _profile_fails(tmp_path, capsys, str(tmp_path / "t.npz"), "-o",
+                         str(tmp_path / "p.json"), "--warmup", "0.5")
+    assert "lower --warmup" in err

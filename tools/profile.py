@@ -250,7 +250,8 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         progress: an object with ``update(n)`` called once per table, or None.
 
     Raises:
-        ConfigError: a bad setting (`check_settings`) or policy spec, or no table has ids.
+        ConfigError: a bad setting (`check_settings`) or policy spec, no table has ids, or
+            one has none after the warm-up batches.
     """
     from embstore._access_log import sample_mask
     from embstore.tools.simulator import Trace, parse_policy
@@ -290,6 +291,11 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         rate = min(rate, recorded)
         caps = capacity_grid(rows, points)
         skip = int(warmup * len(trace.batches))
+        if not any(len(u) for u in trace.unique[skip:]):
+            # every ratio would be 0/0, taken as no miss: a cache of one row would look perfect
+            raise ConfigError(f"table {name!r} has no ids after its first {skip} batches, "
+                              f"which --warmup {warmup:g} gives to warming the caches; lower "
+                              "--warmup")
         lru = lru_curve(trace, caps, rate, skip)
         # below two batches' width the order inside a batch decides what LRU keeps, which
         # stack distances do not know: replay those few capacities instead
