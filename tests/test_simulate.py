@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -259,10 +260,15 @@ def test_a_trace_file_named_like_a_synthetic_spec_is_read_as_a_file(tmp_path: Pa
 
 
 @pytest.mark.parametrize("spec", ["synth:batches=2,lookups=abc", "synth:batches=2,lookups=nan",
-                                  "synth:batches=2,seed=-1", "synth:nosuch=1"])
+                                  "synth:batches=2,seed=-1", "synth:nosuch=1",
+                                  "synth:batches=2,lookups=99999999999999999999",
+                                  f"synth:batches=2,lookups={2**28 + 1}"])
 def test_bad_synthetic_specs_are_config_errors(spec: str) -> None:
-    with pytest.raises(ConfigError, match="trace spec"):
-        load_trace(spec)
+    # a huge lookups printed numpy's RuntimeWarning beside a raw "int too large" message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ConfigError, match="trace spec"):
+            load_trace(spec)
 
 
 def test_capacities_past_the_distinct_ids_are_the_infinite_cache() -> None:

@@ -221,6 +221,10 @@ def _table_cdfs(params: SynthParams) -> list[np.ndarray]:
     return cdfs
 
 
+MAX_LOOKUPS = 1 << 28
+"""The most lookups a synthetic batch may have (256 times the calibrated scale): a batch is
+drawn in memory, and a count past int64 overflowed the generator's arithmetic."""
+
 _KEY_MULT = 0x9E3779B97F4B  # odd: a bijection on row keys mod 2**40
 _KEY_MASK = (1 << _TABLE_SHIFT) - 1
 _KEY_MULT_INV = pow(_KEY_MULT, -1, 1 << _TABLE_SHIFT)
@@ -256,9 +260,9 @@ class SynthStream:
             params = PROFILES[profile]
         if lookups is not None:
             params = replace(params, lookups=int(lookups))
-        if not 0 <= drift <= 1 or params.lookups < params.tables:
-            raise ConfigError(f"synthetic trace: need 0 <= drift <= 1 and lookups >= tables, "
-                              f"got drift={drift}, lookups={params.lookups}")
+        if not 0 <= drift <= 1 or not params.tables <= params.lookups <= MAX_LOOKUPS:
+            raise ConfigError(f"synthetic trace: need 0 <= drift <= 1 and tables <= lookups "
+                              f"<= 2**28, got drift={drift}, lookups={params.lookups}")
         self.params = params
         self.drift = float(drift)
         self._rng = np.random.default_rng(seed)
