@@ -118,9 +118,23 @@ def _every_position(tmp_path: Path, trial_run, limit: int) -> int:
         assert nth < limit, f"the fault still fires at call {nth}"
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["once", "persistent"])
-@pytest.mark.parametrize("code", list(ERRORS.values()), ids=list(ERRORS))
-@pytest.mark.parametrize("op", ["flush", "writeback", "checkpoint"])
+def _error_cases(quick: set[str]) -> list:
+    """(code, persistent) for each pairing of error and persistence, those not named in
+    `quick` ("EIO-once", ...) left to the slow job.
+    """
+    return [pytest.param(code, persistent, id=f"{name}-{when}",
+                         marks=[] if f"{name}-{when}" in quick else [pytest.mark.slow])
+            for name, code in ERRORS.items()
+            for persistent, when in ((False, "once"), (True, "persistent"))]
+
+
+# the README's suite fails each operation one way (both errors, both persistences among
+# them); the slow job every way
+@pytest.mark.parametrize(("op", "code", "persistent"), [
+    pytest.param(op, *case.values, id=f"{op}-{case.id}", marks=case.marks)
+    for op, quick in (("flush", "EIO-once"), ("writeback", "ENOSPC-persistent"),
+                      ("checkpoint", "ENOSPC-once"))
+    for case in _error_cases({quick})])
 def test_a_failure_at_every_io_position_is_reported_and_loses_nothing(tmp_path, op, code,
                                                                       persistent):
     positions = _loop(tmp_path, "rocksdb", op, code, persistent, limit=200)
@@ -234,8 +248,7 @@ def _compact_run(tmp: Path, backend: str, nth: int, code: int, persistent: bool,
     return sum(w.faults for w in wrappers)
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["once", "persistent"])
-@pytest.mark.parametrize("code", list(ERRORS.values()), ids=list(ERRORS))
+@pytest.mark.parametrize(("code", "persistent"), _error_cases({"EIO-once", "ENOSPC-persistent"}))
 @pytest.mark.parametrize("backend", ["rocksdb", pytest.param("lmdb", marks=pytest.mark.slow),
                                      pytest.param("pmem", marks=pytest.mark.slow)])
 def test_a_failure_at_every_io_position_of_a_compaction_leaves_the_old_store(

@@ -1,5 +1,8 @@
 """Crash points (embstore._crash): every point, hits 1 and 2, on every persistent backend.
 
+The README's suite crashes every point on rocksdb, the default bottom tier; the slow job
+crashes them on the other backends as well.
+
 A child runs steps of updates, gradient steps and deletes through a DRAM cache over the
 backend, flushes after each step and says so ("ack <step>"), and takes a checkpoint every
 other step, with `EMBSTORE_CRASH_AT=<point>:<hit>`: it SIGKILLs itself at that hit. The parent
@@ -161,12 +164,18 @@ POINTS = [p for p in _crash.POINTS
           if not p.startswith(("recovery.", "rebuild.", "access_log."))]
 
 
-def _point_cases() -> list:
-    """Every backend and point at the first hit; the second hit (and with it the bounded
-    written-id record) on rocksdb, the default bottom tier, and on the others in the slow job.
+def _on_rocksdb_first(backend: str) -> list:
+    """Marks that leave a case to the slow job unless it runs on rocksdb, the default bottom
+    tier: the README's suite crashes every point there, the slow job on every backend.
     """
-    return [pytest.param(backend, point, hit,
-                         marks=[pytest.mark.slow] if hit == 2 and backend != "rocksdb" else [])
+    return [] if backend == "rocksdb" else [pytest.mark.slow]
+
+
+def _point_cases() -> list:
+    """Every backend and point at the first and second hit (the second with the bounded
+    written-id record).
+    """
+    return [pytest.param(backend, point, hit, marks=_on_rocksdb_first(backend))
             for backend in _persistent() for point in POINTS for hit in (1, 2)]
 
 
@@ -190,7 +199,8 @@ def test_a_crash_at_any_point_loses_no_acknowledged_row(tmp_path, backend, point
 
 @pytest.mark.parametrize("hit", [1, 2])
 @pytest.mark.parametrize("point", [p for p in _crash.POINTS if p.startswith("recovery.")])
-@pytest.mark.parametrize("backend", _persistent())
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=_on_rocksdb_first(b))
+                                     for b in _persistent()])
 def test_a_crash_during_recovery_is_survived(tmp_path, backend, point, hit):
     path = tmp_path / "s"
     acks, _ = run_child(path, backend, crash_at="writeback.after_put:5")
@@ -221,16 +231,19 @@ print("rebuilt", flush=True)
 """
 
 
+# the README's suite crashes each rebuild point once (a compact mid-copy, a migrate after its
+# exchange, a compact between its renames); the slow job every operation at every point
 @pytest.mark.parametrize("hit", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("point, op, exchange", [
     ("rebuild.page", "compact", "exchange"),
-    ("rebuild.page", "migrate", "exchange"),
-    ("rebuild.before_swap", "compact", "exchange"),
+    pytest.param("rebuild.page", "migrate", "exchange", marks=pytest.mark.slow),
+    pytest.param("rebuild.before_swap", "compact", "exchange", marks=pytest.mark.slow),
     ("rebuild.after_swap", "migrate", "exchange"),
     ("rebuild.swap_parked", "compact", "renames"),
-    ("rebuild.after_swap", "compact", "renames"),
+    pytest.param("rebuild.after_swap", "compact", "renames", marks=pytest.mark.slow),
 ])
-@pytest.mark.parametrize("backend", _persistent())
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=_on_rocksdb_first(b))
+                                     for b in _persistent()])
 def test_a_crash_while_rebuilding_leaves_the_old_or_the_new_store(tmp_path, backend, point, op,
                                                                    exchange, hit):
     path = tmp_path / "s"

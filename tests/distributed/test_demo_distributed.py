@@ -27,6 +27,7 @@ def test_two_processes_rerun_to_the_same_digest_and_follow_one_process() -> None
     assert one.bytes_per_step == 0 and two.bytes_per_step >= two.min_bytes_per_step > 0
 
 
+@pytest.mark.slow  # the README's suite checks the same through `embstore demo --nproc 2`
 @pytest.mark.timeout(120)
 def test_the_pipeline_over_a_sharded_store_gives_the_same_bits() -> None:
     plain = train_distributed(_tiny_job.tiny, 2, 6, timeout_s=100)
