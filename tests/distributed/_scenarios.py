@@ -309,6 +309,23 @@ def stalls(rank: int, world: int, timeout_s: float) -> float:
     return -1.0
 
 
+def _outcomes(calls: list) -> list[str]:
+    """Each call's outcome: "no error" or its embstore error's name, and "slow" after one
+    that took over 10 s (a rank waiting out a timeout instead of failing at once).
+    """
+    out = []
+    for call in calls:
+        start = time.monotonic()
+        try:
+            call()
+            out.append("no error")
+        except embstore.errors.EmbstoreError as exc:
+            out.append(type(exc).__name__)
+        if time.monotonic() - start > 10:
+            out.append("slow")
+    return out
+
+
 def rejects(rank: int, world: int) -> list[str]:
     """Rank 1 passes bad input: it raises its own error, the others PeerFailedError at once,
     nothing changes, and the next calls work on every rank.
@@ -323,15 +340,7 @@ def rejects(rank: int, world: int) -> list[str]:
             lambda: store.update("t_sgd" if rank == 0 else "nope", np.arange(2),
                                  np.ones((2, 5), np.float32)),
         ]
-        for call in calls:
-            start = time.monotonic()
-            try:
-                call()
-                out.append("no error")
-            except embstore.errors.EmbstoreError as exc:
-                out.append(type(exc).__name__)
-            if time.monotonic() - start > 10:
-                out.append("slow")
+        out += _outcomes(calls)
         if not np.array_equal(store.lookup("r_adagrad", np.arange(10)), before):
             out.append("changed")
     return out
@@ -422,15 +431,7 @@ def diverges(rank: int, world: int, ckpt: str) -> list[str]:
             lambda: store.checkpoint(ckpt, step=1),
             lambda: store.flush(),
         ]
-        for call in calls:
-            start = time.monotonic()
-            try:
-                call()
-                out.append("no error")
-            except embstore.errors.EmbstoreError as exc:
-                out.append(type(exc).__name__)
-            if time.monotonic() - start > 10:
-                out.append("slow")
+        out += _outcomes(calls)
     finally:
         store.close()  # closes: closing is all that is left
     out.append("closed" if store.closed else "open")
