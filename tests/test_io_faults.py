@@ -118,11 +118,11 @@ def _every_position(tmp_path: Path, trial_run, limit: int) -> int:
         assert nth < limit, f"the fault still fires at call {nth}"
 
 
-def _error_cases(quick: set[str]) -> list:
-    """(code, persistent) for each pairing of error and persistence, those not named in
-    `quick` ("EIO-once", ...) left to the slow job.
+def _error_cases(quick: set[str], *first: str) -> list:
+    """Parameters (*first, code, persistent) for each pairing of error and persistence, those
+    not named in `quick` ("EIO-once", ...) left to the slow job.
     """
-    return [pytest.param(code, persistent, id=f"{name}-{when}",
+    return [pytest.param(*first, code, persistent, id="-".join((*first, name, when)),
                          marks=[] if f"{name}-{when}" in quick else [pytest.mark.slow])
             for name, code in ERRORS.items()
             for persistent, when in ((False, "once"), (True, "persistent"))]
@@ -131,10 +131,8 @@ def _error_cases(quick: set[str]) -> list:
 # the README's suite fails each operation one way (both errors, both persistences among
 # them); the slow job every way
 @pytest.mark.parametrize(("op", "code", "persistent"), [
-    pytest.param(op, *case.values, id=f"{op}-{case.id}", marks=case.marks)
-    for op, quick in (("flush", "EIO-once"), ("writeback", "ENOSPC-persistent"),
-                      ("checkpoint", "ENOSPC-once"))
-    for case in _error_cases({quick})])
+    *_error_cases({"EIO-once"}, "flush"), *_error_cases({"ENOSPC-persistent"}, "writeback"),
+    *_error_cases({"ENOSPC-once"}, "checkpoint")])
 def test_a_failure_at_every_io_position_is_reported_and_loses_nothing(tmp_path, op, code,
                                                                       persistent):
     positions = _loop(tmp_path, "rocksdb", op, code, persistent, limit=200)

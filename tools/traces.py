@@ -262,7 +262,7 @@ class SynthStream:
             params = replace(params, lookups=int(lookups))
         if not 0 <= drift <= 1 or not params.tables <= params.lookups <= MAX_LOOKUPS:
             raise ConfigError(f"synthetic trace: need 0 <= drift <= 1 and tables <= lookups "
-                              f"<= 2**28, got drift={drift}, lookups={params.lookups}")
+                              f"<= {MAX_LOOKUPS:,}, got drift={drift}, lookups={params.lookups}")
         self.params = params
         self.drift = float(drift)
         self._rng = np.random.default_rng(seed)
