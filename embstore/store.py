@@ -101,6 +101,10 @@ class EmbeddingStore:
         self._read_only = read_only
         self._lock_fd = lock_fd
         self._mutex = threading.RLock()
+        # prefetch reads the store of record without the lock; close() waits for those reads
+        # to end before it closes the tiers under them
+        self._unlocked_reads = 0
+        self._reads_ended = threading.Condition(self._mutex)
         self._checkpointing = threading.Lock()
         self._tables: dict[str, _Table] = {}
         self._closed = False
@@ -449,8 +453,9 @@ class EmbeddingStore:
         with self._mutex:
             t = self._table(table)
             missing, job = _prefetch.begin(t.chain, as_ids(ids, t.spec))
-        if job is None:
-            return missing
+            if job is None:
+                return missing
+            self._unlocked_reads += 1
         # the slow read of the store of record runs without the lock: the training thread's
         # own calls go on meanwhile (embstore/_prefetch.py says why this is safe)
         rows = found = None
@@ -458,6 +463,8 @@ class EmbeddingStore:
             rows, found = job.read()
         finally:
             with self._mutex:
+                self._unlocked_reads -= 1
+                self._reads_ended.notify_all()
                 if not self._closed:
                     _prefetch.end(t.chain, job, rows, found)
         return missing
@@ -1064,6 +1071,9 @@ class EmbeddingStore:
         """Flush (unless read-only), close every tier and release the lock. Idempotent."""
         with self._mutex:
             if self._closed:
+                return
+            self._reads_ended.wait_for(lambda: self._unlocked_reads == 0)
+            if self._closed:  # closed by another thread while this one waited
                 return
             record = None
             try:

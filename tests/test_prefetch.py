@@ -33,3 +33,50 @@ def test_rows_a_prefetch_finds_up_outlast_the_rows_promoted_after_them(
         np.testing.assert_array_equal(store.lookup("t", np.array([0, 1])), rows[:2])
         assert top.counters["misses"] == misses
         assert top.counters["hits"] == hits + 2
+
+
+def test_close_waits_for_a_prefetch_reading_the_store_of_record(tmp_path, monkeypatch) -> None:
+    """close() during a prefetch's unlocked read closes the tiers only after the read ends."""
+    import threading
+
+    from embstore import _prefetch
+
+    tiers = [TierSpec("dram", capacity=8, eviction="lru"), TierSpec("rocksdb")]
+    path = tmp_path / "s"
+    store = embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=tiers)
+    rows = np.arange(256, dtype=np.float32).reshape(64, 4)
+    store.bulk_load("t", np.arange(64), rows)
+    store.update("t", np.arange(4), -rows[:4])  # dirty rows: close writes them back
+    reading, release = threading.Event(), threading.Event()
+    read = _prefetch.PrefetchJob.read
+
+    def slow_read(job: _prefetch.PrefetchJob) -> tuple[np.ndarray, np.ndarray]:
+        reading.set()
+        assert release.wait(10)
+        return read(job)
+
+    monkeypatch.setattr(_prefetch.PrefetchJob, "read", slow_read)
+    errors: list[BaseException] = []
+
+    def run(fn) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    fetcher = threading.Thread(target=run, args=(lambda: store.prefetch("t", np.arange(8, 64)),))
+    fetcher.start()
+    assert reading.wait(10)
+    closer = threading.Thread(target=run, args=(store.close,))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close() went on while a prefetch read the store of record"
+    release.set()
+    fetcher.join(10)
+    closer.join(10)
+    assert not errors, errors
+    assert store.closed
+    with embstore.open(path) as again:
+        expected = rows.copy()
+        expected[:4] *= -1
+        np.testing.assert_array_equal(again.lookup("t", np.arange(64)), expected)
