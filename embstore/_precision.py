@@ -96,6 +96,15 @@ class RowCodec:
                             seed_key, ffi.cast("uint16_t *", out.ctypes.data))
         return out
 
+    def overflowed(self, rounded: np.ndarray) -> np.ndarray:
+        """bool[N]: which rows of 16-bit weights `rounded` [N, dim] hold an infinity or NaN.
+
+        Finite float32 weights beyond the format's range round to infinity (|w| > 65504 in
+        fp16, about 3.4e38 in bf16).
+        """
+        exponent = np.uint16(0x7C00 if self.precision == "fp16" else 0x7F80)
+        return ((rounded & exponent) == exponent).any(axis=1)  # type: ignore[no-any-return]
+
     def round_nearest(self, weights: np.ndarray) -> np.ndarray:
         """uint16 [N, dim]: `weights` (float32) rounded to nearest, ties to even."""
         return self._encode(weights, None, 0)

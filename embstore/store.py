@@ -83,6 +83,25 @@ class _Table:
     """The written-id record (embstore._written); None where the table keeps none."""
 
 
+def _check_in_range(name: str, t: _Table, ids: np.ndarray, rounded: np.ndarray) -> None:
+    """Refuse half-precision weights `rounded` [N, dim] of `ids` that overflowed the format.
+
+    Raises:
+        NonFiniteValueError: a weight rounded to infinity and the table forbids it.
+    """
+    assert t.codec is not None
+    if t.spec.allow_nonfinite:
+        return
+    out = t.codec.overflowed(rounded)
+    if out.any():
+        fmt, limit = (("float16", "65504") if t.codec.precision == "fp16"
+                      else ("bfloat16", "3.39e38"))
+        raise NonFiniteValueError(
+            f"table {name!r}: row {int(ids[np.flatnonzero(out)[0]])} overflows {fmt} "
+            f"(|w| > {limit}); nothing was written: scale it down"
+            + (" or use precision='bf16'" if fmt == "float16" else ""))
+
+
 class EmbeddingStore:
     """Embedding tables in a hierarchy of tiers. Create it with `embstore.open`.
 
@@ -290,13 +309,7 @@ class EmbeddingStore:
             dim = t.spec.dim
             rounded = (t.codec.round_nearest(full[:, :dim]) if step is None
                        else t.codec.round_stochastic(full[:, :dim], ids, step))
-            if t.codec.precision == "fp16" and not t.spec.allow_nonfinite:
-                out = ~np.isfinite(rounded.view(np.float16)).all(axis=1)
-                if out.any():
-                    raise NonFiniteValueError(
-                        f"table {name!r}: row {int(ids[np.flatnonzero(out)[0]])} overflows "
-                        "float16 (|w| > 65504); nothing was written: scale it down or use "
-                        "precision='bf16'")
+            _check_in_range(name, t, ids, rounded)
             rows = t.codec.encode(full, rounded)
         self._before_write(name, t, ids, held=held)
         t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, rows)))
@@ -739,7 +752,9 @@ class EmbeddingStore:
                                       spec.optimizer.initial_state(len(rows), spec.dim,
                                                                    spec.dtype))
             if t.codec is not None:
-                rows = t.codec.encode(rows, t.codec.round_nearest(rows[:, : spec.dim]))
+                rounded = t.codec.round_nearest(rows[:, : spec.dim])
+                _check_in_range(table, t, groups.unique, rounded)
+                rows = t.codec.encode(rows, rounded)
             self._before_write(table, t, groups.unique)
             t.chain.bulk_load(groups.unique, rows)
 

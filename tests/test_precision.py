@@ -144,11 +144,15 @@ def test_bad_precision_settings():
         embstore.TableSpec("t", dim=4, precision="fp16", dtype=np.float64)
 
 
-def test_fp16_overflow_is_refused_and_changes_nothing():
-    store = embstore.open(None, tables=[_spec("fp16")])
+@pytest.mark.parametrize(("precision", "big"), [("fp16", 1e6), ("bf16", 3.4e38)])
+@pytest.mark.parametrize("how", ["update", "bulk_load"])
+def test_half_precision_overflow_is_refused_and_changes_nothing(precision, big, how):
+    # finite float32 weights beyond the format's range would round to infinity
+    store = embstore.open(None, tables=[_spec(precision)])
     store.update("t", np.array([1]), np.ones((1, DIM), np.float32))
-    with pytest.raises(NonFiniteValueError, match="float16"):
-        store.update("t", np.array([1, 2]), np.full((2, DIM), 1e6, np.float32))
+    with pytest.raises(NonFiniteValueError, match="float16" if precision == "fp16"
+                       else "bfloat16"):
+        getattr(store, how)("t", np.array([2, 1]), np.full((2, DIM), big, np.float32))
     np.testing.assert_array_equal(store.lookup("t", np.array([1])), 1)
     assert store.num_rows("t") == 1
 
