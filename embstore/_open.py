@@ -100,24 +100,44 @@ def _check_log_outside(path: str | os.PathLike[str] | None, log: object) -> None
                           "beside the store, e.g. runs/ctr-log")
 
 
+def _specs_list(given: Any, kind: type, what: str) -> list[Any]:
+    """`given` (tables= or tiers=) as a list, or ConfigError naming what was given instead."""
+    if given is None:
+        return []
+    if isinstance(given, (kind, str, bytes, Mapping)):
+        raise ConfigError(f"{what} must be a list of embstore.{kind.__name__}, got "
+                          f"{type(given).__name__}"
+                          + (f"; wrap one: {what}=[...]" if isinstance(given, kind) else ""))
+    try:
+        return list(given)
+    except TypeError as exc:
+        raise ConfigError(f"{what} must be a list of embstore.{kind.__name__}, got "
+                          f"{type(given).__name__}") from exc
+
+
 def _check_new(specs: list[TableSpec], chain: tuple[TierSpec, ...]) -> None:
     """The checks of what a user gives for new tables and a new store's default `chain`."""
     check_ignored_settings(chain)
     for spec in specs:
         spec.check_initial_values()
+        spec.optimizer.check_dtype(spec.name, spec.dtype)
         check_ignored_settings(spec.tiers or ())
 
 
 def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
           tiers: list[TierSpec] | None, read_only: bool,
           placement: str | os.PathLike[str] | dict[str, Any] | None) -> EmbeddingStore:
-    specs = list(tables or [])
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path must be a str, an os.PathLike or None (in memory), got "
+                          f"{type(path).__name__}" + ("; decode it first" if isinstance(
+                              path, bytes) else ""))
+    specs = _specs_list(tables, TableSpec, "tables")
     if not all(isinstance(s, TableSpec) for s in specs):
         raise ConfigError("tables must be a list of embstore.TableSpec")
     _check_unique(specs)
     if placement is not None:
         specs = apply_placement(specs, placement)
-    tier_specs = tuple(tiers) if tiers is not None else None
+    tier_specs = tuple(_specs_list(tiers, TierSpec, "tiers")) if tiers is not None else None
     if tier_specs is not None and (not tier_specs
                                    or not all(isinstance(t, TierSpec) for t in tier_specs)):
         raise ConfigError("tiers must be a non-empty list of embstore.TierSpec")

@@ -33,6 +33,13 @@ def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
     Any integer dtype is accepted when its values convert to int64 without loss; floats,
     bools and out-of-range unsigned values are rejected rather than silently rounded.
     """
+    if isinstance(ids, np.ma.MaskedArray):
+        raise InvalidIdsError(
+            f"table {spec.name!r}: ids are a masked array, whose mask the store would not "
+            "see; pass ids.compressed() (the unmasked ids) or fill the masked ones")
+    if isinstance(ids, memoryview):
+        ids = np.asarray(ids)  # a buffer of integers (np.isscalar calls it a scalar)
+    original = ids
     if not isinstance(ids, np.ndarray):
         if np.isscalar(ids):
             raise InvalidIdsError(
@@ -45,6 +52,9 @@ def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
             raise InvalidIdsError(f"table {spec.name!r}: ids are not an array: {exc}") from exc
         if ids.size == 0 and ids.dtype == np.float64:  # a bare [] has no dtype of its own
             ids = ids.astype(np.int64)
+        elif ids.ndim == 0:  # None, a dict, a set, a generator: no sequence numpy can read
+            raise InvalidIdsError(f"table {spec.name!r}: ids must be a 1-D integer array, "
+                                  f"got {type(original).__name__}")
     if ids.ndim != 1:
         raise InvalidIdsError(
             f"table {spec.name!r}: ids must be 1-D, got shape {ids.shape}; flatten them first"
@@ -79,6 +89,10 @@ def as_rows(rows: Any, n: int, spec: TableSpec, what: str = "rows", *,
 
     `checked_finite`: the caller (inside embstore) has seen every value finite already.
     """
+    if isinstance(rows, np.ma.MaskedArray):
+        raise InvalidValuesError(
+            f"table {spec.name!r}: {what} are a masked array, whose mask the store would not "
+            "see; fill the masked values (rows.filled(...)) or leave their ids out")
     if not isinstance(rows, np.ndarray):
         raise InvalidValuesError(
             f"table {spec.name!r}: {what} must be a numpy array of shape ({n}, {spec.dim}), "
@@ -87,7 +101,9 @@ def as_rows(rows: Any, n: int, spec: TableSpec, what: str = "rows", *,
     if rows.dtype != spec.dtype:
         raise DtypeMismatchError(
             f"table {spec.name!r}: {what} must have the table dtype {spec.dtype}, got "
-            f"{rows.dtype}; convert with .astype(np.{spec.dtype.name})"
+            f"{rows.dtype}; convert with "
+            + (f".astype(np.{spec.dtype.name})" if spec.dtype.isnative
+               else f".astype({spec.dtype.str!r})")
         )
     if rows.ndim != 2 or rows.shape[1] != spec.dim:
         raise DimensionMismatchError(

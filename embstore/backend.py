@@ -273,8 +273,9 @@ class Backend(ABC):
             CorruptStoreError: a stored row failed its checks (never an early end).
         """
         self._check_open()
-        if batch_rows < 1:
-            raise ConfigError(f"batch_rows must be >= 1, got {batch_rows}")
+        if isinstance(batch_rows, bool) or not isinstance(batch_rows, (int, np.integer)) \
+                or batch_rows < 1:
+            raise ConfigError(f"batch_rows must be an integer >= 1, got {batch_rows!r}")
         return self._translated(self._items(batch_rows))
 
     def _translated(self, pages: Iterator[tuple[np.ndarray, np.ndarray]]

@@ -256,6 +256,9 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
     _check_step(step)
     if not isinstance(incremental, bool):
         raise ConfigError(f"incremental must be True or False, got {incremental!r}")
+    if progress is not None and not callable(progress):
+        raise ConfigError(f"progress must be None or a callable (table, done, total), got "
+                          f"{progress!r}")
     _check_new(dest, "a checkpoint")
     tmp, made = make_private(dest, StorageIOError)
     try:

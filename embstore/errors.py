@@ -49,8 +49,10 @@ class UnknownTableError(EmbstoreError, LookupError):
     """The table named in a call does not exist in this store."""
 
     def __init__(self, table: str, known: list[str]) -> None:
+        what = (f"unknown table {table!r}" if isinstance(table, str)
+                else f"table names are str, got {type(table).__name__} {table!r}")
         super().__init__(
-            f"unknown table {table!r}: this store has {sorted(known)!r}; "
+            f"{what}: this store has {sorted(known)!r}; "
             "declare it with a TableSpec when opening the store"
         )
         self.table = table

@@ -45,6 +45,13 @@ class Optimizer(Named):
         """Elements of optimizer state stored after the `dim` weights of each row."""
         return 0
 
+    def check_dtype(self, table: str, dtype: np.dtype) -> None:
+        """Refuse a new table of `dtype` that this rule cannot step.
+
+        Raises:
+            ConfigError: the rule needs a wider dtype.
+        """
+
     def initial_state(self, n: int, dim: int, dtype: np.dtype) -> np.ndarray:
         """State of `n` rows that were never updated: array[n, state_width(dim)]."""
         return np.zeros((n, self.state_width(dim)), dtype=dtype)
@@ -237,12 +244,23 @@ class Adam(Optimizer):
         # docstring inherited
         return (3 if self.amsgrad else 2) * dim + 1
 
+    def _too_narrow(self, dtype: np.dtype) -> str | None:
+        if dtype.itemsize >= 4:
+            return None
+        return (f"{type(self).__name__} needs a float32 or float64 table to count steps "
+                f"exactly, got {dtype}; use RowWiseAdagrad or a wider dtype")
+
+    def check_dtype(self, table: str, dtype: np.dtype) -> None:
+        # docstring inherited
+        problem = self._too_narrow(dtype)
+        if problem is not None:
+            raise ConfigError(f"table {table!r}: {problem}")
+
     def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
         # docstring inherited
-        if weights.dtype.itemsize < 4:
-            raise DtypeMismatchError(
-                f"{type(self).__name__} needs a float32 or float64 table to count steps "
-                f"exactly, got {weights.dtype}; use RowWiseAdagrad or a wider dtype")
+        problem = self._too_narrow(weights.dtype)
+        if problem is not None:  # a table made before new tables were checked (check_dtype)
+            raise DtypeMismatchError(problem)
         dim = weights.shape[1]
         rules.adam(weights, state[:, :dim], state[:, dim:2 * dim],
                    state[:, 2 * dim:3 * dim] if self.amsgrad else None, state[:, -1], grads,

@@ -201,7 +201,7 @@ class EmbeddingStore:
 
     def _table(self, name: str) -> _Table:
         self._check_open()
-        table = self._tables.get(name)
+        table = self._tables.get(name) if isinstance(name, str) else None
         if table is None:
             raise UnknownTableError(name, list(self._tables))
         return table
@@ -731,7 +731,11 @@ class EmbeddingStore:
             weights = as_rows(weights, len(ids), spec, what="weights")
             width = spec.row_width - spec.dim
             if state is not None:
-                state = np.asarray(state)
+                try:
+                    state = np.asarray(state)
+                except (ValueError, TypeError) as exc:
+                    raise InvalidValuesError(f"table {table!r}: state is not an array: "
+                                             f"{exc}") from exc
                 if state.dtype != spec.dtype or state.shape != (len(ids), width):
                     raise InvalidValuesError(
                         f"table {table!r}: state must be array[{len(ids)}, {width}] of "
@@ -1088,7 +1092,7 @@ class EmbeddingStore:
             if self._closed:
                 return
             self._reads_ended.wait_for(lambda: self._unlocked_reads == 0)
-            if self._closed:  # closed by another thread while this one waited
+            if self.closed:  # closed by another thread while this one waited
                 return
             record = None
             try:

@@ -229,6 +229,8 @@ def test_bad_destinations_and_steps_are_refused_and_leave_nothing(tmp_path):
         for dest in (None, 5, ""):
             with pytest.raises(E.ConfigError, match="path"):
                 store.checkpoint(dest)
+        with pytest.raises(E.ConfigError, match="progress"):
+            store.checkpoint(tmp_path / "c", progress=5)
         with pytest.raises(E.ConfigError, match="inside the store"):
             store.checkpoint(tmp_path / "s" / "ck")
         with pytest.raises(E.StorageIOError, match="is not a directory"):

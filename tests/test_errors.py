@@ -32,6 +32,10 @@ BAD_IDS = [
     (np.array(["a", "b"]), "integers"),
     (np.array([1, None], dtype=object), "integers"),
     (5, "scalar"),
+    (np.ma.masked_array([1, 2], mask=[False, True]), "masked"),  # its mask would go unseen
+    (None, "NoneType"),
+    ({1, 2}, "set"),
+    ((i for i in (1, 2)), "generator"),
 ]
 
 
@@ -67,6 +71,9 @@ def test_ids_outside_num_embeddings_are_rejected():
     (np.array([[1, 1, 1], [np.inf, 1, 1]], np.float32), E.NonFiniteValueError),
     (np.array([[1, 1, 1], [1, 1, -np.inf]], np.float32), E.NonFiniteValueError),
     (np.asfortranarray([[1, 1, np.nan], [1, 1, 1]], np.float32), E.NonFiniteValueError),
+    (np.ma.masked_invalid(np.array([[1, np.nan, 1], [1, 1, 1]], np.float32)),
+     E.InvalidValuesError),
+    (np.ma.masked_array(np.ones((2, 3), np.float32), mask=True), E.InvalidValuesError),
 ])
 def test_bad_rows_and_gradients_raise_and_change_nothing(rows, cls):
     store = _store()
@@ -147,6 +154,52 @@ def test_unknown_table_names_the_known_ones():
         store.lookup("nope", [1])
     with pytest.raises(LookupError):
         store.update("nope", [1], ROWS[:1])
+    for name in (["t"], {"t": 1}, None, 1):  # unhashable names too
+        with pytest.raises(E.UnknownTableError, match="table names are str"):
+            store.lookup(name, [1])
+
+
+def test_memoryview_ids_read_as_the_array_they_view():
+    store = _store()
+    store.update("t", [1, 2], ROWS * 2)
+    np.testing.assert_array_equal(store.lookup("t", memoryview(np.array([2, 1]))), ROWS * 2)
+
+
+def test_a_byte_swapped_table_names_its_own_dtype_to_convert_to():
+    store = _store(dtype=">f4")
+    with pytest.raises(E.DtypeMismatchError, match=r"astype\('>f4'\)"):
+        store.update("t", [1, 2], ROWS)
+
+
+def test_items_refuses_a_page_size_that_is_no_whole_number():
+    store = _store()
+    store.update("t", [1, 2], ROWS)
+    for bad in (1.5, None, "3", True, 0):
+        with pytest.raises(E.ConfigError, match="batch_rows"):
+            store.items("t", batch_rows=bad)
+    assert sum(len(ids) for ids, _, _ in store.items("t", batch_rows=np.int64(1))) == 2
+
+
+def test_bulk_load_refuses_a_ragged_state():
+    store = _store(optimizer=embstore.optim.Adagrad())
+    with pytest.raises(E.InvalidValuesError, match="state"):
+        store.bulk_load("t", [1, 2], ROWS, state=[[1.0, 1.0, 1.0], [1.0]])
+    assert store.num_rows("t") == 0
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    ((b"/tmp/x",), "decode it first"),
+    ((5,), "path must be"),
+    ((None, TableSpec("t", dim=2)), "wrap one"),
+    ((None, {"t": TableSpec("t", dim=2)}), "tables must be a list"),
+    ((None, 5), "tables must be a list"),
+    ((None, [TableSpec("t", dim=2)], TierSpec("dram")), "wrap one"),
+    ((None, [TableSpec("t", dim=2, dtype=np.float16, optimizer=embstore.optim.Adam())]),
+     "Adam needs a float32 or float64 table"),
+])
+def test_open_refuses_arguments_of_the_wrong_kind(tmp_path, args, words):
+    with pytest.raises(E.ConfigError, match=words):
+        embstore.open(*args)
 
 
 @pytest.mark.parametrize("make", [

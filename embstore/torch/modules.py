@@ -364,6 +364,34 @@ class KeyedEmbeddings:
         return f"KeyedEmbeddings(keys={self._keys}, values={tuple(self._values.shape)})"
 
 
+def _keyed_jagged(features: Any) -> dict[str, tuple[Any, Any, Any]]:
+    """{key: (values, lengths, weights or None)} of a torchrec KeyedJaggedTensor.
+
+    Duck-typed: torchrec need not be installed. Checks what the dict form's checks cannot see
+    once the tensor is cut per key: one key once, lengths that split evenly over the keys,
+    and values exactly as many as the lengths add up to.
+    """
+    keys = list(features.keys())
+    values, lengths = features.values(), features.lengths()
+    weights = getattr(features, "weights_or_none", lambda: None)()
+    if len(set(keys)) != len(keys):
+        raise InvalidIdsError(f"the KeyedJaggedTensor names a key twice: {keys}")
+    if not keys:
+        return {}
+    if lengths.dim() != 1 or lengths.numel() % len(keys):
+        raise InvalidIdsError(f"the KeyedJaggedTensor's lengths (shape {tuple(lengths.shape)}) "
+                              f"do not split into one run per key over its {len(keys)} keys")
+    per_key = lengths.reshape(len(keys), -1)
+    starts = np.concatenate([[0], np.cumsum(per_key.sum(dim=1).cpu().numpy())])
+    if values.dim() != 1 or values.numel() != int(starts[-1]):
+        raise InvalidIdsError(f"the KeyedJaggedTensor holds {values.numel()} values (shape "
+                              f"{tuple(values.shape)}) but its lengths add up to "
+                              f"{int(starts[-1])}")
+    return {k: (values[int(starts[i]):int(starts[i + 1])], per_key[i],
+                None if weights is None else weights[int(starts[i]):int(starts[i + 1])])
+            for i, k in enumerate(keys)}
+
+
 class EmbeddingBagCollection(_StoreModule):
     """Pooled lookups of several features, each through a store table: TorchRec's shape.
 
@@ -387,7 +415,8 @@ class EmbeddingBagCollection(_StoreModule):
                  padding_idx: int | None = None) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-        if not isinstance(tables, Mapping) or not tables:
+        if not isinstance(tables, Mapping) or not tables \
+                or not all(isinstance(t, str) for t in tables.values()):
             raise ConfigError("tables must be a non-empty mapping {feature: table name}")
         super().__init__(store, sorted(set(tables.values())), padding_idx, mode)
         self.feature_names = list(tables)
@@ -398,15 +427,7 @@ class EmbeddingBagCollection(_StoreModule):
         features = args[0]
         if all(hasattr(features, m) for m in ("keys", "values", "lengths")) \
                 and not isinstance(features, Mapping):
-            # a torchrec KeyedJaggedTensor (duck-typed: torchrec need not be installed)
-            keys = list(features.keys())
-            values, lengths = features.values(), features.lengths()
-            weights = getattr(features, "weights_or_none", lambda: None)()
-            per_key = lengths.reshape(len(keys), -1) if len(keys) else lengths
-            starts = np.concatenate([[0], np.cumsum(per_key.sum(dim=1).cpu().numpy())])
-            given = {k: (values[int(starts[i]):int(starts[i + 1])], per_key[i],
-                         None if weights is None else weights[int(starts[i]):int(starts[i + 1])])
-                     for i, k in enumerate(keys)}
+            given = _keyed_jagged(features)
         elif isinstance(features, Mapping):
             given = {}
             for k, v in features.items():

@@ -174,6 +174,40 @@ def test_collection_takes_a_keyed_jagged_tensor():
     assert torch.equal(out.values(), by_dict.values())
 
 
+class _Jagged:
+    """A KeyedJaggedTensor as the collection reads one (duck-typed), built unchecked."""
+
+    def __init__(self, keys, values, lengths):
+        self._keys, self._values, self._lengths = keys, values, lengths
+
+    def keys(self):
+        return self._keys
+
+    def values(self):
+        return self._values
+
+    def lengths(self):
+        return self._lengths
+
+
+@pytest.mark.parametrize(("keys", "values", "lengths", "words"), [
+    (["x", "y"], [1, 2, 3], [1, 1, 1], "do not split into one run per key"),
+    (["x", "y"], [1, 2, 3, 99, 98], [1, 1, 1, 0], "holds 5 values"),  # a tail no bag holds
+    (["x", "y"], [1, 2], [1, 1, 1, 0], "holds 2 values"),
+    (["x", "x"], [1, 2, 3], [1, 1, 1, 0], "names a key twice"),
+    ([], [], [], "missing"),
+])
+def test_a_malformed_keyed_jagged_tensor_is_refused_and_changes_nothing(keys, values,
+                                                                        lengths, words):
+    store = _store(embstore.optim.SGD(lr=0.1))
+    ebc = et.EmbeddingBagCollection(store, {"x": "t", "y": "t"})
+    jagged = _Jagged(keys, torch.tensor(values, dtype=torch.long),
+                     torch.tensor(lengths, dtype=torch.long))
+    with pytest.raises(InvalidIdsError, match=words):
+        ebc(jagged)
+    assert store.num_rows("t") == 0
+
+
 @pytest.mark.parametrize("how", ["eval", "no_grad"])
 def test_forward_without_training_changes_nothing(tmp_path, how):
     store = _store(embstore.optim.Adagrad(lr=0.1), path=tmp_path / "s",
