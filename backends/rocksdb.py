@@ -601,6 +601,13 @@ def _open_db(directory: Path, settings: tuple[tuple[str, Any], ...], read_only: 
                          read_only=True)
         shared.files = files
         return shared
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        # rocksdict takes paths as UTF-8 text (a reader goes through links of its own)
+        raise ConfigError(f"RocksDB cannot open {path!r} for writing: its path is not valid "
+                          "UTF-8; rename the directory (or the ones above it) to UTF-8 names"
+                          ) from None
     if exists:
         check_log_framing(directory)
     cfs = rocksdict.Rdict.list_cf(path, rocksdict.Options(raw_mode=True)) if exists else []

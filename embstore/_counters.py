@@ -69,7 +69,49 @@ def _read(root: Path) -> tuple[dict[str, Any], str | None]:
         os.close(fd)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return {}, f"is not an {FORMAT} document"
+    problem = _schema_problem(doc)
+    if problem is not None:
+        return {}, problem
     return doc, None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _time(value: Any) -> bool:
+    """A unix time as `save` writes one (up to the year 5000), or None."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                             and 0 <= value < 1e11)
+
+
+def _schema_problem(doc: dict[str, Any]) -> str | None:
+    """What in `doc` is not as `save` writes it, or None.
+
+    The file has no checksum (it holds figures, not rows), so its readers get it only once
+    every field they use has the kind they expect.
+    """
+    for key in ("closed_at", "last_flush"):
+        if not _time(doc.get(key)):
+            return f"has a {key} that is no time: {doc.get(key)!r:.40}"
+    ckpt = doc.get("last_checkpoint")
+    if ckpt is not None and not (isinstance(ckpt, dict) and isinstance(ckpt.get("path"), str)
+                                 and (ckpt.get("step") is None or _count(ckpt.get("step")))
+                                 and _time(ckpt.get("time"))):
+        return f"has a last_checkpoint that is not one: {ckpt!r:.60}"
+    tables = doc.get("tables", {})
+    if not isinstance(tables, dict):
+        return f"has tables that are not an object: {tables!r:.40}"
+    for name, t in tables.items():
+        if not (isinstance(t, dict) and _count(t.get("rows", 0))
+                and _count(t.get("updates_dropped", 0))
+                and isinstance(t.get("tiers", []), list)
+                and all(isinstance(s, dict) and all(_count(s.get(k, 0)) for k in COUNTERS)
+                        for s in t.get("tiers", []))):
+            return f"has figures for table {name!r} that are not counts: {t!r:.60}"
+    if not isinstance(doc.get("fingerprints", {}), dict):
+        return f"has fingerprints that are not an object: {doc.get('fingerprints')!r:.40}"
+    return None
 
 
 def cumulative(history: dict[str, Any], table: str, level: int, backend: str,

@@ -35,10 +35,17 @@ import numpy as np
 
 from ._precision import RowCodec
 from ._private_dir import discard, make_private
-from ._rebuild import ClosablePages, page_rows, read_store, store_rows, write_store
+from ._rebuild import (
+    ClosablePages,
+    check_path,
+    page_rows,
+    read_store,
+    store_rows,
+    write_store,
+)
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
-from .layout import lock
-from .manifest import fsync_dir, write_atomic
+from .layout import lock, store_above
+from .manifest import fsync_dir, optional_fields_problem, write_atomic
 from .spec import TableSpec, TierSpec
 
 __all__ = ["FORMAT", "export_store", "import_store", "read_header"]
@@ -114,6 +121,10 @@ def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     root, dest = Path(src), Path(out)
     if not root.is_dir():
         raise StoreNotFoundError(f"{root} is not a store directory")
+    above = store_above(dest)
+    if above is not None:
+        raise ConfigError(f"{dest} lies inside the store or checkpoint {above}, whose rewrites "
+                          "would delete it; export to a directory beside it")
     read_store(root)  # no store, no LOCK file left in someone else's directory
     fd = lock(root, read_only=True)
     try:
@@ -200,8 +211,8 @@ def read_header(src: Path) -> dict[str, Any]:
     for i, t in enumerate(tiers):
         _check_tier(file, f"tiers[{i}]", t)
     step = doc.get("step", _MISSING)
-    if step is not None and not _is_int(step):
-        raise _bad(file, "step", "a step (an int) or null", step)
+    if step is not None and not (_is_int(step) and 0 <= step < 2**63):
+        raise _bad(file, "step", "a step (an int from 0 to 2**63 - 1) or null", step)
     _check_extras(file, doc.get("extras", _MISSING))
     tables = doc.get("tables", _MISSING)
     if not isinstance(tables, list):
@@ -258,9 +269,10 @@ def _check_extras(file: Path, extras: Any) -> None:
     """Raise unless `extras` is an object whose fields a new store would keep are sound."""
     if not isinstance(extras, dict):
         raise _bad(file, "extras", "an object", extras)
-    steps = extras.get("gradient_steps", {})  # seeds stochastic rounding when reopened
-    if not isinstance(steps, dict) or not all(_is_int(n) and n >= 0 for n in steps.values()):
-        raise _bad(file, "extras.gradient_steps", "an object of step counts (ints >= 0)", steps)
+    # the extras become the new store's manifest fields, which its manifest's reader checks
+    problem = optional_fields_problem(extras)
+    if problem is not None:
+        raise CorruptStoreError(f"{file} is damaged: extras.{problem[0]} {problem[1]}")
 
 
 def _check_tier(file: Path, field: str, data: Any) -> TierSpec:
@@ -386,6 +398,7 @@ def import_store(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
         specs = [TableSpec.from_json({**s.to_json(), "tiers": None}) for s in specs]
     chain = tuple(tiers) if tiers is not None else tuple(TierSpec.from_json(t)
                                                          for t in doc["tiers"])
+    check_path(out, specs, chain)
 
     def source(spec: TableSpec) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
         return entries[spec.name]["rows"], _pages(root, entries[spec.name], spec)

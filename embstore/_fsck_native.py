@@ -547,6 +547,11 @@ def scan(request: dict[str, Any]) -> dict[str, Any]:
         else:
             findings, scans = _scan_rocksdb(d, specs, request.get("options") or {}, dump,
                                             bool(request.get("clean")), live)
+    except UnicodeEncodeError:  # the libraries take paths as UTF-8 text
+        findings = [Finding(None, f"the {request['backend']} files cannot be read: their path "
+                            "is not valid UTF-8; rename the store's directory (or the ones "
+                            "above it) to UTF-8 names", file=str(d))]
+        scans = {}
     except Exception as exc:
         findings = [Finding(None, f"the {request['backend']} reader failed: "
                             f"{type(exc).__name__}: {' '.join(str(exc).split())}",

@@ -12,6 +12,7 @@ from typing import Any
 from . import layout
 from ._access_log import AccessRecorder, check_rates
 from ._build import check_ignored_settings
+from ._rebuild import check_path
 from .errors import ConfigError, ReadOnlyError, StoreNotFoundError
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
 from .manifest import make_dirs
@@ -207,6 +208,8 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
             steps = {}
         # new tables and chains only: stored ones opened before these checks
         _check_new(added, tier_specs if not exists and tier_specs else ())
+        if not read_only:
+            check_path(directory, all_specs, chain)
         store = EmbeddingStore(directory, all_specs, chain, read_only=read_only, lock_fd=lock_fd,
                                gradient_steps=steps)
     except BaseException:

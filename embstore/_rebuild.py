@@ -33,6 +33,8 @@ from .backend import Backend, BackendSpec, SupportsBulkLoad
 from .errors import CapacityError, ConfigError, CorruptStoreError, StoreNotFoundError
 from .layout import (
     bottom_dir,
+    check_inside,
+    foreign_entries,
     lock,
     manifest_body,
     parked_store,
@@ -78,13 +80,15 @@ def open_bottom(root: Path, spec: TableSpec, default_tiers: Sequence[TierSpec], 
     for one pass over every row (small caches).
     """
     ts = table_chain(spec, default_tiers)[-1]
+    path = bottom_dir(root, spec, default_tiers)
+    check_inside(root, path)  # as opening the store checks: never through a link
     cls: type[Backend] = registry.load_backend(ts.backend)
     capacity = None
     if rows_hint is not None and ts.backend == "pmem":
         fmt = importlib.import_module("embstore.backends._pmem_format")
         capacity = int(fmt.DATA_OFFSET + max(rows_hint, 1) * fmt.record_size(
             spec.storage_width * spec.storage_dtype.itemsize))
-    return cls.open(BackendSpec(path=bottom_dir(root, spec, default_tiers), dim=spec.storage_width,
+    return cls.open(BackendSpec(path=path, dim=spec.storage_width,
                                 dtype=spec.storage_dtype, table=spec.name, read_only=read_only,
                                 capacity_bytes=capacity),
                     **{**ts.options, **(_SCAN_OPTIONS.get(ts.backend, {}) if scan else {})})
@@ -278,6 +282,25 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
     return counts
 
 
+def check_path(root: Path, specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec]
+               ) -> None:
+    """Refuse to build a store at `root` whose path a backend of its chains cannot open.
+
+    Raises:
+        ConfigError: RocksDB and LMDB take their paths as UTF-8 text, and `root` is not.
+    """
+    needs = {ts.backend for spec in specs for ts in table_chain(spec, default_tiers)} \
+        & {"rocksdb", "lmdb"}
+    if not needs:
+        return
+    try:
+        os.path.abspath(root).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{str(root)!r} is not a valid UTF-8 path, and "
+                          f"{' and '.join(sorted(needs))} can open only such paths; rename the "
+                          "directory (or the ones above it) to UTF-8 names") from None
+
+
 def check_chains(specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec]) -> None:
     """Raise what opening the new store would raise for its chains, before writing anything."""
     from ._build import make_policy
@@ -355,6 +378,15 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
     fd = lock(root, read_only=False) if lock_fd is None else lock_fd
     try:
         doc, old_specs, old_tiers = read_store(root)
+        check_path(root, specs or old_specs, default_tiers or old_tiers)
+        foreign = foreign_entries(root)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more"
+                                              if len(foreign) > 5 else "")
+            raise ConfigError(
+                f"{root} holds files that embstore did not make ({shown}); rewriting the "
+                "store swaps in a new directory and would delete them: move them out of the "
+                "store directory first")
         for stale in root.parent.glob(f".{root.name}.rebuild-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = root.parent / f".{root.name}.rebuild-{os.getpid()}-{int(time.time())}"

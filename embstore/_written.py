@@ -107,6 +107,11 @@ class WrittenIds:
             raw: bytes | None = read_bytes_nofollow(file, 16 + (1 << 40))
         except FileNotFoundError:
             raw = None
+        except NotADirectoryError:
+            raise CorruptStoreError(
+                f"{file.parent} is not a directory: the store keeps its written-id records "
+                "there, and something else was put in its place. Restore the store from a "
+                "checkpoint, or run `embstore fsck --repair` to rebuild the records") from None
         self._read_state = (stats + (b"-" if raw is None else raw[:16]) + self._journal_crc()
                             if read_only else b"")
         if raw is None and must_exist:
@@ -157,7 +162,7 @@ class WrittenIds:
         for path in (self.file, self.journal):
             try:
                 st = os.stat(path, follow_symlinks=False)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # the read after reports the latter
                 parts.append(b"-")
                 continue
             parts.append(struct.pack("<QQqq", st.st_ino, st.st_size, st.st_mtime_ns,

@@ -62,10 +62,10 @@ from .errors import (
 from .index import IdIndex
 from .layout import (
     LOCK_NAME,
-    MANIFEST_NAME,
     bottom_dir,
     manifest_body,
     read_manifest,
+    store_above,
     table_chain,
     write_manifest,
     written_file,
@@ -226,10 +226,10 @@ def _check_new(dest: Path, what: str) -> None:
     """
     if dest.exists() or dest.is_symlink():
         raise StoreExistsError(f"{dest} exists; {what} never overwrites: choose a new path")
-    for p in Path(os.path.abspath(dest)).parents:
-        if (p / MANIFEST_NAME).exists():
-            raise ConfigError(f"{dest} lies inside the store or checkpoint {p}; {what} goes to "
-                              "a directory of its own beside it, e.g. ckpt/100")
+    above = store_above(dest)
+    if above is not None:
+        raise ConfigError(f"{dest} lies inside the store or checkpoint {above}; {what} goes to "
+                          "a directory of its own beside it, e.g. ckpt/100")
 
 
 def _digest(ids: np.ndarray, rows: np.ndarray) -> int:

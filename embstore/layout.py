@@ -21,21 +21,23 @@ A checkpoint adds `checkpoint` to the manifest (and `<table>.deleted` files when
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptStoreError, StoreLockedError
+from .errors import CorruptStoreError, StorageIOError, StoreLockedError
 from .manifest import MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
-__all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "lock", "lock_for_reading",
-           "manifest_body", "parked_store", "read_manifest", "recover_swap", "release",
-           "table_chain", "tier_dir",
-           "write_manifest", "written_file"]
+__all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "foreign_entries", "lock",
+           "lock_for_reading", "manifest_body", "parked_store", "read_manifest", "recover_swap",
+           "release", "store_above", "table_chain", "tier_dir", "write_manifest",
+           "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
@@ -116,6 +118,31 @@ def recover_swap(root: Path) -> None:
         shutil.rmtree(parked, ignore_errors=True)
 
 
+_STORE_ENTRY = re.compile(r"(LOCK|MANIFEST\.json|STATS\.json|cache|written|tier\d+-\w+)"
+                          r"(\.tmp)?")
+
+
+def store_above(path: Path) -> Path | None:
+    """The store or checkpoint directory that `path` lies inside, or None.
+
+    What is written there is foreign to that store: its rewrites (compact, migrate, repair)
+    would delete it.
+    """
+    for p in Path(os.path.abspath(path)).parents:
+        if (p / MANIFEST_NAME).exists():
+            return p
+    return None
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """Names in the store directory `root` that no store makes: files a user put there.
+
+    Rewriting a store (compact, migrate, repair) builds a new directory and swaps it in, so
+    whatever else lay in the old one would be deleted with it.
+    """
+    return sorted(p.name for p in root.iterdir() if not _STORE_ENTRY.fullmatch(p.name))
+
+
 def check_inside(root: Path, path: Path) -> None:
     """Refuse a tier directory that is, or holds, a symbolic link, or lies outside `root`.
 
@@ -185,8 +212,7 @@ def lock(root: Path, read_only: bool) -> int:
         StoreLockedError: another process or handle holds the store, named by its pid when
             a live writer holds it.
     """
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
+    fd = _open_lock(root, os.O_RDWR | os.O_CREAT)
     _take(root, fd, read_only)
     if not read_only:
         # the holder's pid, for the error of the next one to try (not synced: only a hint)
@@ -205,11 +231,33 @@ def lock_for_reading(root: Path) -> int | None:
         StoreLockedError: a writer holds the store (named by its pid where known).
     """
     try:
-        fd = os.open(root / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = _open_lock(root, os.O_RDONLY)
     except FileNotFoundError:
         return None
     _take(root, fd, True)
     return fd
+
+
+def _open_lock(root: Path, flags: int) -> int:
+    """The descriptor of the store's lock file, opened with `flags` (never through a link).
+
+    Raises:
+        FileNotFoundError: there is none (and `flags` do not create it).
+        CorruptStoreError: something other than a plain file lies at its name.
+        StorageIOError: it cannot be opened (permissions, a full or failing disk).
+    """
+    file = root / LOCK_NAME
+    try:
+        return os.open(file, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.EISDIR, errno.ELOOP, errno.ENXIO):
+            raise CorruptStoreError(
+                f"{file} is not a plain file ({exc.strerror}): a store's lock is a file of "
+                "its own; remove what lies there (no embstore process holds it)") from None
+        raise StorageIOError(exc.errno, f"cannot open the store's lock {file}: "
+                             f"{exc.strerror}") from None
 
 
 def release(fd: int) -> None:

@@ -22,7 +22,8 @@ from . import _crash
 from .errors import CorruptStoreError, StoreNotFoundError
 
 __all__ = ["FORMAT", "MANIFEST_NAME", "VERSION", "fsync_dir", "fsync_tree", "make_dirs",
-           "read_manifest", "write_atomic", "write_atomic_many", "write_manifest"]
+           "optional_fields_problem", "read_manifest", "write_atomic", "write_atomic_many",
+           "write_manifest"]
 
 FORMAT = "embstore"
 VERSION = 1
@@ -198,4 +199,36 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     for key in ("tables", "tiers"):
         if not isinstance(doc.get(key), list):
             raise CorruptStoreError(f"{file}: field {key!r} is missing or not a list")
+    problem = optional_fields_problem(doc)
+    if problem is not None:
+        raise CorruptStoreError(f"{file} passes its checksum but its field {problem[0]!r} "
+                                f"{problem[1]}; restore it from a checkpoint")
     return doc
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def optional_fields_problem(doc: dict[str, Any]) -> tuple[str, str] | None:
+    """(the field, what is wrong with it) for the optional fields of manifest `doc`, or None.
+
+    These fields (a checkpoint's description, where a restored store came from, the
+    half-precision step counts) are read by several commands; one check here keeps a
+    hand-made or imported manifest from reaching them with the wrong kinds.
+    """
+    for key in ("checkpoint", "restored_from", "checkpoint_seal"):
+        if key in doc and not isinstance(doc[key], dict):
+            return key, f"is not an object (got {doc[key]!r:.60})"
+    info = doc.get("checkpoint")
+    if info is not None and (info.get("kind") not in ("full", "incremental")
+                             or not (info.get("step") is None or _whole(info.get("step")))):
+        return "checkpoint", f"needs a kind (full or incremental) and a step, got {info!r:.80}"
+    origin = doc.get("restored_from")
+    if origin is not None and not (origin.get("step") is None or _whole(origin.get("step"))):
+        return "restored_from", f"has a step that is no count: {origin.get('step')!r:.40}"
+    steps = doc.get("gradient_steps", {})
+    if not isinstance(steps, dict) or not all(isinstance(k, str) and _whole(v)
+                                              for k, v in steps.items()):
+        return "gradient_steps", f"is not an object of step counts (got {steps!r:.60})"
+    return None

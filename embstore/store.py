@@ -1037,23 +1037,30 @@ class EmbeddingStore:
         """A JSON-serialisable description of the store.
 
         Path, default tiers, and per table its spec, rows, and per tier the counters plus the
-        medium's own facts (e.g. libpmem in use).
+        medium's own facts (e.g. libpmem in use). A tier's `backend` is the one its chain
+        declares; `stand_in` is True where a read-only open put a DRAM tier in its place (a
+        cache that keeps files), whose rows and bytes are then not the cache's.
         """
         with self._mutex:
             self._check_open()
             tables = {}
             for name, t in self._tables.items():
                 tiers = []
+                declared = layout.table_chain(t.spec, self._default_tiers)
                 for tier in t.chain.tiers:
                     entry = dataclasses.asdict(tier.statistics())
+                    backend = declared[tier.level].backend
+                    entry["stand_in"] = backend != entry["backend"]
+                    entry["backend"] = backend
                     entry["cumulative"] = _counters.cumulative(
-                        self._history, name, tier.level, tier.spec.backend, entry)
+                        self._history, name, tier.level, backend, entry)
                     entry["eviction"] = tier.spec.eviction
                     entry["admission"] = tier.spec.admission
                     entry["medium"] = tier.backend.statistics()
                     tiers.append(entry)
                 tables[name] = {"spec": t.spec.to_json(), "rows": len(t.chain),
-                                "bytes": sum(tt["bytes"] for tt in tiers),
+                                "bytes": sum(tt["bytes"] for tt in tiers
+                                             if not tt["stand_in"]),
                                 "updates_dropped": t.updates_dropped, "tiers": tiers}
             return {"path": None if self._path is None else str(self._path),
                     "read_only": self._read_only, "last_flush": self._last_flush,

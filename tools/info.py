@@ -56,9 +56,14 @@ def _print_text(info: dict[str, Any]) -> None:
             extra = {k: v for k, v in tier["medium"].items()
                      if k not in ("backend", "rows", "bytes")}
             policy = f", eviction {tier['eviction']}" if tier["eviction"] else ""
-            print(f"  tier {tier['level']} {tier['backend']} ({cap}{policy}): "
-                  f"{tier['rows']:,} rows, {_size(tier['bytes'])}"
-                  + (f"; {', '.join(f'{k}={v}' for k, v in extra.items())}" if extra else ""))
+            if tier.get("stand_in"):  # a cache with files of its own, which info leaves shut
+                print(f"  tier {tier['level']} {tier['backend']} ({cap}{policy}): a cache; "
+                      "its files are not opened by a read-only open")
+            else:
+                print(f"  tier {tier['level']} {tier['backend']} ({cap}{policy}): "
+                      f"{tier['rows']:,} rows, {_size(tier['bytes'])}"
+                      + (f"; {', '.join(f'{k}={v}' for k, v in extra.items())}"
+                         if extra else ""))
             c = tier["cumulative"]
             print(f"    lookups {c['lookups']:,}, hits {c['hits']:,}, misses {c['misses']:,}, "
                   f"evictions {c['evictions']:,}, write-backs {c['writebacks']:,} "

@@ -1,0 +1,172 @@
+"""What the operating commands refuse: a rewrite that would delete what is not the store's,
+files reached through a link, paths the libraries cannot open, and store files of the wrong kind.
+
+Each refusal is one line with exit status 2 (no traceback, no raw library text) and leaves
+the store as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore import TableSpec, TierSpec
+from embstore import errors as E
+from embstore.manifest import read_manifest, write_manifest
+from embstore.tools.cli import main
+
+
+@pytest.fixture
+def store(tmp_path):
+    path = tmp_path / "s"
+    tiers = [TierSpec("dram", capacity=8), TierSpec("rocksdb")]
+    with embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=tiers) as s:
+        s.update("t", np.arange(40), np.ones((40, 4), np.float32))
+    return path
+
+
+def _listing(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def _refused(argv, capsys, *words):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "internal error" not in err, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+@pytest.mark.parametrize("command", [["compact"], ["migrate", "--tiers", "lmdb"]])
+def test_a_rewrite_refuses_a_store_directory_holding_files_it_did_not_make(store, capsys,
+                                                                          command):
+    (store / "notes.txt").write_text("mine")
+    (store / "backup").mkdir()
+    before = _listing(store)
+    _refused([command[0], str(store), *command[1:]], capsys, "backup, notes.txt", "move them")
+    assert _listing(store) == before
+    (store / "notes.txt").unlink()
+    (store / "backup").rmdir()
+    assert main([command[0], str(store), *command[1:]]) == 0
+
+
+def test_an_export_into_a_store_directory_is_refused(store, capsys):
+    _refused(["export", str(store), str(store / "backup")], capsys, "inside the store")
+    assert not (store / "backup").exists()
+
+
+@pytest.mark.parametrize("command", [["compact"], ["migrate", "--tiers", "lmdb"], ["export"]])
+def test_a_rewrite_or_export_never_reads_through_a_linked_tier_directory(store, tmp_path,
+                                                                        capsys, command):
+    os.rename(store / "tier1-rocksdb", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", store / "tier1-rocksdb")
+    argv = [command[0], str(store), *command[1:]]
+    if command == ["export"]:
+        argv.append(str(tmp_path / "x"))
+    _refused(argv, capsys, "symbolic link")
+    assert (store / "tier1-rocksdb").is_symlink()
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_path_that_is_not_utf8_is_refused_by_name_before_anything_is_written(store, tmp_path,
+                                                                             capsys):
+    odd = tmp_path / os.fsdecode(b"s\xff\xfe")
+    shutil.copytree(store, odd)
+    before = _listing(tmp_path)
+    for argv in (["compact", str(odd)], ["migrate", str(odd), "--tiers", "lmdb"]):
+        _refused(argv, capsys, "not a valid UTF-8 path")
+    with pytest.raises(E.ConfigError, match="UTF-8"):
+        embstore.open(odd)
+    assert _listing(tmp_path) == before
+    with embstore.open(odd, read_only=True) as reader:  # a reader links to UTF-8 names
+        np.testing.assert_array_equal(reader.lookup("t", [3]), np.ones((1, 4), np.float32))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("checkpoint", "x"), ("checkpoint", {"kind": "partial", "step": 1}),
+    ("restored_from", "x"), ("restored_from", {"step": -5}), ("gradient_steps", "x"),
+    ("gradient_steps", {"t": 1.5}), ("checkpoint_seal", [1]),
+])
+def test_a_manifest_with_a_field_of_the_wrong_kind_is_corrupt_whatever_reads_it(
+        store, capsys, field, value):
+    doc = read_manifest(store)
+    doc[field] = value
+    write_manifest(store, doc)  # its checksum recomputed: only the field is wrong
+    with pytest.raises(E.CorruptStoreError, match=field):
+        embstore.open(store)
+    for argv in (["info", str(store)], ["compact", str(store)],
+                 ["export", str(store), str(store.parent / "x")]):
+        _refused(argv, capsys, field)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("extras", {"restored_from": "x"}), ("extras", {"checkpoint": 5}), ("step", -5),
+    ("step", 10**30),
+])
+def test_an_export_header_smuggling_a_bad_manifest_field_is_refused(store, tmp_path, capsys,
+                                                                   field, value):
+    assert main(["export", str(store), str(tmp_path / "x")]) == 0
+    header_file = tmp_path / "x" / "header.json"
+    header = json.loads(header_file.read_text())
+    header[field] = value
+    header_file.write_text(json.dumps(header))
+    _refused(["import", str(tmp_path / "x"), str(tmp_path / "s2")], capsys, field)
+    assert not (tmp_path / "s2").exists()
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("closed_at", "yesterday"), ("last_flush", float("nan")), ("last_flush", -1e300),
+    ("last_checkpoint", "x"), ("tables", []), ("tables", {"t": "x"}),
+    ("tables", {"t": {"rows": -3}}), ("fingerprints", "x"),
+])
+def test_stats_of_the_wrong_kind_are_set_aside_with_a_note_not_a_crash(store, capsys, field,
+                                                                       value):
+    stats_file = store / "STATS.json"
+    doc = json.loads(stats_file.read_text())
+    doc[field] = value
+    stats_file.write_text(json.dumps(doc))
+    assert main(["info", "--json", str(store)]) == 0
+    assert json.loads(capsys.readouterr().out)["tables"]["t"]["rows"] == 40
+    assert main(["fsck", str(store)]) == 0
+    assert "STATS.json" in capsys.readouterr().out
+    assert main(["compact", str(store)]) == 0
+
+
+def test_a_lock_that_is_a_directory_is_named_not_reported_as_errno(store, tmp_path, capsys):
+    (store / "LOCK").unlink()
+    (store / "LOCK").mkdir()
+    for argv in (["compact", str(store)], ["export", str(store), str(tmp_path / "x")]):
+        _refused(argv, capsys, "LOCK is not a plain file")
+
+
+def test_written_records_replaced_by_a_file_are_named_not_reported_as_errno(store, capsys):
+    shutil.rmtree(store / "written")
+    (store / "written").write_bytes(b"x")
+    for argv in (["info", str(store)], ["compact", str(store)]):
+        _refused(argv, capsys, "written is not a directory")
+    with pytest.raises(E.CorruptStoreError, match="written is not a directory"):
+        embstore.open(store)
+
+
+def test_info_names_a_cache_tier_by_its_backend_even_where_it_leaves_it_shut(tmp_path,
+                                                                             capsys):
+    tiers = [TierSpec("dram", capacity=4), TierSpec("lmdb", capacity=100),
+             TierSpec("rocksdb")]
+    with embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=4)], tiers=tiers) as s:
+        s.update("t", np.arange(40), np.ones((40, 4), np.float32))
+    assert main(["info", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "tier 1 lmdb (100 rows" in out and "not opened" in out
+    assert main(["info", "--json", str(tmp_path / "s")]) == 0
+    tiers_json = json.loads(capsys.readouterr().out)["tables"]["t"]["tiers"]
+    assert [t["backend"] for t in tiers_json] == ["dram", "lmdb", "rocksdb"]
+    assert [t["stand_in"] for t in tiers_json] == [False, True, False]
+    # the cache's counters of earlier sessions are found under its own backend
+    assert tiers_json[1]["cumulative"]["writebacks"] > 0
+
