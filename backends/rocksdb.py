@@ -233,6 +233,17 @@ class RocksDBBackend(KeyValueBackend):
     # map needs every transaction of the process closed, so it stays False there)
     supports_concurrent_reads: ClassVar[bool] = True
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        # docstring inherited
+        super().check_options(options)
+        settings = dict(options)
+        sync_writes = settings.pop("sync_writes", False)
+        if not isinstance(sync_writes, (bool, np.bool_)):
+            raise ConfigError(f"rocksdb option sync_writes must be True or False, got "
+                              f"{sync_writes!r}")
+        _settings(**settings)
+
     def __init__(self, spec: BackendSpec, *, block_cache_bytes: int = 128 << 20,
                  row_cache_bytes: int = 64 << 20, bloom_bits_per_key: int = 10,
                  compression: str = "none", write_buffer_bytes: int = 64 << 20,

@@ -362,9 +362,13 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
     except (OSError, UnicodeDecodeError) as exc:
         return [Finding(None, f"RocksDB's CURRENT file is unreadable ({exc})",
                         file=str(current))], scans
-    if not name.startswith("MANIFEST-") or not (d / name).is_file():
+    if not name.startswith("MANIFEST-"):
         return [Finding(None, "RocksDB's CURRENT names no MANIFEST file", file=str(current),
                         expected="MANIFEST-<number>", found=repr(name))], scans
+    if not (d / name).is_file():
+        return [Finding(None, f"RocksDB's CURRENT names {name}, which is missing (files of "
+                        "the store were removed): restore the store from a checkpoint",
+                        file=str(d / name))], scans
     logs = sorted(d.glob("*.log"))
     for log in [d / name] + logs:
         torn_ok = not clean and (log in (logs[-1:] or [d / name])

@@ -308,7 +308,7 @@ def check_chains(specs: Sequence[TableSpec], default_tiers: Sequence[TierSpec]) 
 
     for spec in specs:
         for ts in table_chain(spec, default_tiers):
-            registry.load_backend(ts.backend)
+            registry.load_backend(ts.backend).check_options(ts.options)
             ts.capacity_rows(spec.storage_width * spec.storage_dtype.itemsize)
             make_policy(ts.eviction, ts.eviction_options, EvictionPolicy)
             if ts.admission not in (None, "always"):

@@ -102,14 +102,15 @@ class Backend(ABC):
         self._failed_sync: Exception | None = None
 
     @classmethod
-    def open(cls, spec: BackendSpec, **options: Any) -> Backend:
-        """Open (creating if needed) the backend described by `spec`.
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Refuse `options` (TierSpec.options) that opening this backend would refuse.
 
-        Backend-specific knobs are keyword-only `options` (TierSpec.options).
+        The base refuses names the backend does not take; a backend whose options are
+        checked apart from its files also checks their values, so that a manifest or a
+        command names a bad value before anything is opened.
 
         Raises:
             ConfigError: an unknown or invalid option.
-            CorruptStoreError: existing files fail their integrity checks.
         """
         known = {p.name for p in inspect.signature(cls.__init__).parameters.values()
                  if p.kind is inspect.Parameter.KEYWORD_ONLY}
@@ -119,6 +120,18 @@ class Backend(ABC):
                 f"unknown {cls.name} backend option(s) {unknown}; it takes {sorted(known)}: "
                 "fix the tier's options"
             )
+
+    @classmethod
+    def open(cls, spec: BackendSpec, **options: Any) -> Backend:
+        """Open (creating if needed) the backend described by `spec`.
+
+        Backend-specific knobs are keyword-only `options` (TierSpec.options).
+
+        Raises:
+            ConfigError: an unknown or invalid option.
+            CorruptStoreError: existing files fail their integrity checks.
+        """
+        cls.check_options(options)
         try:
             return cls(spec, **options)
         except _OURS:

@@ -282,7 +282,8 @@ def _check_manifest(root: Path) -> tuple[list[Finding], _Parsed | None]:
     try:
         if file.stat().st_size > _MANIFEST_MAX:
             return [Finding(None, "the manifest is implausibly large", file=str(file),
-                            expected=f"<= {_MANIFEST_MAX} bytes")], None
+                            expected=f"<= {_MANIFEST_MAX} bytes",
+                            found=f"{file.stat().st_size} bytes")], None
         doc, specs, tiers = read_store(root)
     except EmbstoreError as exc:
         return [Finding(None, f"manifest: {exc}", file=str(file))], None

@@ -133,6 +133,7 @@ def test_fsck_refuses_an_implausibly_large_manifest(tmp_path):
         f.write(b" " * (fsck._MANIFEST_MAX + 1))
     findings = fsck.check(path)
     assert [f.message for f in findings] == ["the manifest is implausibly large"]
+    assert findings[0].found == f"{(path / 'MANIFEST.json').stat().st_size} bytes"
 
 
 @pytest.mark.parametrize("edit, words", [

@@ -170,3 +170,25 @@ def test_info_names_a_cache_tier_by_its_backend_even_where_it_leaves_it_shut(tmp
     # the cache's counters of earlier sessions are found under its own backend
     assert tiers_json[1]["cumulative"]["writebacks"] > 0
 
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"zz": 1}, "unknown rocksdb backend option"), ({"block_cache_bytes": -1}, "block_cache_bytes"),
+    ({"sync_writes": "no"}, "sync_writes"),
+])
+def test_a_bad_backend_option_in_the_manifest_is_named_by_fsck_and_the_rewrites(
+        store, capsys, options, words):
+    doc = read_manifest(store)
+    doc["tiers"][1]["options"] = options
+    write_manifest(store, doc)
+    findings = embstore.fsck.check(store)
+    assert len(findings) == 1 and words in findings[0].message, findings
+    _refused(["compact", str(store)], capsys, words)
+
+
+def test_fsck_names_the_rocksdb_manifest_that_is_missing(store):
+    rocks = store / "tier1-rocksdb"
+    name = (rocks / "CURRENT").read_text().strip()
+    (rocks / name).unlink()
+    findings = embstore.fsck.check(store)
+    assert any(f"CURRENT names {name}, which is missing" in f.message for f in findings), findings

@@ -53,7 +53,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        saved = 100 * (before - after) / before if before else 0.0
-        print(f"{args.path}: {before:,} -> {after:,} bytes ({saved:.0f}% given back), "
+        # a small store can grow: a rewrite starts fresh files (RocksDB's log and options,
+        # LMDB's first pages) whose fixed size outweighs the deleted rows given back
+        change = (f"{100 * (before - after) / before:.0f}% given back" if after <= before
+                  else f"grew by {after - before:,}: the fixed size of fresh files outweighs "
+                  "the deleted rows")
+        print(f"{args.path}: {before:,} -> {after:,} bytes ({change}), "
               f"{sum(counts.values()):,} rows")
     return 0

@@ -1,4 +1,4 @@
-"""`embstore import OUT PATH [--tiers ...]`: create a store from an export, any tier layout.
+"""`embstore import EXPORT PATH [--tiers ...]`: create a store from an export, any tier layout.
 
 Reads what `embstore export` wrote (checking its CRC-32s) into a new store at PATH, with the
 exported tier chain or the one given by --tiers (top first, backend[:capacity[:eviction]]).
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog="example: embstore import /backup/ctr runs/ctr2 --tiers "
                               "dram:1GiB:lru,lmdb",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", type=Path, metavar="OUT", help="the export directory")
+    p.add_argument("src", type=Path, metavar="EXPORT", help="the export directory")
     p.add_argument("path", type=Path, help="a new directory for the store")
     p.add_argument("--tiers", type=tier_chain, default=None,
                    help="the new store's tier chain, e.g. dram:512MiB:lru,rocksdb (default: "
