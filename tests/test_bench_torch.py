@@ -38,4 +38,5 @@ def test_bench_torch_quick(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_bench_torch_bad_parts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "torch", "--quick", "--parts", "nope"]) == 2
-    assert "--parts" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "--parts" in err and "unknown part 'nope'" in err

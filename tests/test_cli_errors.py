@@ -4,11 +4,16 @@ never a traceback (`main(argv)` in-process).
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import embstore
-from embstore.tools.cli import main
+from embstore.tools.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +131,193 @@ def test_top_level_help_lists_every_command_with_examples(capsys):
     for command in ("info", "fsck", "compact", "export", "import", "migrate"):
         assert command in out
     assert "examples:" in out
+
+
+# --- embstore bench: every flag refused when parsed, before any benchmark runs ------------------
+
+_TABLE_BENCHES = ("lookup", "update", "optim", "precision", "backends")
+_ZIPF_BENCHES = (*_TABLE_BENCHES, "step", "scale", "torch")
+_SEEDED_BENCHES = (*_TABLE_BENCHES, "step", "tiers", "tables", "placement", "torch")
+
+BAD_BENCH = [
+    # (argv after `bench`, with placeholders; the flag the one line must name)
+    *[([b, "--rows", v], "--rows") for b in (*_TABLE_BENCHES, "step", "hierarchy", "torch",
+                                             "tiers") for v in ("0", "-1")],
+    *[([b, "--batch", v], "--batch") for b in (*_TABLE_BENCHES, "hierarchy", "torch")
+      for v in ("-5", "0")],
+    *[([b, "--repeats", "0"], "--repeats") for b in (*_TABLE_BENCHES, "step", "hierarchy",
+                                                     "torch", "tiers")],
+    *[([b, "--dim", "0"], "--dim") for b in (*_TABLE_BENCHES, "step", "scale", "torch")],
+    *[([b, *quick, "--seed", "-1"], "--seed") for b in _SEEDED_BENCHES
+      for quick in ([], ["--quick"])],
+    *[([b, "--zipf", v], "--zipf") for b in _ZIPF_BENCHES for v in ("nan", "inf", "-1", "0",
+                                                                      "1e9", "x")],
+    (["scale", "--rows", "0"], "--rows"), (["scale", "--rows", "0.5"], "--rows"),
+    (["scale", "--chunk", "0"], "--chunk"), (["scale", "--dram", "0"], "--dram"),
+    (["scale", "--dram", "lots"], "--dram"), (["scale", "--steps", "0"], "--steps"),
+    (["scale", "--bags", "0"], "--bags"), (["scale", "--bag", "-1"], "--bag"),
+    (["placement", "--dram", "nan"], "--dram"), (["placement", "--dram", "-0.1"], "--dram"),
+    (["placement", "--pmem", "inf"], "--pmem"), (["placement", "--warmup", "1"], "--warmup"),
+    (["placement", "--tables", "0"], "--tables"), (["placement", "--batches", "0"], "--batches"),
+    (["placement", "--lookups", "0"], "--lookups"), (["placement", "--tiers", "M"], "--tiers"),
+    (["placement", "--dir", "F"], "--dir"),
+    (["shard", "--nproc", "0"], "--nproc"), (["shard", "--nproc", "2", "-1"], "--nproc"),
+    (["shard", "--steps", "0"], "--steps"),
+    (["backends", "--flush-rows", "-1"], "--flush-rows"),
+    (["backends", "--flush-rows", "0"], "--flush-rows"),
+    (["backends", "--backends", "nosuch"], "--backends"),
+    (["backends", "--dir", "F"], "--dir"), (["tiers", "--dir", "F"], "--dir"),
+    (["tiers", "--dir", "F/sub"], "--dir"), (["tiers", "--row-bytes", "6"], "--row-bytes"),
+    (["tiers", "--small", "0"], "--small"), (["tiers", "--tiers", "floppy"], "--tiers"),
+    (["hierarchy", "--parts", "nope"], "--parts"), (["hierarchy", "--parts", ""], "--parts"),
+    (["hierarchy", "--batches", "0"], "--batches"),
+    (["hierarchy", "--e2e-repeats", "0"], "--e2e-repeats"),
+    (["hierarchy", "--eviction", "nope"], "--eviction"),
+    (["hierarchy", "--admission", "lru"], "--admission"),
+    (["hierarchy", "--bottoms", "floppy"], "--bottoms"),
+    (["tables", "--stats", "M"], "--stats"), (["tables", "--stats", "D"], "--stats"),
+    (["tables", "--stats", ""], "--stats"),
+    (["step", "--bags", "0"], "--bags"), (["step", "--bag-size", "0"], "--bag-size"),
+    *[(["torch", flag, "0"], flag) for flag in ("--bag", "--demo-rows", "--demo-batch",
+                                                "--demo-chunk", "--threads")],
+    (["placement", "-o", ""], "-o"),  # refused by the run, before it profiles anything
+]
+
+
+def _one_error_line(err: str, out: str = "") -> str:
+    assert "Traceback" not in out + err and "internal error" not in out + err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(("argv", "flag"), BAD_BENCH,
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_a_bad_bench_flag_is_refused_in_one_line_naming_it(argv, flag, places, capsys):
+    places = {**places, "F/sub": str(places["root"] / "file.txt" / "sub")}
+    assert main(["bench", *_argv(argv, places)]) == 2
+    out, err = capsys.readouterr()
+    line = _one_error_line(err, out)
+    assert line.startswith(f"embstore bench {argv[0]}: error:") and flag in line, line
+
+
+GOOD_BENCH = [  # edge values a benchmark can run: parsed, not run
+    ["lookup", "--rows", "1", "--batch", "1", "--repeats", "1", "--zipf", "0.5", "--seed", "0"],
+    ["step", "--zipf", "20"], ["scale", "--rows", "1.5M", "--chunk", "250k", "--dram", "64MiB"],
+    ["placement", "--dram", "0", "--pmem", "0", "--warmup", "0", "--dir", "N/deeper"],
+    ["tiers", "--dir", "N"], ["tables", "--stats", "F"], ["hierarchy", "--parts", "e2e"],
+    ["backends", "--backends", "lmdb", "rocksdb", "--dir", "D"],
+]
+
+
+@pytest.mark.parametrize("argv", GOOD_BENCH, ids=" ".join)
+def test_edge_values_a_bench_can_run_are_taken(argv, places):
+    args = build_parser(benchmarks=True).parse_args(["bench", *_argv(argv, places)])
+    assert args.benchmark == argv[0]
+    assert not (places["root"] / "new").exists()  # a missing --dir is made by the run only
+
+
+def test_bench_tables_without_stats_leaves_the_fallback_to_the_run():
+    assert build_parser(benchmarks=True).parse_args(["bench", "tables"]).stats is None
+
+
+def test_every_bench_help_example_parses(capsys):
+    from embstore.tools.bench import _benchmarks
+
+    for name in _benchmarks():
+        assert main(["bench", name, "--help"]) == 0
+        example = re.search(r"example: embstore (.*)", capsys.readouterr().out)
+        assert example, name
+        args = build_parser(benchmarks=True).parse_args(example.group(1).split())
+        assert args.benchmark == name and args.quick, name
+
+
+def test_shard_quick_is_a_short_run_at_one_and_two_processes(monkeypatch, capsys):
+    from embstore.tools import _bench_shard
+
+    class Result:
+        steps_per_s, bytes_per_step, min_bytes_per_step, losses, digest = 1.0, 2, 1, [0.5], "ab"
+
+    ran = []
+    monkeypatch.setattr(_bench_shard, "train_distributed",
+                        lambda job, n, steps, **kw: ran.append((n, steps)) or Result())
+    assert main(["bench", "shard", "--quick"]) == 0
+    assert ran == [(n, _bench_shard.QUICK_STEPS) for n in _bench_shard.QUICK_NPROC]
+    assert "nproc 2" in capsys.readouterr().out
+
+
+# --- embstore demo --plot: checked before training -----------------------------------------------
+
+@pytest.mark.parametrize("plot", ["x.xyz", "x.", "", "D", "nofolder/x.png"])
+def test_a_plot_the_demo_cannot_write_is_refused_before_training(plot, places, capsys,
+                                                                monkeypatch):
+    monkeypatch.chdir(places["root"])
+    monkeypatch.setitem(sys.modules, "torch", None)  # so that training cannot start
+    assert main(["demo", "--plot", places.get(plot, plot)]) == 2
+    out, err = capsys.readouterr()
+    line = _one_error_line(err, out)
+    assert line.startswith("embstore demo: error: --plot"), line
+    assert not list(places["root"].glob("x*"))
+
+
+def test_a_plot_name_without_extension_is_the_png_the_demo_reports(places):
+    pytest.importorskip("matplotlib")
+    from embstore.tools.demo import _plot_file
+
+    curves = places["root"] / "curves"
+    assert _plot_file(str(curves)) == f"{curves}.png"
+    assert _plot_file(str(curves) + ".svg") == f"{curves}.svg"
+
+
+# --- Ctrl-C, a closed stdout, leftovers of a subcommand ------------------------------------------
+
+@pytest.mark.parametrize(("where", "prog"), [
+    ("build_parser", "embstore bench"),  # importing torch for the benchmarks' parsers
+    ("parse_args", "embstore bench"), ("run", "embstore bench lookup")])
+def test_ctrl_c_at_any_point_ends_in_one_line_and_130(where, prog, monkeypatch, capsys):
+    from embstore.tools import _bench_lookup, cli
+    from embstore.tools._args import Parser
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    owner = {"build_parser": cli, "parse_args": Parser, "run": _bench_lookup}[where]
+    monkeypatch.setattr(owner, where, interrupt)
+    assert main(["bench", "lookup", "--quick"]) == 130
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert err.splitlines() == [f"{prog}: interrupted"], err
+
+
+def test_a_closed_stdout_ends_quietly(places):
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes a byte, as after `head -1`
+    try:
+        done = subprocess.run([sys.executable, "-m", "embstore.tools.cli", "info", places["S"]],
+                              stdout=write, stderr=subprocess.PIPE, timeout=60)
+    finally:
+        os.close(write)
+    assert done.stderr.decode() == ""  # neither our error line nor one at interpreter exit
+    assert done.returncode == 141  # 128 + SIGPIPE, what a shell reports for `cat` there
+
+
+@pytest.mark.parametrize(("argv", "prog"), [
+    (["info", "S", "--bogus"], "embstore info"), (["fsck", "S", "-z"], "embstore fsck"),
+    (["bench", "lookup", "--bogus"], "embstore bench lookup"),
+    (["bench", "shard", "--quick", "extra"], "embstore bench shard")])
+def test_unrecognized_arguments_are_reported_by_their_subcommand(argv, prog, places, capsys):
+    assert main(_argv(argv, places)) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"{prog}: error: unrecognized arguments:"), line
+    assert line.endswith(f"(see `{prog} --help`)"), line
+
+
+def test_an_os_error_is_printed_as_its_reason_and_file_without_the_errno():
+    from embstore.errors import StorageIOError
+    from embstore.tools import cli
+
+    assert cli._one_line(FileNotFoundError(2, "No such file or directory", "a/b")) == \
+        "No such file or directory: a/b"
+    assert cli._one_line(StorageIOError(20, "cannot write out: Not a directory")) == \
+        "cannot write out: Not a directory"
+    assert cli._one_line(OSError("no errno here")) == "no errno here"

@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,9 @@ from typing import Any, NoReturn
 from embstore.errors import ConfigError
 from embstore.spec import parse_bytes
 
-__all__ = ["Amount", "Parser", "add_output_flags", "amount", "check_output",
-           "non_negative_int", "positive_int", "progress", "same_file", "tier_chain"]
+__all__ = ["Amount", "Parser", "add_output_flags", "amount", "check_output", "existing_file",
+           "non_negative_float", "non_negative_int", "one_of", "positive_float", "positive_int",
+           "progress", "same_file", "some_of", "tier_chain", "work_dir"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -31,6 +33,27 @@ class Parser(argparse.ArgumentParser):
         """Print `message` as one line naming the command, then exit 2."""
         text = " ".join(message.split())
         self.exit(2, f"{self.prog}: error: {text} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, *args: Any, **kwargs: Any) -> Any:
+        """Parse like argparse, but let the subcommand that was chosen report leftovers.
+
+        argparse reports arguments no parser took through the top-level parser, so
+        `embstore info S --bogus` would name `embstore` and send the user to its help.
+        """
+        parsed, extras = self.parse_known_args(*args, **kwargs)
+        if extras:
+            self.subcommand_parser(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def subcommand_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The innermost subcommand's parser that `parsed` went through."""
+        parser: argparse.ArgumentParser = self
+        while True:
+            subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            name = getattr(parsed, subs[0].dest, None) if subs else None
+            if not subs or name not in subs[0].choices:
+                return parser
+            parser = subs[0].choices[name]
 
 
 @dataclass(frozen=True)
@@ -115,6 +138,116 @@ def non_negative_int(text: str) -> int:
         argparse.ArgumentTypeError: anything else.
     """
     return _whole(text, 0)
+
+
+def _real(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (nan and inf included).
+    """
+    value = _real(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (nan and inf included).
+    """
+    value = _real(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
+    return value
+
+
+def existing_file(text: str) -> Path:
+    """A file that exists and can be read.
+
+    Raises:
+        argparse.ArgumentTypeError: no name, no such file, a directory, or unreadable.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a file name")
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be read (permission denied)")
+    return path
+
+
+def work_dir(text: str) -> Path:
+    """A directory to work in: one that exists, or one that can be made (no file in the way).
+
+    Checked when parsing so that a file given as the folder is refused in one line before a
+    benchmark starts, instead of by the OSError of the first file made under it.
+
+    Raises:
+        argparse.ArgumentTypeError: no name, or the path or one of its parents is not a folder.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a directory")
+    path = Path(text)
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                what = "" if place == path else f" (in {text!r})"
+                raise argparse.ArgumentTypeError(f"{str(place)!r}{what} is a file, not a "
+                                                 "directory")
+            break
+    return path
+
+
+def _known(known: Sequence[str] | Callable[[], Sequence[str]]) -> Sequence[str]:
+    return known() if callable(known) else known
+
+
+def one_of(known: Sequence[str] | Callable[[], Sequence[str]], what: str
+           ) -> Callable[[str], str]:
+    """An argparse type taking one of the names `known` (or a function giving them).
+
+    A misspelt name is refused when parsing, before any run (a run would only skip it).
+    """
+    def parse(text: str) -> str:
+        names = _known(known)
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; choose from "
+                                             f"{', '.join(names)}")
+        return text
+    return parse
+
+
+def some_of(known: Sequence[str] | Callable[[], Sequence[str]], what: str
+            ) -> Callable[[str], str]:
+    """An argparse type taking a comma-separated list of some of `known`, joined again."""
+    def parse(text: str) -> str:
+        names = _known(known)
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [t for t in items if t not in names]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(map(repr, unknown))}; "
+                                             f"choose from {', '.join(names)}")
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r} names no {what}; choose from "
+                                             f"{', '.join(names)}")
+        return ",".join(items)
+    return parse
 
 
 def add_output_flags(p: argparse.ArgumentParser, *, json_help: str = "print JSON",

@@ -32,6 +32,7 @@ from embstore.backends._keys import encode_keys
 from embstore.errors import BackendUnavailableError
 from embstore.tools.workload import ZipfIds
 
+from ._args import one_of, positive_int, work_dir
 from ._benchutil import add_size_arguments, interleaved_medians
 
 __all__ = ["add_arguments", "run"]
@@ -44,12 +45,17 @@ Fetch = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (ids, ranks) -> rows
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench backends`."""
     add_size_arguments(parser, rows=2_000_000, repeats=5)
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="where to build the tables (default: a temporary directory)")
-    parser.add_argument("--backends", nargs="*", default=None,
+    parser.add_argument("--dir", type=work_dir, default=None,
+                        help="where to build the tables, made if missing (default: a "
+                             "temporary directory)")
+    parser.add_argument("--backends", nargs="*", type=_backend_name, default=None,
                         help="backends to run (default: every persistent one with a baseline)")
-    parser.add_argument("--flush-rows", type=int, default=1000,
+    parser.add_argument("--flush-rows", type=positive_int, default=1000,
                         help="scattered dirty rows per measured flush (1000)")
+
+
+# a misspelt backend would only be skipped, silently
+_backend_name = one_of(registry.backend_names, "backend")
 
 
 def _rows(args: argparse.Namespace, start: int, n: int) -> np.ndarray:
@@ -443,6 +449,8 @@ def run(args: argparse.Namespace) -> int:
         names = [n for n in registry.backend_names() if n in RAW]
     zipf = ZipfIds(args.rows, args.zipf, seed=args.seed)
     results: list[tuple[str, str, float, float, str]] = []
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="embstore-bench-", dir=args.dir))
     try:
         for name in names:

@@ -36,25 +36,44 @@ from embstore import TableSpec, TierSpec, registry
 from embstore.tools.traces import synthesize
 from embstore.tools.workload import ZipfIds
 
+from ._args import one_of, positive_int, some_of
 from ._benchutil import interleaved_medians, print_table
 
 OPT = embstore.optim.RowWiseAdagrad(lr=0.01)
 DIM = 64
 
 
+PARTS = ("hit", "e2e")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench hierarchy`."""
-    parser.add_argument("--rows", type=int, default=1_000_000, help="rows for the hit path")
-    parser.add_argument("--batch", type=int, default=65536)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--batches", type=int, default=48, help="trace batches, end to end")
-    parser.add_argument("--eviction", default="clock", help="DRAM tier eviction, end to end")
-    parser.add_argument("--admission", default="always", help="DRAM tier admission")
-    parser.add_argument("--bottoms", default="rocksdb,pmem", help="bottom tiers to try")
-    parser.add_argument("--parts", default="hit,e2e", help="which parts to run (hit,e2e)")
-    parser.add_argument("--e2e-repeats", type=int, default=3,
+    parser.add_argument("--rows", type=positive_int, default=1_000_000,
+                        help="rows for the hit path")
+    parser.add_argument("--batch", type=positive_int, default=65536)
+    parser.add_argument("--repeats", type=positive_int, default=20)
+    parser.add_argument("--batches", type=positive_int, default=48,
+                        help="trace batches, end to end")
+    parser.add_argument("--eviction", type=_policy("eviction"), default="clock",
+                        help="DRAM tier eviction, end to end")
+    parser.add_argument("--admission", type=_policy("admission"), default="always",
+                        help="DRAM tier admission")
+    parser.add_argument("--bottoms", default="rocksdb,pmem", type=_bottoms,
+                        help="bottom tiers to try")
+    parser.add_argument("--parts", default="hit,e2e", type=_parts,
+                        help="which parts to run (hit,e2e)")
+    parser.add_argument("--e2e-repeats", type=positive_int, default=3,
                         help="end-to-end runs per contender, best kept")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+
+
+# a backend registered but not installed here is fine: the run says it skipped that one
+_parts, _bottoms = some_of(PARTS, "part"), some_of(registry.backend_names, "backend")
+
+
+def _policy(kind: str) -> Callable[[str], str]:
+    """A type that takes the name of a registered `kind` policy, checked before any run."""
+    return one_of(lambda: registry.policy_names(kind), f"{kind} policy")
 
 
 def hit_path(args: argparse.Namespace, root: Path) -> None:

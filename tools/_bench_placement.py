@@ -40,6 +40,14 @@ from embstore.placement import load_document
 from embstore.tools.simulator import Trace
 from embstore.tools.traces import PROFILES, synthesize
 
+from ._args import (
+    check_output,
+    existing_file,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    work_dir,
+)
 from ._bench_tiers import measure_tiers
 from ._mrc import policy_curve
 from ._plan import Option, chain_option, naive_placement, plan, to_placement
@@ -52,24 +60,34 @@ _DIM = 64  # with row-wise Adagrad's one state float: 260-byte rows, the profile
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench placement`."""
-    parser.add_argument("--tables", type=int, default=32, help="synthetic tables (32)")
-    parser.add_argument("--batches", type=int, default=160, help="batches (160)")
-    parser.add_argument("--lookups", type=int, default=8192, help="lookups per batch (8192)")
-    parser.add_argument("--dram", type=float, default=0.05,
+    parser.add_argument("--tables", type=positive_int, default=32, help="synthetic tables (32)")
+    parser.add_argument("--batches", type=positive_int, default=160, help="batches (160)")
+    parser.add_argument("--lookups", type=positive_int, default=8192,
+                        help="lookups per batch (8192)")
+    parser.add_argument("--dram", type=non_negative_float, default=0.05,
                         help="DRAM budget as a share of the total table bytes (0.05)")
-    parser.add_argument("--pmem", type=float, default=0.25,
+    parser.add_argument("--pmem", type=non_negative_float, default=0.25,
                         help="pmem budget as a share of the total table bytes (0.25)")
-    parser.add_argument("--tiers", type=Path, default=None,
+    parser.add_argument("--tiers", type=existing_file, default=None,
                         help="tier model to plan with (default: measure dram, pmem, rocksdb)")
     parser.add_argument("--policies", default="clock,wtinylfu:hold_new=1",
                         help="eviction specs the profile replays (clock,wtinylfu:hold_new=1)")
-    parser.add_argument("--warmup", type=float, default=0.25,
-                        help="share of the batches that only warm the caches (0.25)")
+    parser.add_argument("--warmup", type=_warmup_share, default=0.25,
+                        help="share of the batches, in [0, 1), that only warm the caches "
+                             "(0.25)")
     parser.add_argument("--no-replay", action="store_true", help="model and simulator only")
-    parser.add_argument("--dir", type=Path, default=None, help="where replays build stores")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("-o", "--output", type=Path, default=None, help="report JSON")
+    parser.add_argument("--dir", type=work_dir, default=None, help="where replays build stores")
+    parser.add_argument("--seed", type=non_negative_int, default=1)
+    # a str, not a Path: Path("") is "." and an empty -o must be told apart from a folder
+    parser.add_argument("-o", "--output", default=None, help="report JSON")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+
+
+def _warmup_share(text: str) -> float:
+    value = non_negative_float(text)
+    if value >= 1:  # no batch would be left to measure
+        raise argparse.ArgumentTypeError(f"{text!r} must be below 1")
+    return value
 
 
 def _seconds(chosen: dict[str, Option]) -> float:
@@ -170,6 +188,8 @@ def _dram_for_90(profile: dict[str, Any], model: dict[str, Any], total: float,
 
 def run(args: argparse.Namespace) -> int:
     """Profile, plan, simulate, replay; print and optionally save the report."""
+    if args.output is not None:
+        check_output(args.output, "-o")  # before minutes of replays, not after
     if args.quick:
         args.tables, args.batches, args.lookups = 8, 24, 2048
     params = replace(PROFILES["2021"], tables=args.tables, lookups=args.lookups)
@@ -191,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         if own:
             shutil.rmtree(directory, ignore_errors=True)
     if args.output is not None:
-        args.output.write_text(json.dumps(report, indent=1) + "\n")
+        Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 

@@ -27,7 +27,11 @@ from pathlib import Path
 import numpy as np
 
 import embstore
+from embstore.errors import ConfigError
 from embstore.spec import parse_bytes
+
+from ._args import positive_int
+from ._benchutil import zipf_exponent
 
 __all__ = ["add_arguments", "run"]
 
@@ -35,26 +39,43 @@ _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: rank -> id is a bijection on 64-bi
 
 
 def _count(text: str) -> int:
+    """A whole count of at least 1, with an optional k, M or G: `1M`, `100M`, `2.5k`."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"cannot read {text!r} as a count (e.g. 1M, 100M)")
-    return int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[
-        m.group(2).lower()])
+    value = float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()]
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole count of at least 1")
+    return int(value)
+
+
+def _size(text: str) -> str:
+    """A size in bytes as TierSpec takes it (`1GiB`), checked before the table is loaded."""
+    try:
+        n = parse_bytes(text)
+    except (ConfigError, ValueError):
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size (e.g. 512MiB, 1GiB)")
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench scale`."""
     parser.add_argument("--rows", type=_count, default=_count("100M"),
                         help="table rows (100M); 1M for a quick check")
-    parser.add_argument("--dim", type=int, default=64, help="embedding dim (64)")
-    parser.add_argument("--dram", default="1GiB", help="DRAM tier size (1GiB)")
+    parser.add_argument("--dim", type=positive_int, default=64, help="embedding dim (64)")
+    parser.add_argument("--dram", type=_size, default="1GiB", help="DRAM tier size (1GiB)")
     parser.add_argument("--chunk", type=_count, default=_count("1M"),
                         help="rows per bulk-load call (1M)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps (200)")
-    parser.add_argument("--bags", type=int, default=4096, help="bags per step (4096)")
-    parser.add_argument("--bag", type=int, default=20, help="ids per bag (20)")
-    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of ids (1.05)")
+    parser.add_argument("--steps", type=positive_int, default=200, help="training steps (200)")
+    parser.add_argument("--bags", type=positive_int, default=4096, help="bags per step (4096)")
+    parser.add_argument("--bag", type=positive_int, default=20, help="ids per bag (20)")
+    parser.add_argument("--zipf", type=zipf_exponent, default=1.05,
+                        help="Zipf exponent of ids, above 0 (1.05)")
     parser.add_argument("--path", help="store directory (default: a temporary one, removed)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test: 1M rows behind 64MiB of DRAM, 20 steps")
 
 
 class _PeakRSS:
@@ -141,6 +162,8 @@ def _train(store: embstore.EmbeddingStore, args: argparse.Namespace) -> tuple[fl
 
 def run(args: argparse.Namespace) -> int:
     """Load, train, reopen and check; print the figures. Exit 1 if the check fails."""
+    if args.quick:
+        args.rows, args.dram, args.steps = 1_000_000, "64MiB", 20
     dram_bytes = parse_bytes(args.dram)
     tmp = None
     if args.path is None:

@@ -1,6 +1,6 @@
 """Benchmark of the sharded demo: steps per second at 1, 2 and 4 processes, and bytes exchanged.
 
-``embstore bench shard [--nproc 1 2 4] [--steps 30] [--json]``
+``embstore bench shard [--nproc 1 2 4] [--steps 30] [--quick] [--json]``
 
 Trains the demo's DLRM (tools/_dlrm.py: 8 sparse features, one row-wise Adagrad table each)
 with `train_distributed` on N local processes (gloo on loopback), all tables row-wise by hash
@@ -22,6 +22,7 @@ import torch
 
 import embstore
 from embstore.tools import _dlrm
+from embstore.tools._args import positive_int
 from embstore.tools._demo_distributed import train_distributed
 
 
@@ -67,6 +68,9 @@ class DLRMJob:
         return (part,), part.labels
 
 
+QUICK_NPROC, QUICK_STEPS = (1, 2), 4
+
+
 def dlrm_job() -> DLRMJob:
     """The benchmark's job (module-level, so spawned ranks can build it)."""
     return DLRMJob()
@@ -74,9 +78,12 @@ def dlrm_job() -> DLRMJob:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench shard`."""
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4],
+    parser.add_argument("--nproc", type=positive_int, nargs="+", default=[1, 2, 4],
                         help="process counts to run (1 2 4)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per run (30)")
+    parser.add_argument("--steps", type=positive_int, default=30,
+                        help="timed steps per run (30)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke test: {QUICK_STEPS} steps at 1 and 2 processes")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
@@ -89,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Train at each process count and print the figures."""
+    if args.quick:
+        args.nproc, args.steps = list(QUICK_NPROC), QUICK_STEPS
     rows = []
     for n in args.nproc:
         res = train_distributed(dlrm_job, n, args.steps, timeout_s=600, warmup=3)

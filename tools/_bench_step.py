@@ -34,7 +34,8 @@ import embstore
 from embstore.index import IdGroups
 from embstore.optim import RowWiseAdagrad
 
-from ._benchutil import build_table, interleaved_medians, on_threads, print_table
+from ._args import non_negative_int, positive_int
+from ._benchutil import build_table, interleaved_medians, on_threads, print_table, zipf_exponent
 
 LR, EPS = 0.01, 1e-8
 
@@ -46,15 +47,18 @@ FBGEMM_REFERENCE = {"uniform": 1.2e6, "zipf": 2.7e6}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench step`."""
-    parser.add_argument("--rows", type=int, default=10_000_000, help="table rows (10M)")
-    parser.add_argument("--dim", type=int, default=64, help="embedding dim (64)")
-    parser.add_argument("--bags", type=int, default=4096, help="bags per batch (4096)")
-    parser.add_argument("--bag-size", type=int, default=20, help="ids per bag (20)")
+    parser.add_argument("--rows", type=positive_int, default=10_000_000,
+                        help="table rows (10M)")
+    parser.add_argument("--dim", type=positive_int, default=64, help="embedding dim (64)")
+    parser.add_argument("--bags", type=positive_int, default=4096, help="bags per batch (4096)")
+    parser.add_argument("--bag-size", type=positive_int, default=20, help="ids per bag (20)")
     parser.add_argument("--dist", choices=("uniform", "zipf"), default="uniform",
                         help="id distribution (uniform)")
-    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (1.05)")
-    parser.add_argument("--repeats", type=int, default=15, help="timed steps per contender")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--zipf", type=zipf_exponent, default=1.05,
+                        help="Zipf exponent, above 0 (1.05)")
+    parser.add_argument("--repeats", type=positive_int, default=15,
+                        help="timed steps per contender")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     parser.add_argument("--profile", action="store_true",
                         help="profile the store's step and print the top calls")

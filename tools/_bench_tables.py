@@ -44,7 +44,7 @@ import embstore
 from embstore import _fused
 from embstore.index import IdGroups
 
-from ._args import positive_int, tier_chain
+from ._args import existing_file, non_negative_int, positive_int, tier_chain
 from ._benchutil import TABLES, rss_bytes
 from .traces import PROFILES, load_locality_stats, synthesize
 
@@ -68,12 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "times the statistics' lookups per sample per table")
     parser.add_argument("--batches", type=positive_int, default=5,
                         help="timed batches per contender (5), after one cold batch")
-    parser.add_argument("--stats", type=Path, default=DEFAULT_STATS,
+    parser.add_argument("--stats", type=existing_file, default=None,
                         help="a dlrm_datasets locality_stats.txt (default: the 2021 one in "
                              "shared/traces; its built-in figure where absent)")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="2021",
                         help="calibrated table profile of embstore.tools.traces (2021)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--path", help="store directory (default: a temporary one, removed)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
 
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.quick:
         args.tables, args.samples, args.batches = min(args.tables, 20), 16, 1
-    per_sample, source = lookups_per_sample(args.stats)
+    per_sample, source = lookups_per_sample(args.stats or DEFAULT_STATS)
     specs, dims = table_shapes(args.tables, args.seed)
     n = len(specs)
     tiers = list(args.tiers)

@@ -28,6 +28,8 @@ from embstore.backend import BackendSpec
 from embstore.errors import BackendUnavailableError, ConfigError
 from embstore.placement import KNOWN_TIERS, save_document
 
+from ._args import non_negative_int, positive_int, some_of, work_dir
+
 __all__ = ["add_arguments", "measure_tiers", "run"]
 
 _LOAD = 65536
@@ -38,18 +40,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # a str, not a Path: Path("") is "." and an empty -o must be told apart from a folder
     parser.add_argument("-o", "--output", default="tiers.json",
                         help="tier model to write (default tiers.json)")
-    parser.add_argument("--rows", type=int, default=400_000, help="rows loaded per tier")
-    parser.add_argument("--row-bytes", type=int, default=260,
+    parser.add_argument("--rows", type=positive_int, default=400_000,
+                        help="rows loaded per tier")
+    parser.add_argument("--row-bytes", type=_row_bytes, default=260,
                         help="bytes per row, a multiple of 4 (default 260)")
-    parser.add_argument("--small", type=int, default=64, help="rows in a small batch (64)")
-    parser.add_argument("--large", type=int, default=8192, help="rows in a large batch (8192)")
-    parser.add_argument("--repeats", type=int, default=15, help="timed batches per size")
-    parser.add_argument("--tiers", default=",".join(KNOWN_TIERS),
+    parser.add_argument("--small", type=positive_int, default=64,
+                        help="rows in a small batch (64)")
+    parser.add_argument("--large", type=positive_int, default=8192,
+                        help="rows in a large batch (8192)")
+    parser.add_argument("--repeats", type=positive_int, default=15,
+                        help="timed batches per size")
+    parser.add_argument("--tiers", type=_tier_names, default=",".join(KNOWN_TIERS),
                         help="tiers to measure, comma-separated (default: all)")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="where to build the tables (default: a temporary directory)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dir", type=work_dir, default=None,
+                        help="where to build the tables, made if missing (default: a "
+                             "temporary directory)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+
+
+def _row_bytes(text: str) -> int:
+    value = positive_int(text)
+    if value % 4:  # rows are float32 weights
+        raise argparse.ArgumentTypeError(f"{text!r} is not a multiple of 4")
+    return value
+
+
+_tier_names = some_of(KNOWN_TIERS, "tier")
 
 
 def _fit(small: int, t_small: float, large: int, t_large: float,

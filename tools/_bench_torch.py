@@ -34,44 +34,39 @@ import numpy as np
 import embstore
 from embstore._parallel import available_cores
 
-from ._benchutil import interleaved_medians, print_table
+from ._args import non_negative_int, positive_int, some_of
+from ._benchutil import interleaved_medians, print_table, zipf_exponent
 
 LR, EPS = 0.01, 1e-8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench torch`."""
-    parser.add_argument("--rows", type=int, default=10_000_000,
+    parser.add_argument("--rows", type=positive_int, default=10_000_000,
                         help="rows of the step part's table (10,000,000)")
-    parser.add_argument("--dim", type=int, default=64, help="embedding dim (64)")
-    parser.add_argument("--bag", type=int, default=20, help="ids per bag (20)")
-    parser.add_argument("--batch", type=int, default=4096, help="bags per step (4096)")
+    parser.add_argument("--dim", type=positive_int, default=64, help="embedding dim (64)")
+    parser.add_argument("--bag", type=positive_int, default=20, help="ids per bag (20)")
+    parser.add_argument("--batch", type=positive_int, default=4096, help="bags per step (4096)")
     parser.add_argument("--dist", default="uniform,zipf",
+                        type=some_of(("uniform", "zipf"), "distribution"),
                         help="id distributions of the step part: uniform, zipf (both)")
-    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (1.05)")
-    parser.add_argument("--parts", default="step,demo", help="parts to run: step, demo (both)")
-    parser.add_argument("--repeats", type=int, default=15, help="timed steps per contender (15)")
-    parser.add_argument("--demo-rows", type=int, default=1_000_000,
+    parser.add_argument("--zipf", type=zipf_exponent, default=1.05,
+                        help="Zipf exponent, above 0 (1.05)")
+    parser.add_argument("--parts", default="step,demo", type=some_of(("step", "demo"), "part"),
+                        help="parts to run: step, demo (both)")
+    parser.add_argument("--repeats", type=positive_int, default=15,
+                        help="timed steps per contender (15)")
+    parser.add_argument("--demo-rows", type=positive_int, default=1_000_000,
                         help="ids per feature of the demo model's 8 tables (1,000,000)")
-    parser.add_argument("--demo-batch", type=int, default=2048,
+    parser.add_argument("--demo-batch", type=positive_int, default=2048,
                         help="samples per step of the demo model (2048)")
-    parser.add_argument("--demo-chunk", type=int, default=10,
+    parser.add_argument("--demo-chunk", type=positive_int, default=10,
                         help="demo steps per timed repeat (10)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads of every contender (1); embstore's own DRAM "
                              "kernels run on embstore.get_num_threads() (EMBSTORE_NUM_THREADS)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-
-
-def _split(text: str, allowed: tuple[str, ...], what: str) -> list[str] | None:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in items if t not in allowed]
-    if bad or not items:
-        print(f"embstore bench torch: error: {what} must be a comma-separated list of "
-              f"{', '.join(allowed)}; got {text!r}")
-        return None
-    return items
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,18 +80,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"embstore bench torch: error: needs torch ({exc}); install the [torch] extra")
         return 2
-    parts = _split(args.parts, ("step", "demo"), "--parts")
-    dists = _split(args.dist, ("uniform", "zipf"), "--dist")
-    if parts is None or dists is None:
-        return 2
+    parts, dists = args.parts.split(","), args.dist.split(",")
     if args.quick:
         args.rows, args.batch, args.repeats = 20_000, 256, 3
         args.demo_rows, args.demo_batch, args.demo_chunk = 5_000, 256, 3
-    for name in ("rows", "dim", "bag", "batch", "repeats", "demo_rows", "demo_batch",
-                 "demo_chunk", "threads"):
-        if getattr(args, name) < 1:
-            print(f"embstore bench torch: error: --{name.replace('_', '-')} must be at least 1")
-            return 2
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     print(f"torch threads: {args.threads} (every contender); OpenMP waits: "

@@ -12,16 +12,40 @@ import numpy as np
 import embstore
 from embstore.tools.workload import ZipfIds
 
+from ._args import non_negative_int, positive_float, positive_int
+
+MAX_ZIPF = 20.0
+"""Steepest Zipf exponent taken: already at 20 nearly every draw is the hottest id, while much
+steeper ones overflow float64 in the weights 1/rank**a (past 44 at 10M rows) and numpy warns."""
+
+
+def zipf_exponent(text: str) -> float:
+    """A Zipf exponent: finite, above 0 (0 would be uniform) and at most MAX_ZIPF.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    value = positive_float(text)
+    if value > MAX_ZIPF:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at most {MAX_ZIPF:g} (there nearly "
+                                         "every draw is the hottest id already)")
+    return value
+
 
 def add_size_arguments(parser: argparse.ArgumentParser, *, rows: int, dim: int = 64,
                        batch: int = 65536, repeats: int = 30) -> None:
     """The options every table benchmark takes."""
-    parser.add_argument("--rows", type=int, default=rows, help=f"table rows (default {rows})")
-    parser.add_argument("--dim", type=int, default=dim, help=f"embedding dim (default {dim})")
-    parser.add_argument("--batch", type=int, default=batch, help=f"ids per batch ({batch})")
-    parser.add_argument("--repeats", type=int, default=repeats, help="timed batches per contender")
-    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (1.05)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows", type=positive_int, default=rows,
+                        help=f"table rows (default {rows})")
+    parser.add_argument("--dim", type=positive_int, default=dim,
+                        help=f"embedding dim (default {dim})")
+    parser.add_argument("--batch", type=positive_int, default=batch,
+                        help=f"ids per batch ({batch})")
+    parser.add_argument("--repeats", type=positive_int, default=repeats,
+                        help="timed batches per contender")
+    parser.add_argument("--zipf", type=zipf_exponent, default=1.05,
+                        help="Zipf exponent, above 0 (1.05)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     add_ids_argument(parser)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
 

@@ -39,9 +39,10 @@ def register(sub: argparse._SubParsersAction, *, lazy: bool = True) -> None:
     bench_sub.required = True
     for name in _benchmarks():
         module = importlib.import_module(f"embstore.tools._bench_{name}")
-        p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
-                                 epilog=f"example: embstore bench {name} --quick")
+        p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         module.add_arguments(p)
+        quick = any("--quick" in a.option_strings for a in p._actions)
+        p.epilog = f"example: embstore bench {name}{' --quick' if quick else ''}"
         if not any("--json" in a.option_strings for a in p._actions):
             p.add_argument("--json", action="store_true",
                            help="print the figures as JSON (tables and the run's log)")

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ._args import non_negative_int, positive_int
+from ._args import check_output, non_negative_int, positive_int
 from ._dlrm import (
     ROCKSDB_OPTIONS,
     ClickStream,
@@ -40,6 +40,7 @@ from ._dlrm import (
     table_bytes,
     table_digest,
 )
+from .profile import check_plot_path
 
 __all__ = ["register", "run"]
 
@@ -64,7 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="look rows up in line instead of on a background thread")
     p.add_argument("--all-dram", action="store_true",
                    help="keep every row in DRAM instead of RocksDB behind a DRAM tier")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG of the loss and AUC curves")
+    p.add_argument("--plot", metavar="FILE",
+                   help="draw the loss and AUC curves into FILE, in the format its extension "
+                        "names (FILE.png where it has none)")
     p.add_argument("--eval-samples", type=positive_int, default=8192,
                    help="held-out samples (8192)")
     p.add_argument("--evals", type=positive_int, default=10,
@@ -172,6 +175,22 @@ def _tier_report(store: Any) -> list[dict[str, Any]]:
     return [levels[k] for k in sorted(levels)]
 
 
+def _plot_file(text: str) -> str:
+    """The file `--plot TEXT` will write, refused before training if it cannot be drawn.
+
+    A name without an extension gets .png, as matplotlib would add it, so that the file
+    reported is the one written.
+
+    Raises:
+        ConfigError: an empty name, a directory, a missing folder, no matplotlib, or a
+            format matplotlib does not write.
+    """
+    check_output(text, "--plot")
+    path = text if os.path.splitext(text)[1] else f"{text}.png"
+    check_plot_path(path)
+    return path
+
+
 def _plot(file: str, history: dict[str, list], quiet: bool) -> str | None:
     """Write the loss and AUC curves to `file`; the reason if it could not."""
     try:
@@ -202,10 +221,6 @@ def _plot(file: str, history: dict[str, list], quiet: bool) -> str | None:
     fig.tight_layout()
     try:
         fig.savefig(file, dpi=100)
-    except KeyboardInterrupt:  # a second Ctrl-C: stopped mid-step
-        print("embstore demo: aborted mid-step; a --path run may be left between steps",
-              file=sys.stderr)
-        return 130
     except OSError as exc:
         return f"could not write the plot to {file}: {exc.strerror or exc}"
     finally:
@@ -215,6 +230,8 @@ def _plot(file: str, history: dict[str, list], quiet: bool) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Train the DLRM for `--steps` steps (resuming from `--path`), then report."""
+    if args.plot is not None:  # before a minute of training, not after
+        args.plot = _plot_file(args.plot)
     try:
         import torch
 
@@ -420,7 +437,10 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
         "tiers": tiers, "stored_rows": sum(stored_rows.values()),
         "interrupted": interrupted, "digest": digest,
     }
-    plot_note = _plot(args.plot, history, quiet) if args.plot else None
+    try:
+        plot_note = _plot(args.plot, history, quiet) if args.plot else None
+    except KeyboardInterrupt:  # the run is saved by now; only the picture is lost
+        plot_note, interrupted = "Ctrl-C while drawing: no plot was written", True
     if quiet:
         figures["plot"] = None if plot_note or not args.plot else args.plot
         print(json.dumps(figures), file=out)
