@@ -116,6 +116,20 @@ def test_a_kept_run_that_lost_its_store_or_dense_part_is_refused(
     assert "cannot read" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_path_that_is_or_lies_in_a_store_is_refused_before_training(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import embstore
+
+    store = tmp_path / "s"
+    embstore.open(store, tables=[embstore.TableSpec("t", dim=2)]).close()
+    before = sorted(p.name for p in store.iterdir())
+    for path in (store, store / "run"):
+        assert main(["demo", *SMALL, "--steps", "1", "--path", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "inside the store" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in store.iterdir()) == before
+
+
 def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     for bad in (["--steps", "-1"], ["--batch-size", "0"], ["--rows", "x"]):
         assert main(["demo", *bad]) == 2  # main returns the code; it never raises SystemExit

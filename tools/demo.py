@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from embstore.layout import store_above
+
 from ._args import check_output, non_negative_int, positive_int
 from ._dlrm import (
     ROCKSDB_OPTIONS,
@@ -305,6 +307,10 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
         run_dir = Path(args.path)
         if run_dir.exists() and not run_dir.is_dir():
             return _fail(f"{run_dir} is a file; give --path a directory")
+        inside = run_dir if (run_dir / "MANIFEST.json").exists() else store_above(run_dir)
+        if inside is not None:  # a store's rewrites would delete the run's files
+            return _fail(f"{run_dir} is or lies inside the store {inside}; --path takes a "
+                         "directory of the demo's own, which holds its store and dense part")
     store_path, dense_path = run_dir / STORE_DIR, run_dir / DENSE_FILE
     saved = None
     if dense_path.exists():
