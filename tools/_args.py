@@ -140,38 +140,28 @@ def non_negative_int(text: str) -> int:
     return _whole(text, 0)
 
 
-def _real(text: str) -> float:
+def _real(text: str, *, strictly_positive: bool) -> float:
+    """A finite float above 0 (`strictly_positive`) or at least 0, else ArgumentTypeError."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if value < 0 or (strictly_positive and value == 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be "
+                                         + ("above 0" if strictly_positive else "at least 0"))
     return value
 
 
 def positive_float(text: str) -> float:
-    """A finite float > 0.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else (nan and inf included).
-    """
-    value = _real(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
-    return value
+    """A finite float > 0 (nan and inf refused with argparse.ArgumentTypeError)."""
+    return _real(text, strictly_positive=True)
 
 
 def non_negative_float(text: str) -> float:
-    """A finite float >= 0.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else (nan and inf included).
-    """
-    value = _real(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
-    return value
+    """A finite float >= 0 (nan and inf refused with argparse.ArgumentTypeError)."""
+    return _real(text, strictly_positive=False)
 
 
 def existing_file(text: str) -> Path:
