@@ -195,7 +195,7 @@ def _read_header(root: Path) -> dict[str, Any]:
                                 f"name to {{'rate', 'threshold'}}; {_DAMAGED}")
     for name, t in tables.items():
         # the name makes file names: one that is no table name could reach outside the log
-        if not _TABLE_NAME.match(name):
+        if not _TABLE_NAME.fullmatch(name):  # the whole name: "a/../../x" starts like one
             raise CorruptStoreError(f"{where}: field 'tables' lists {_show(name)}, which is "
                                     f"not a table name; {_DAMAGED}")
         field = f"tables.{name}"
@@ -307,7 +307,7 @@ def _check_unlisted(root: Path, listed: Iterable[str]) -> None:
     for entry in found:
         suffix = next((s for s in (".ids", ".offsets") if entry.name.endswith(s)), None)
         if (suffix is None or entry.name in known
-                or not _TABLE_NAME.match(entry.name[: -len(suffix)])
+                or not _TABLE_NAME.fullmatch(entry.name[: -len(suffix)])
                 or not entry.is_file(follow_symlinks=False)):
             continue
         try:

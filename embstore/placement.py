@@ -35,14 +35,18 @@ Three documents, each a JSON object with ``"format"`` and ``"version"`` keys:
                         "cache_rows": [rows per cache tier], "hit_ratios": [per tier],
                         "seconds_per_batch": float, "bytes": {tier: bytes}}}}
 
-`load_document` checks the format, version and the fields the planner and `open` use (every
-number finite and within its range, the file UTF-8 JSON), and
-raises `ConfigError` naming the file, the field and the fix; `apply_placement` gives table
-specs their planned chains (``embstore.open(..., placement=path)``).
+`load_document` checks the format, version (an int), and the fields the planner and `open`
+use and a placement's figures (every number finite and within its range, table names as
+`TableSpec` takes them, the file UTF-8 JSON; a placement's figures beside its chains are
+optional, as `open` needs only the chains), and raises `ConfigError` naming the file, the
+field and the fix; `apply_placement` gives table specs their planned chains
+(``embstore.open(..., placement=path)``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -50,7 +54,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from . import registry
+from .errors import ConfigError, StorageIOError
+from .spec import _NAME as _TABLE_NAME
 from .spec import TableSpec, TierSpec
 
 __all__ = ["KNOWN_TIERS", "apply_placement", "load_document", "placement_chains",
@@ -62,14 +68,19 @@ MAX_NUMBER = 2**53
 """The largest number a document's field may hold (JSON's largest exact integer): products
 and sums of a few such figures stay finite floats, so no planner figure overflows."""
 _VERSIONS = {"embstore.profile": 1, "embstore.tiers": 1, "embstore.placement": 1}
+_PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
+                errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP}
+"""Write failures that come from the path given, not the medium: a ConfigError to fix."""
 
 
 def save_document(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
     """Write `doc` as indented JSON, atomically (a temporary file renamed over `path`).
 
     Raises:
-        ConfigError: `path` names no file (empty, or a directory), or `doc` holds NaN or an
+        ConfigError: `path` names no file (empty, or a directory), cannot be written there (no
+            such folder, no permission, a read-only file system), or `doc` holds NaN or an
             infinity (JSON has neither, and readers would refuse the file); nothing is written.
+        StorageIOError: the medium failed the write (a full disk, EIO); nothing is written.
     """
     path = Path(path)
     if not path.name or path.is_dir():
@@ -83,9 +94,16 @@ def save_document(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write leaves no stray temporary file
-        raise
+    except BaseException as exc:
+        with contextlib.suppress(OSError):  # a failed write leaves no stray temporary file
+            tmp.unlink()
+        if not isinstance(exc, OSError):
+            raise
+        # said of the path asked for: the temporary file is ours, not the caller's
+        message = f"cannot write {str(path)!r}: {exc.strerror or exc}"
+        if exc.errno in _PATH_ERRNOS:
+            raise ConfigError(message) from None
+        raise StorageIOError(exc.errno, message) from None
 
 
 def load_document(source: str | os.PathLike[str] | dict[str, Any], kind: str) -> dict[str, Any]:
@@ -116,7 +134,9 @@ def load_document(source: str | os.PathLike[str] | dict[str, Any], kind: str) ->
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise ConfigError(f"{where!r} is not an {fmt} document (format {got!r}); give the "
                           f"file written by `embstore {_MAKER[kind]}`")
-    if isinstance(doc.get("version"), bool) or doc.get("version") != _VERSIONS[fmt]:
+    version = doc.get("version")
+    # an int, not 1.0 or true: both equal 1 in Python, and no writer of this format emits them
+    if isinstance(version, bool) or not isinstance(version, int) or version != _VERSIONS[fmt]:
         raise ConfigError(f"{where!r}: {fmt} version {doc.get('version')!r} is not supported "
                           f"(this embstore reads version {_VERSIONS[fmt]})")
     _CHECKS[kind](doc, where)
@@ -199,6 +219,7 @@ def _check_profile(doc: dict[str, Any], where: str) -> None:
     if not tables:
         raise ConfigError(f"{where!r}: the profile has no tables; profile a trace that has ids")
     for name, t in tables.items():
+        _check_table_name(name, where, "profile")
         what = f"table {name!r}"
         for key in ("rows_touched", "row_bytes"):
             _number(t, key, where, what, least=1, whole=True)
@@ -271,13 +292,31 @@ def _check_tiers(doc: dict[str, Any], where: str) -> None:
 
 
 def _check_placement(doc: dict[str, Any], where: str) -> None:
+    budget = doc.get("budget", {})
+    if not isinstance(budget, dict) or not set(budget) <= set(KNOWN_TIERS):
+        raise ConfigError(f"{where!r}: the placement's budget must be an object of tier "
+                          f"({list(KNOWN_TIERS)}) to bytes, got {_short(budget)}")
+    for tier in budget:
+        _number(budget, tier, where, "the placement's budget", whole=True)
+    _number(doc, "predicted_seconds_per_batch", where, "the placement", optional=True)
     tables = _need(doc, "tables", dict, where, "the placement")
+    if not tables:
+        raise ConfigError(f"{where!r}: the placement places no table; plan from a profile of "
+                          "the store's tables")
     for name, t in tables.items():
-        chain = _need(t, "tiers", list, where, f"table {name!r}")
+        _check_table_name(name, where, "placement")
+        what = f"table {name!r}"
+        if not isinstance(t, dict):
+            raise ConfigError(f"{where!r}: {what} must be an object with its 'tiers', got "
+                              f"{_short(t)}")
+        chain = _need(t, "tiers", list, where, what)
         if not chain:
             raise ConfigError(f"{where!r}: table {name!r} has an empty tier chain")
-        for tier in chain:
-            backend = tier.get("backend") if isinstance(tier, dict) else None
+        for i, tier in enumerate(chain):
+            if not isinstance(tier, dict):
+                raise ConfigError(f"{where!r}: {what}.tiers[{i}] must be an object (a TierSpec's "
+                                  f"JSON, e.g. {{\"backend\": \"rocksdb\"}}), got {_short(tier)}")
+            backend = tier.get("backend")
             if backend not in KNOWN_TIERS:
                 raise ConfigError(f"{where!r}: table {name!r} uses unknown tier {backend!r}; "
                                   f"known: {list(KNOWN_TIERS)}")
@@ -285,6 +324,53 @@ def _check_placement(doc: dict[str, Any], where: str) -> None:
                 TierSpec.from_json(tier)
             except (TypeError, ConfigError) as exc:
                 raise ConfigError(f"{where!r}: table {name!r}: bad tier {tier!r}: {exc}") from exc
+        _check_placed_figures(t, len(chain), where, what)
+
+
+def _check_placed_figures(t: dict[str, Any], tiers: int, where: str, what: str) -> None:
+    """The planner's figures of one placed table, each optional: `open` needs only the chain.
+
+    Present, they must be what `embstore plan` writes: an eviction policy spec or null, a
+    cache size per cache tier, a hit ratio per tier, finite seconds and bytes.
+    """
+    policy = t.get("policy")
+    if policy is not None and (not isinstance(policy, str) or policy.split(":")[0]
+                               not in registry.policy_names("eviction")):
+        raise ConfigError(f"{where!r}: {what}.policy must be an eviction policy spec (one of "
+                          f"{registry.policy_names('eviction')}) or null, got {_short(policy)}")
+    for key, count, whole in (("cache_rows", tiers - 1, True), ("hit_ratios", tiers, False)):
+        values = t.get(key, [0] * count)
+        if not isinstance(values, list) or len(values) != count:
+            each = "a row count per cache tier" if whole else "a hit ratio per tier"
+            raise ConfigError(f"{where!r}: {what}.{key} must be a list of {each} ({count} for "
+                              f"its chain of {tiers}), got {_short(values)}")
+        low, high = (1, MAX_NUMBER) if whole else (0, 1)
+        for i, v in enumerate(values):
+            if key in t and (not _is_number(v) or (whole and not isinstance(v, int))
+                             or not low <= v <= high):
+                want = "whole row counts >= 1 and <= 2**53" if whole else "ratios in [0, 1]"
+                raise ConfigError(f"{where!r}: {what}.{key}[{i}] must be {want}, got "
+                                  f"{_short(v)}")
+    _number(t, "seconds_per_batch", where, what, optional=True)
+    placed = t.get("bytes", {})
+    if not isinstance(placed, dict) or not set(placed) <= set(KNOWN_TIERS):
+        raise ConfigError(f"{where!r}: {what}.bytes must be an object of tier to bytes, got "
+                          f"{_short(placed)}")
+    for tier in placed:
+        _number(placed, tier, where, f"{what}.bytes")
+
+
+def _check_table_name(name: str, where: str, kind: str) -> None:
+    if not _TABLE_NAME.fullmatch(name):  # TableSpec's rule: a table's name makes file names
+        raise ConfigError(f"{where!r}: the {kind} names table {_short(name)}, which is no "
+                          "table name (1-128 letters, digits, '_', '.' or '-', not starting "
+                          "with '.' or '-')")
+
+
+def _short(value: Any) -> str:
+    """`value`'s repr, cut short: a message stays one readable line."""
+    shown = repr(value)
+    return shown if len(shown) <= 60 else f"{shown[:57]}..."
 
 
 _CHECKS = {"profile": _check_profile, "tiers": _check_tiers, "placement": _check_placement}

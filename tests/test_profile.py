@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -313,3 +314,55 @@ def test_a_table_with_no_ids_after_the_warmup_is_refused(
     err = _profile_fails(tmp_path, capsys, str(tmp_path / "t.npz"), "-o",
                          str(tmp_path / "p.json"), "--warmup", "0.5")
     assert "lower --warmup" in err
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda p: np.savez(p / "t.npz", **{"a/b.ids": np.arange(4), "a/b.offsets": [0, 2, 4]}),
+     "names table 'a/b': a table name is 1-128 letters"),
+    (lambda p: np.save(p / "t.npy", np.array([[1, -1], [2, 3]])),
+     "holds id -1: a trace of all tables together keeps each id's table in its bits above"),
+    (lambda p: np.save(p / "t.npy", np.full((2, 2), 2**64 - 1, np.uint64)),
+     "holds id 18446744073709551615, past the largest int64 id"),
+    (lambda p: np.savez(p / "t.npz", **{"u.ids": np.full(2, 2**63, np.uint64),
+                                        "u.offsets": [0, 2]}),
+     "table 'u', holds id 9223372036854775808, past the largest int64 id")])
+def test_table_names_a_store_refuses_and_ids_past_int64_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None,
+        make: Any, says: str) -> None:
+    # "a/b" made a profile a store cannot open, and negative or uint64 ids a table "t-1"
+    make(tmp_path)
+    trace = next(p for p in tmp_path.iterdir() if p.name.startswith("t."))
+    err = _profile_fails(tmp_path, capsys, str(trace), "-o", str(tmp_path / "p.json"))
+    assert says in err, err
+
+
+def test_build_profile_and_an_access_log_check_table_names(tmp_path: Path) -> None:
+    import embstore
+    from embstore.errors import CorruptStoreError
+    from embstore.tools.profile import read_trace
+
+    with pytest.raises(ConfigError, match="names table '../x'"):
+        build_profile({"../x": [np.arange(4)]})
+    log = tmp_path / "log"
+    with embstore.open(None, tables=[embstore.TableSpec("t", dim=2)],
+                       record_accesses=log) as store:
+        store.lookup("t", np.arange(4))
+    header = json.loads((log / "ACCESS_LOG.json").read_text())
+    header["tables"]["t/../t"] = header["tables"].pop("t")  # it starts like a table name
+    (log / "ACCESS_LOG.json").write_text(json.dumps(header))
+    with pytest.raises(CorruptStoreError, match="lists 't/../t', which is not a table name"):
+        read_trace(str(log))
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("flags", [["-o", "/proc/p.json"],
+                                   ["-o", "p.json", "--plot", "/proc/x.png"]])
+def test_outputs_that_cannot_be_written_are_said_of_the_path_given(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]) -> None:
+    # the message named the private temporary file ('/proc/p.json.tmp') in OSError's words
+    flags = [f if f.startswith(("-", "/")) else str(tmp_path / f) for f in flags]
+    err = _profile_fails(tmp_path, capsys, SMALL, *flags)
+    path = flags[-1]
+    assert f"{path!r}: cannot write it: No such file or directory" in err or \
+        f"cannot write {path!r}: No such file or directory" in err, err
+    assert ".tmp" not in err and "Errno" not in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -99,9 +100,11 @@ def test_lru_replay_counts_misses_per_distinct_id_per_batch() -> None:
 
 def test_parse_capacities_takes_fractions_and_counts() -> None:
     assert parse_capacities("0.01,0.5,3", 1000) == [10, 500, 3]
-    assert parse_capacities([0.0001], 1000) == [1]
+    assert parse_capacities([0.0006], 1000) == [1]  # 0.6 ids round to one
     with pytest.raises(ConfigError, match="must be > 0"):
         parse_capacities("0,0.1", 1000)
+    with pytest.raises(ConfigError, match="holds no row"):  # it was silently 1 id
+        parse_capacities([0.0001], 1000)
 
 
 def test_parse_policy_reads_settings_and_checks_the_family() -> None:
@@ -325,3 +328,114 @@ def test_simulate_refuses_a_trace_without_ids(tmp_path: Path,
         out, err = capsys.readouterr()
         assert not out and "holds no ids; nothing to simulate" in err, err
         assert len(err.strip().splitlines()) == 1
+
+
+def _damaged_trace_files(tmp_path: Path) -> list[tuple[Path, str]]:
+    """Files whose damage must be said in words, each with what the message must say."""
+    header = "{'descr': '<i8', 'fortran_order': False, 'shape': (100000000000, 40), }"
+    header += " " * (117 - len(header)) + "\n"
+    huge = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode()
+    good = tmp_path / "good.npy"
+    np.save(good, np.arange(400).reshape(10, 40))
+    raw = good.read_bytes()
+    files: list[tuple[str, bytes, str]] = [
+        ("huge.npy", huge + b"\0" * 64, "header promises an array of shape (100000000000, 40)"),
+        ("version.npy", b"\x93NUMPY\xff\xff" + b"\0" * 100, "bad header: format version 255.255"),
+        ("header_cut.npy", raw[:20], "bad or truncated header"),
+        ("data_cut.npy", raw[:-7], "3,200 bytes) but 3,193 bytes follow"),
+        ("empty.npy", b"", "is empty"),
+        ("zip.npz", b"PK\x03\x04" + b"\0" * 100, "not a .npz (zip) archive"),
+    ]
+    out = []
+    for name, data, says in files:
+        (tmp_path / name).write_bytes(data)
+        out.append((tmp_path / name, says))
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as z:
+        z.writestr("ids.npy", huge + b"\0" * 64)
+        z.writestr("offsets.npy", raw)
+    out.append((tmp_path / "huge.npz", "member 'ids.npy' is truncated or damaged: its header"))
+    (tmp_path / "dir.npz").mkdir()
+    out.append((tmp_path / "dir.npz", "is a directory"))
+    return out
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["trace", "stats"], ["profile"]])
+def test_damaged_trace_files_are_said_in_words_and_nothing_is_allocated(
+        tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # a header claiming 29 TiB was an "internal error: MemoryError"; numpy's and zipfile's
+    # own words ("we only support format version", "EOF:", "File is not a zip file", "Errno")
+    # reached the user
+    for file, says in _damaged_trace_files(tmp_path):
+        extra = ["-o", str(tmp_path / "p.json")] if command == ["profile"] else []
+        assert main([*command, str(file), *extra]) == 2, file
+        err = capsys.readouterr().err
+        assert f"trace {str(file)!r}" in err and says in err, err
+        assert len(err.strip().splitlines()) == 1 and "internal error" not in err, err
+        for words in ("we only support", "EOF", "File is not", "Errno"):
+            assert words not in err, err
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("synth:params=1", "unknown key 'params'; known: batches, drift, lookups, profile, seed"),
+    ("synth:batches=true", "batches must be a whole number, got 'true'"),
+    ("synth:batches=2.0", "batches must be a whole number, got '2.0'"),
+    ("synth:lookups=1024.5,batches=1", "lookups must be a whole number"),
+    ("synth:drift=true,batches=1", "drift must be a number, got 'true'"),
+    ("synth:seed=false,batches=1", "seed must be a whole number, got 'false'"),
+    ("synth:batches=99999999999999999999", "more than the 1,073,741,824 (2**30)"),
+    (f"synth:batches={2**30 // 4096 + 1},lookups=4096", "more than the 1,073,741,824")])
+def test_synthetic_specs_take_known_keys_of_the_right_kind_and_a_bounded_size(
+        spec: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # params=1 was an internal AttributeError, batches=true one batch, and a huge batch
+    # count grew memory until the process was killed
+    with pytest.raises(ConfigError, match="trace spec") as info:
+        load_trace(spec)
+    assert says in str(info.value)
+    assert main(["simulate", spec]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_trace_synth_refuses_a_trace_too_large_for_memory_before_drawing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "t.npy"
+    assert main(["trace", "synth", str(out), "--batches", "99999999999999999999"]) == 2
+    err = capsys.readouterr().err
+    assert "more than the 1,073,741,824 (2**30) a trace may have" in err and "memory" in err
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_trace_that_cannot_be_written_is_said_of_the_path_given(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # /proc takes no new file: the message named '/proc/x.npy' in raw OSError words
+    assert main(["trace", "synth", "/proc/x", "--batches", "1", "--batch-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write '/proc/x.npy': No such file or directory" in err, err
+    assert "Errno" not in err and ".tmp" not in err
+
+
+@pytest.mark.parametrize(("capacity", "says"), [
+    (["--capacity", "1KiB", "--row-bytes", "99999999999"],
+     "--capacity of 1024 bytes holds no row of 99999999999 bytes"),
+    (["--capacity", "0.0001"], "capacity 0.0001 of the trace's 400 distinct ids holds no row"),
+    (["--capacity", "0.01%"], "holds no row")])
+def test_simulate_refuses_a_capacity_that_holds_no_row(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], capacity: list[str],
+        says: str) -> None:
+    # it was silently a cache of one id, where --tiers dram:1B is refused
+    np.save(tmp_path / "t.npy", np.arange(400))
+    assert main(["simulate", str(tmp_path / "t.npy"), *capacity]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_ids_past_int64_are_refused_not_wrapped_around(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    np.save(tmp_path / "u64.npy", np.full((2, 4), 2**64 - 1, np.uint64))
+    np.savez(tmp_path / "u64.npz", ids=np.full(4, 2**63, np.uint64), offsets=np.array([0, 4]))
+    for name, big in (("u64.npy", 2**64 - 1), ("u64.npz", 2**63)):
+        assert main(["simulate", str(tmp_path / name)]) == 2
+        assert f"holds id {big}, past the largest int64 id" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="past the largest int64 id"):
+        Trace([np.array([2**63], np.uint64)])
+    assert Trace([np.array([5, 2**63 - 1], np.uint64)]).distinct == 2

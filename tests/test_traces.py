@@ -97,3 +97,20 @@ def test_calibrate_does_not_worsen_the_fit() -> None:
     fitted, after = traces.calibrate(rows_target, access_target, start=start, rounds=1)
     assert after < before
     assert fitted != start
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"batches": True}, "batches must be a whole number >= 0, got True"),
+    ({"batches": 2.0}, "batches must be a whole number >= 0, got 2.0"),
+    ({"batches": 1, "lookups": 100.5}, "lookups must be a whole number, got 100.5"),
+    ({"batches": 1, "lookups": 100, "drift": True}, "drift must be a number in [0, 1]"),
+    ({"batches": 10**20}, "more than the 1,073,741,824 (2**30) a trace may have"),
+    ({"batches": 2**30 // 4096 + 1, "lookups": 4096}, "held in memory whole, 8 bytes a lookup")])
+def test_synthesize_refuses_wrong_kinds_and_traces_too_large_for_memory(
+        kwargs: dict[str, object], says: str) -> None:
+    # batches=True drew one batch, and 10**20 batches grew memory until the process was killed
+    with pytest.raises(ConfigError) as info:
+        next(traces.synthesize(**kwargs))  # type: ignore[arg-type]
+    assert says in str(info.value)
+    # the largest trace allowed is refused by nothing but its size (drawn lazily here)
+    assert len(next(traces.synthesize(2**30 // 4096, lookups=4096))) == 4096

@@ -16,21 +16,27 @@ property and are replayed at a few capacities (miniature simulation: the sampled
 through a cache of R x C ids). The error of a sampled curve shrinks with the number of
 sampled ids, so a table is sampled only when at least `MIN_SAMPLED_IDS` of its ids would be
 kept; `tests/test_profile.py` bounds the error against the exact curve (`SHARDS_ERROR_BOUND`).
+
+`plot_profile` draws a profile's curves with matplotlib (the `plot` extra).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from embstore._access_log import sample_mask
+from embstore.errors import ConfigError
 from embstore.policy import EvictionPolicy
 from embstore.tools.simulator import Trace, parse_policy, run_policies
 
-__all__ = ["MIN_SAMPLED_IDS", "SHARDS_ERROR_BOUND", "capacity_grid", "lru_curve", "policy_curve",
-           "sample_trace", "stack_distances"]
+__all__ = ["MIN_SAMPLED_IDS", "SHARDS_ERROR_BOUND", "capacity_grid", "check_plot_path",
+           "lru_curve", "plot_profile", "policy_curve", "sample_trace", "stack_distances"]
 
 MIN_SAMPLED_IDS = 2000
 """A table is sampled only if about this many of its ids survive the sampling."""
@@ -186,3 +192,85 @@ def _training_misses(trace: Trace, eviction: EvictionPolicy, capacity: int,
                 resident[np.searchsorted(trace.ids, victims)] = False
                 size -= len(victims)
     return misses
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend.
+
+    Raises:
+        ConfigError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'embstore[plot]'") from None
+    return plt
+
+
+def check_plot_path(path: str | Path) -> str:
+    """The image format of `path` (its extension), refused before any work if unwritable.
+
+    Raises:
+        ConfigError: matplotlib is missing, the extension is not a format it writes, or the
+            path is empty, a directory or in a missing folder.
+    """
+    from ._args import check_output
+
+    check_output(path, "--plot")
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    ext = Path(path).suffix[1:].lower()
+    if ext not in formats:
+        got = f"a .{ext} file" if ext else "a file without an extension"
+        raise ConfigError(f"--plot {str(path)!r}: matplotlib cannot draw {got}; end the name "
+                          f"in .png, .pdf or .svg (it writes {', '.join(formats)})")
+    return ext
+
+
+def plot_profile(profile: dict[str, Any], path: str | Path) -> None:
+    """Draw each table's miss-ratio curves (one line per table, a panel per policy).
+
+    The image goes to a temporary file renamed over `path`, so a failed drawing leaves
+    neither a partial image nor a stray file.
+
+    Raises:
+        ConfigError: matplotlib is not installed, cannot write this format, or failed.
+    """
+    ext = check_plot_path(path)
+    plt = _pyplot()
+    policies = profile["policies"]
+    fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 4), squeeze=False,
+                             sharey=True)
+    for ax, policy in zip(axes[0], policies, strict=True):
+        for name, t in profile["tables"].items():
+            ax.plot(t["mrc"]["capacities"], t["mrc"][policy], marker=".", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("cache size (rows)")
+        ax.set_title(f"{policy} miss ratio")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("misses per lookup")
+    axes[0][-1].legend(fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fig.savefig(tmp, dpi=120, format=ext)  # the format named, as the file's is ".tmp"
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):  # no partial image, no stray file
+            tmp.unlink()
+        if not isinstance(exc, Exception):
+            raise
+        if isinstance(exc, OSError):  # of the path asked for, not of our temporary file
+            raise ConfigError(f"--plot {str(path)!r}: cannot write it: "
+                              f"{exc.strerror or exc}") from None
+        # e.g. pgf without LaTeX: say so in our words, not matplotlib's
+        raise ConfigError(f"--plot {str(path)!r}: matplotlib could not write a .{ext} image "
+                          f"({type(exc).__name__}); try .png, .pdf or .svg") from exc
+    finally:
+        plt.close(fig)

@@ -55,34 +55,54 @@ class Option:
 def parse_budget(text: str, row_bytes: int, model: dict[str, Any]) -> dict[str, int]:
     """Bytes per budgeted tier from "dram=8GiB,pmem=64GiB".
 
+    A size is bytes: with a unit (8GiB, 512MiB, 2GB) or a bare whole number of bytes. Only
+    dram and pmem are budgeted; ``rocksdb=unbounded`` and ``lmdb=unbounded`` (the form
+    `embstore.distributed.parse_tier_budgets` reads) are accepted and change nothing.
+
     Raises:
-        ConfigError: bad syntax, an unknown, unmeasured or repeated tier, or a budget below
-            one row.
+        ConfigError: bad syntax, an unknown, unmeasured or repeated tier, a size that is no
+            byte count, or a budget below one row.
     """
     out = dict.fromkeys(_BUDGETED, 0)
     given: set[str] = set()
     for item in filter(None, text.split(",")):
         name, eq, size = item.partition("=")
-        name = name.strip()
+        name, size = name.strip(), size.strip()
         if not eq:
             raise ConfigError(f"--budget {text!r}: expected tier=size, e.g. dram=8GiB,pmem=64GiB")
         if name in given:  # which of two sizes was meant is a guess: ask instead
             raise ConfigError(f"--budget {text!r} gives {name} twice; give each tier once")
         given.add(name)
+        if name in _SSD:
+            if size.lower() != "unbounded":
+                raise ConfigError(f"--budget {name}={size}: {name} is not limited (budgets are "
+                                  f"for {list(_BUDGETED)}); leave it out or write "
+                                  f"{name}=unbounded")
+            continue
         if name not in _BUDGETED:
             raise ConfigError(f"--budget names tier {name!r}; budgets are for {list(_BUDGETED)} "
                               f"(rocksdb and lmdb are not limited)")
         if name not in model["tiers"]:
             raise ConfigError(f"--budget gives {name} but the tier model has no {name!r} tier; "
                               "measure it (embstore bench tiers) or drop the budget")
+        if size.lower() == "unbounded":
+            raise ConfigError(f"--budget {name}=unbounded: the planner shares out {name}'s bytes, "
+                              f"so it needs a size, e.g. {name}=8GiB")
+        if "." in size and size.replace(".", "", 1).isdigit():  # parse_bytes would cut it
+            raise ConfigError(f"--budget {name}={size}: a number without a unit counts bytes, "
+                              "which are whole; write e.g. 8GiB or 8589934592")
         try:
             out[name] = parse_bytes(size)
+        except ConfigError:  # parse_bytes's own words offer a row count, which this is not
+            raise ConfigError(f"--budget {name}={size}: not a size in bytes; write it with a "
+                              "unit (8GiB, 512MiB) or as a whole number of bytes") from None
         except OverflowError:  # more digits than a float holds
             raise ConfigError(f"--budget {name}: {len(size)} characters is too large for a "
                               "size; give it with a unit, e.g. 8GiB") from None
         if out[name] < row_bytes:
-            raise ConfigError(f"--budget {name}={size} is below one row ({row_bytes} bytes); "
-                              "raise it or leave the tier out")
+            raise ConfigError(f"--budget {name}={size} is {out[name]} bytes (a number without a "
+                              f"unit counts bytes), below one row ({row_bytes} bytes); raise "
+                              "it or leave the tier out")
     if out["dram"] < row_bytes:
         raise ConfigError("--budget needs dram=SIZE of at least one row: every chain but the "
                           "SSD-only one caches in DRAM")
@@ -109,6 +129,9 @@ def chain_option(t: dict[str, Any], model: dict[str, Any], backends: list[str], 
         policies = [_best_policy(t, sum(caps[:i + 1])) for i in range(len(caps))]
     # misses below each cache level (a lower cache holds what the upper one does: inclusive)
     miss = [_miss(t, policies[i], sum(caps[:i + 1])) for i in range(len(caps))]
+    # so no lower level misses more than the one above, even where a curve rises between
+    # two profiled sizes: every hit ratio stays >= 0, as placements are checked to hold
+    miss = [min(miss[:i + 1]) for i in range(len(miss))]
     secs = float(step_seconds(model, backends, n, r, miss))
     served = [1.0 - m for m in miss] + [1.0]
     hits = [served[0]] + [served[i] - served[i - 1] for i in range(1, len(served))]

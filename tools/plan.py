@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tiers", required=True, type=Path,
                    help="tier model, from `embstore bench tiers` or written by hand")
     p.add_argument("--budget", required=True,
-                   help="bytes per budgeted tier, e.g. dram=8GiB,pmem=64GiB")
+                   help="bytes per budgeted tier, e.g. dram=8GiB,pmem=64GiB (a number without "
+                        "a unit is bytes); rocksdb and lmdb are not limited (rocksdb=unbounded "
+                        "is accepted)")
     # a str, not a Path: Path("") is "." and an empty -o must be told apart from a folder
     p.add_argument("-o", "--output", default="placement.json",
                    help="placement to write (default placement.json)")

@@ -14,7 +14,6 @@ The profile (schema in `embstore.placement`) is what `embstore plan` reads.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,9 +23,13 @@ import numpy as np
 
 from embstore.errors import ConfigError
 from embstore.placement import MAX_NUMBER
+from embstore.spec import _NAME as _TABLE_NAME
 
-__all__ = ["build_profile", "check_plot_path", "check_settings", "load_tables", "plot_profile",
-           "read_trace", "register", "save_tables", "split_tables"]
+from ._mrc import check_plot_path, plot_profile
+
+__all__ = ["build_profile", "check_plot_path", "check_settings", "check_table_names",
+           "load_tables", "plot_profile", "read_trace", "register", "save_tables",
+           "split_tables"]
 
 EXACT_LOOKUPS = 2_000_000
 """Tables with more lookups than this are profiled by SHARDS sampling (unless told)."""
@@ -85,13 +88,14 @@ def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
     path = Path(spec)
     if path.is_dir():
         _refuse_directory(path)
-    from embstore.tools.simulator import check_batches, load_trace, read_arrays
+    from embstore.tools.simulator import check_batches, int64_ids, load_trace, read_arrays
 
     if path.suffix == ".npz" and path.is_file():
         data = read_arrays(path)
         names = (sorted({k.rsplit(".", 1)[0] for k in data if k.endswith(".ids")})
                  if isinstance(data, dict) else [])
         if isinstance(data, dict) and names:
+            check_table_names(names, f"trace {spec!r}")
             out = {}
             for name in names:
                 if f"{name}.offsets" not in data:
@@ -99,14 +103,14 @@ def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
                                       f"'{name}.offsets'; save both arrays per table")
                 ids, off = data[f"{name}.ids"], data[f"{name}.offsets"]
                 check_batches(f"{spec}, table {name}", ids, off)
-                out[name] = [ids[off[i]:off[i + 1]].astype(np.int64)
-                             for i in range(len(off) - 1)]
+                ids = int64_ids(ids, f"trace {spec!r}, table {name!r},")
+                out[name] = [ids[off[i]:off[i + 1]] for i in range(len(off) - 1)]
             if len({len(b) for b in out.values()}) != 1:
                 raise ConfigError(f"trace {spec!r}: tables have different batch counts "
                                   f"({ {k: len(v) for k, v in out.items()} })")
             return out
 
-    out = split_tables(load_trace(spec).batches)
+    out = split_tables(load_trace(spec).batches, f"trace {spec!r}")
     if not out:
         raise ConfigError(f"trace {spec!r} holds no ids")
     return out
@@ -140,13 +144,34 @@ def _refuse_directory(path: Path) -> None:
                       "record_accesses=DIR)")
 
 
-def split_tables(batches: Sequence[np.ndarray]) -> dict[str, list[np.ndarray]]:
-    """Per table ("t00", "t01", ...: the id bits above 40), its share of each batch."""
+def split_tables(batches: Sequence[np.ndarray], what: str = "the trace"
+                 ) -> dict[str, list[np.ndarray]]:
+    """Per table ("t00", "t01", ...: the id bits above 40), its share of each batch.
+
+    Raises:
+        ConfigError: an id is negative (its bits above 40 name no table), naming `what`.
+    """
     flat = np.concatenate(batches) if len(batches) else np.zeros(0, np.int64)
+    if len(flat) and int(flat.min()) < 0:
+        raise ConfigError(f"{what} holds id {int(flat.min())}: a trace of all tables together "
+                          "keeps each id's table in its bits above 40, so its ids are >= 0 "
+                          "(or save one <table>.ids and <table>.offsets per table in a .npz)")
     out = {}
     for t in np.unique(flat >> _TABLE_SHIFT):
         out[f"t{int(t):02d}"] = [b[(b >> _TABLE_SHIFT) == t] for b in batches]
     return out
+
+
+def check_table_names(names: Sequence[str], what: str) -> None:
+    """Refuse table names a store would refuse (TableSpec's rule: they name files).
+
+    Raises:
+        ConfigError: the first such name, with `what` holds it.
+    """
+    for name in names:
+        if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name):
+            raise ConfigError(f"{what} names table {name!r}: a table name is 1-128 letters, "
+                              "digits, '_', '.' or '-', not starting with '.' or '-'")
 
 
 def save_tables(path: str | Path, tables: dict[str, list[np.ndarray]]) -> None:
@@ -270,6 +295,7 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
     for p in policies:
         parse_policy(p, "eviction")  # a bad spec fails before any work
     names = sorted(tables)
+    check_table_names(names, "the trace")
     sizes = _row_bytes(row_bytes, names)
     out: dict[str, Any] = {}
     most = max((len(b) for b in tables.values()), default=0)  # a log's tables may differ
@@ -339,84 +365,6 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
             "step_calls": step_calls,
             "samples_per_batch": samples_per_batch,
             "policies": ["lru", *policies], "tables": out}
-
-
-def _pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend.
-
-    Raises:
-        ConfigError: matplotlib is not installed.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'embstore[plot]'") from None
-    return plt
-
-
-def check_plot_path(path: str | Path) -> str:
-    """The image format of `path` (its extension), refused before any work if unwritable.
-
-    Raises:
-        ConfigError: matplotlib is missing, the extension is not a format it writes, or the
-            path is empty, a directory or in a missing folder.
-    """
-    from ._args import check_output
-
-    check_output(path, "--plot")
-    _pyplot()
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    formats = sorted(FigureCanvasBase.get_supported_filetypes())
-    ext = Path(path).suffix[1:].lower()
-    if ext not in formats:
-        got = f"a .{ext} file" if ext else "a file without an extension"
-        raise ConfigError(f"--plot {str(path)!r}: matplotlib cannot draw {got}; end the name "
-                          f"in .png, .pdf or .svg (it writes {', '.join(formats)})")
-    return ext
-
-
-def plot_profile(profile: dict[str, Any], path: str | Path) -> None:
-    """Draw each table's miss-ratio curves (one line per table, a panel per policy).
-
-    The image goes to a temporary file renamed over `path`, so a failed drawing leaves
-    neither a partial image nor a stray file.
-
-    Raises:
-        ConfigError: matplotlib is not installed, cannot write this format, or failed.
-    """
-    ext = check_plot_path(path)
-    plt = _pyplot()
-    policies = profile["policies"]
-    fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 4), squeeze=False,
-                             sharey=True)
-    for ax, policy in zip(axes[0], policies, strict=True):
-        for name, t in profile["tables"].items():
-            ax.plot(t["mrc"]["capacities"], t["mrc"][policy], marker=".", label=name)
-        ax.set_xscale("log")
-        ax.set_xlabel("cache size (rows)")
-        ax.set_title(f"{policy} miss ratio")
-        ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("misses per lookup")
-    axes[0][-1].legend(fontsize="x-small", ncol=2)
-    fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        fig.savefig(tmp, dpi=120, format=ext)  # the format named, as the file's is ".tmp"
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)  # no partial image, no stray file
-        if isinstance(exc, OSError) or not isinstance(exc, Exception):
-            raise
-        # e.g. pgf without LaTeX: say so in our words, not matplotlib's
-        raise ConfigError(f"--plot {str(path)!r}: matplotlib could not write a .{ext} image "
-                          f"({type(exc).__name__}); try .png, .pdf or .svg") from exc
-    finally:
-        plt.close(fig)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

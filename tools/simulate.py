@@ -54,6 +54,10 @@ def _run(args: argparse.Namespace) -> int:
     for flag, specs in (("--policy", policies), ("--admission", admissions)):
         if not specs:  # nothing would be simulated, and exit 0 would say all went well
             raise ConfigError(f"{flag} names no policy; give at least one, e.g. lru")
+    for c in args.capacity:
+        if c.nbytes is not None and c.nbytes < args.row_bytes:  # as --tiers dram:1B is refused
+            raise ConfigError(f"--capacity of {c.nbytes} bytes holds no row of {args.row_bytes} "
+                              "bytes (--row-bytes); raise it")
     trace = load_trace(args.trace, batch_size=args.batch_size)
     if not trace.lookups:  # every ratio would be 0/0, printed as a perfect cache
         raise ConfigError(f"trace {args.trace!r} holds no ids; nothing to simulate")

@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import time
-import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +40,8 @@ from embstore.errors import ConfigError
 from embstore.policy import AdmissionPolicy, EvictionPolicy
 from embstore.spec import TableSpec, TierSpec
 
+from .traces import read_arrays
+
 if TYPE_CHECKING:
     from .traces import SynthStream
 
@@ -48,11 +49,14 @@ __all__ = [
     "SimResult",
     "Trace",
     "belady",
+    "check_batches",
     "infinite",
+    "int64_ids",
     "load_trace",
     "parse_capacities",
     "parse_policy",
     "popularity_oracle",
+    "read_arrays",
     "run_policies",
     "simulate_trace",
 ]
@@ -107,12 +111,16 @@ class Trace:
         batches: the batches, in order (each a 1-D integer array; empty ones are allowed).
         popularity: for a synthetic trace, makes a fresh `SynthStream` that draws the same
             batches and knows each id's true popularity (`popularity_oracle` replays it).
+
+    Raises:
+        ConfigError: a batch holds an id int64 cannot hold (an unsigned one past 2**63 - 1).
     """
 
     def __init__(self, batches: Sequence[np.ndarray],
                  popularity: Callable[[], SynthStream] | None = None) -> None:
         self.popularity = popularity
-        self.batches = [np.ascontiguousarray(b, dtype=np.int64).reshape(-1) for b in batches]
+        self.batches = [np.ascontiguousarray(int64_ids(np.asarray(b), "a trace batch"))
+                        .reshape(-1) for b in batches]
         flat = np.concatenate(self.batches) if self.batches else np.zeros(0, np.int64)
         # dense ids 0..distinct-1 let the simulator keep residency in one bool array
         self.ids, dense = np.unique(flat, return_inverse=True)
@@ -142,13 +150,7 @@ def load_trace(spec: str, batch_size: int = 4096) -> Trace:
     if not path.exists() and (spec == "synth" or spec.startswith("synth:")):
         from .traces import SynthStream, synthesize
 
-        _, _, args = spec.partition(":")
-        kwargs: dict[str, Any] = {}
-        for item in filter(None, args.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise ConfigError(f"trace spec {spec!r}: expected key=value, got {item!r}")
-            kwargs[key.strip().replace("-", "_")] = _number(value.strip())
+        kwargs = _synth_kwargs(spec)
         stream = {k: v for k, v in kwargs.items() if k != "batches"}
         try:
             return Trace(list(synthesize(**kwargs)), popularity=lambda: SynthStream(**stream))
@@ -165,37 +167,16 @@ def load_trace(spec: str, batch_size: int = 4096) -> Trace:
                               f"found {sorted(data)}")
         ids, offsets = data["ids"], data["offsets"]
         check_batches(spec, ids, offsets)
+        ids = int64_ids(ids, f"trace {spec!r}")
         return Trace([ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)])
     if not np.issubdtype(data.dtype, np.integer):
         raise ConfigError(f"trace {spec!r} holds {data.dtype} values, expected integer ids")
+    data = int64_ids(data, f"trace {spec!r}")
     if data.ndim == 2:
         return Trace(list(data))
     if data.ndim == 1:
         return Trace([data[i:i + batch_size] for i in range(0, len(data), batch_size)])
     raise ConfigError(f"trace {spec!r} has {data.ndim} dimensions, expected 1 or 2")
-
-
-def read_arrays(path: Path) -> np.ndarray | dict[str, np.ndarray]:
-    """The array of a .npy file, or every array of a .npz file by name.
-
-    Raises:
-        ConfigError: the file is not a numpy file this can read (empty, truncated, of
-            pickled objects, or not numpy's format at all).
-    """
-    try:
-        with open(path, "rb") as f:
-            head = f.read(6)
-            if head and not head.startswith((b"\x93NUMPY", b"PK\x03\x04")):
-                raise ValueError("it is neither a .npy array nor a .npz archive")
-            f.seek(0)
-            data = np.load(f)
-            if isinstance(data, np.lib.npyio.NpzFile):
-                with data:
-                    return {name: data[name] for name in data.files}
-            return np.asarray(data)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise ConfigError(f"trace {str(path)!r} is not a readable .npy/.npz file: "
-                          f"{exc}") from exc
 
 
 def check_batches(spec: str, ids: np.ndarray, offsets: np.ndarray) -> None:
@@ -212,6 +193,51 @@ def check_batches(spec: str, ids: np.ndarray, offsets: np.ndarray) -> None:
                           "from 0 to len(ids) (batch b is ids[offsets[b]:offsets[b + 1]])")
 
 
+def int64_ids(ids: np.ndarray, what: str) -> np.ndarray:
+    """`ids` (an integer array) as int64, refusing values int64 cannot hold.
+
+    A uint64 id past 2**63 - 1 would otherwise wrap around to a negative id.
+
+    Raises:
+        ConfigError: naming `what`.
+    """
+    if ids.dtype.kind == "u" and ids.size and int(ids.max()) > np.iinfo(np.int64).max:
+        raise ConfigError(f"{what} holds id {int(ids.max())}, past the largest int64 id "
+                          "(2**63 - 1): ids are int64")
+    return ids.astype(np.int64, copy=False)
+
+
+_SYNTH_KEYS = {"batches": "a whole number", "seed": "a whole number", "lookups":
+               "a whole number", "drift": "a number", "profile": "a year"}
+
+
+def _synth_kwargs(spec: str) -> dict[str, Any]:
+    """The keyword arguments of `synthesize` a ``synth:key=value,...`` spec gives.
+
+    Raises:
+        ConfigError: an item is no key=value, the key is not one `synthesize` takes, or its
+            value is of the wrong kind (true/false, or a fraction where a count is meant).
+    """
+    _, _, args = spec.partition(":")
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, args.split(",")):
+        key, eq, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq:
+            raise ConfigError(f"trace spec {spec!r}: expected key=value, got {item!r}")
+        if key not in _SYNTH_KEYS:
+            raise ConfigError(f"trace spec {spec!r}: unknown key {key!r}; known: "
+                              f"{', '.join(sorted(_SYNTH_KEYS))} (see "
+                              "embstore.tools.traces.synthesize)")
+        value = _number(text.strip())
+        want = _SYNTH_KEYS[key]
+        if key != "profile" and (isinstance(value, (bool, str)) or value is None or (
+                want == "a whole number" and not isinstance(value, int))):
+            raise ConfigError(f"trace spec {spec!r}: {key} must be {want}, got {text.strip()!r}")
+        kwargs[key] = value
+    return kwargs
+
+
 def _number(text: str) -> Any:
     for cast in (int, float):
         try:
@@ -226,7 +252,7 @@ def parse_capacities(text: str | Sequence[float], distinct: int) -> list[int]:
     """Cache sizes in ids: values below 1 are fractions of `distinct`, others are counts.
 
     Raises:
-        ConfigError: a value is not positive.
+        ConfigError: a value is not positive, or a fraction of `distinct` under one id.
     """
     try:
         values = [float(v) for v in text.split(",")] if isinstance(text, str) else list(text)
@@ -236,8 +262,11 @@ def parse_capacities(text: str | Sequence[float], distinct: int) -> list[int]:
     for v in values:
         if not v > 0 or not np.isfinite(v):
             raise ConfigError(f"capacity {v!r} must be > 0 (a fraction < 1 or a count)")
+        if v < 1 and round(v * distinct) < 1:  # as a tier refuses a capacity under one row
+            raise ConfigError(f"capacity {v!r} of the trace's {distinct} distinct ids holds no "
+                              "row; raise it (or give a row count)")
         # a cache of every distinct id misses each once: larger ones behave the same
-        out.append(max(1, round(v * distinct)) if v < 1 else int(min(v, max(distinct, 1))))
+        out.append(round(v * distinct) if v < 1 else int(min(v, max(distinct, 1))))
     return out
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -48,10 +50,30 @@ def _synth(args: argparse.Namespace) -> int:
     check_output(out, "OUT.npy")
     batches = list(synthesize(args.batches, seed=args.seed, profile=args.profile,
                               lookups=args.batch_size, drift=args.drift))
-    np.save(out, np.stack(batches) if batches else np.zeros((0, 0), np.int64))
+    _save(out, np.stack(batches) if batches else np.zeros((0, 0), np.int64))
     n = sum(len(b) for b in batches)
     print(f"wrote {out}: {len(batches)} batches, {n} ids")
     return 0
+
+
+def _save(out: str, array: np.ndarray) -> None:
+    """Write `array` to `out` through a temporary file renamed over it.
+
+    A failed write (no such folder, a full disk) leaves neither a partial trace nor a stray
+    file, and is told in terms of `out`, never of the temporary file.
+
+    Raises:
+        ConfigError: the file cannot be written.
+    """
+    tmp = Path(f"{out}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, out)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ConfigError(f"cannot write {out!r}: {exc.strerror or exc}") from None
 
 
 def _stats(args: argparse.Namespace) -> int:

@@ -16,21 +16,32 @@ Caveats: the statistics describe reuse within a batch only, so how popularity mo
 batches (`drift`, default none) is not calibrated, and the default stream is stationary,
 which favours frequency-based policies. The published batches are ~500x larger than ours, so
 the top bins are matched by fewer, hotter rows.
+
+`read_arrays` reads trace files (.npy, .npz) for the simulator and `embstore profile`,
+checking each array's header against the bytes that hold it before allocating anything.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import IO
 
 import numpy as np
+from numpy.lib import format as npy_format
 
 from embstore.errors import ConfigError
 
 __all__ = [
     "BIN_LABELS",
+    "MAX_LOOKUPS",
+    "MAX_TRACE_LOOKUPS",
     "PROFILES",
     "LocalityStats",
     "SynthParams",
@@ -38,6 +49,7 @@ __all__ = [
     "calibrate",
     "load_locality_stats",
     "mean_histograms",
+    "read_arrays",
     "reuse_histograms",
     "synthesize",
     "total_variation",
@@ -224,6 +236,12 @@ def _table_cdfs(params: SynthParams) -> list[np.ndarray]:
 MAX_LOOKUPS = 1 << 28
 """The most lookups a synthetic batch may have (256 times the calibrated scale): a batch is
 drawn in memory, and a count past int64 overflowed the generator's arithmetic."""
+MAX_TRACE_LOOKUPS = 1 << 30
+"""The most lookups a synthetic trace may have, all batches together: the simulator and
+`embstore trace synth` hold the whole trace in memory, 8 bytes a lookup (8 GiB here) and
+several times that to replay it. The README's runs and the tests draw at most ~50M (50
+batches at the calibrated 2**20); a count past this one only grows memory until the
+process is killed."""
 
 _KEY_MULT = 0x9E3779B97F4B  # odd: a bijection on row keys mod 2**40
 _KEY_MASK = (1 << _TABLE_SHIFT) - 1
@@ -259,7 +277,12 @@ class SynthStream:
                 raise ConfigError(f"unknown trace profile {profile!r}; known: {sorted(PROFILES)}")
             params = PROFILES[profile]
         if lookups is not None:
+            if not _is_int(lookups):  # int() would cut 2.5 to 2 and read True as 1
+                raise ConfigError(f"synthetic trace: lookups must be a whole number, got "
+                                  f"{lookups!r}")
             params = replace(params, lookups=int(lookups))
+        if isinstance(drift, bool) or not isinstance(drift, (int, float)):
+            raise ConfigError(f"synthetic trace: drift must be a number in [0, 1], got {drift!r}")
         if not 0 <= drift <= 1 or not params.tables <= params.lookups <= MAX_LOOKUPS:
             raise ConfigError(f"synthetic trace: need 0 <= drift <= 1 and tables <= lookups "
                               f"<= {MAX_LOOKUPS:,}, got drift={drift}, lookups={params.lookups}")
@@ -331,12 +354,23 @@ def synthesize(batches: int = 20, seed: int = 0, profile: str = "2021",
     Raises:
         ConfigError: unknown profile or bad value.
     """
-    if batches < 0:
-        raise ConfigError(f"synthesize: need batches >= 0, got batches={batches}")
+    if not _is_int(batches) or batches < 0:
+        raise ConfigError(f"synthesize: batches must be a whole number >= 0, got {batches!r}")
     stream = SynthStream(seed=seed, profile=profile, lookups=lookups, drift=drift,
                          params=params)
-    for _ in range(batches):
+    total = int(batches) * stream.params.lookups
+    if total > MAX_TRACE_LOOKUPS:
+        raise ConfigError(
+            f"synthetic trace: {batches:,} batches of {stream.params.lookups:,} lookups is "
+            f"{total:,} lookups, more than the {MAX_TRACE_LOOKUPS:,} (2**30) a trace may "
+            "have: a trace is held in memory whole, 8 bytes a lookup (8 GiB at the limit) and "
+            "several times that to replay it; ask for fewer batches or fewer lookups a batch")
+    for _ in range(int(batches)):
         yield stream.next_batch()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def calibrate(rows_target: np.ndarray, access_target: np.ndarray, seed: int = 0,
@@ -371,3 +405,118 @@ def calibrate(rows_target: np.ndarray, access_target: np.ndarray, seed: int = 0,
                 if score < best:
                     params, best = trial, score
     return params, best
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = b"PK"  # a local file header (PK\x03\x04), or the end record of an empty archive
+_DEFLATE_MAX_RATIO = 1032  # deflate's limit: no member expands more than this
+
+
+def read_arrays(path: str | Path) -> np.ndarray | dict[str, np.ndarray]:
+    """The array of a .npy file, or every array of a .npz file by name.
+
+    Each array's header is checked against the bytes that follow it before anything is
+    allocated: a damaged header that claims terabytes is refused, not attempted.
+
+    Raises:
+        ConfigError: the path is a directory, or the file is not a numpy file this can read
+            (empty, truncated, of pickled objects, not numpy's format at all), or too large
+            for memory. The message names the file as ``trace 'PATH'``.
+    """
+    what = f"trace {str(path)!r}"
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} is a directory, not a .npy or .npz file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_NPY_MAGIC))
+            f.seek(0)
+            if not head:
+                raise ConfigError(f"{what} is empty: not a .npy or .npz file")
+            if head.startswith(_ZIP_MAGIC):
+                return _read_npz(f, os.fstat(f.fileno()).st_size, what)
+            if head == _NPY_MAGIC:
+                return _read_npy(f, os.fstat(f.fileno()).st_size, what)
+            raise ConfigError(f"{what} is neither a .npy array nor a .npz archive")
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot read it: {exc.strerror or exc}") from exc
+    except MemoryError:
+        raise ConfigError(f"{what} is too large to load into this machine's memory") from None
+
+
+def _array_header(f: IO[bytes], space: int, what: str) -> None:
+    """Read a .npy header from `f` and refuse it unless its data fits in `space` bytes.
+
+    `space` is the size of the whole .npy (file or archive member); `f` is left after the
+    header.
+    """
+    try:
+        version = npy_format.read_magic(f)
+    except (ValueError, EOFError):
+        raise ConfigError(f"{what} is not a .npy array (no numpy header)") from None
+    if version not in ((1, 0), (2, 0), (3, 0)):
+        raise ConfigError(f"{what} is not a .npy array numpy can read (bad header: format "
+                          f"version {version[0]}.{version[1]})")
+    # version 3 differs from 2 only in its header's text encoding, not its layout
+    read = (npy_format.read_array_header_1_0 if version == (1, 0)
+            else npy_format.read_array_header_2_0)
+    try:
+        shape, _, dtype = read(f)
+    except (ValueError, EOFError):  # numpy's words for a cut or garbled header
+        raise ConfigError(f"{what} is not a .npy array numpy can read (bad or truncated "
+                          "header)") from None
+    if dtype.hasobject:
+        raise ConfigError(f"{what} holds Python objects (a pickled array), which are not "
+                          "loaded: save the ids as an integer array")
+    need = math.prod(shape) * dtype.itemsize
+    have = space - f.tell()
+    if need > have:
+        raise ConfigError(f"{what} is truncated or damaged: its header promises an array of "
+                          f"shape {tuple(shape)} {dtype} ({need:,} bytes) but {max(have, 0):,} "
+                          "bytes follow")
+
+
+def _read_npy(f: IO[bytes], size: int, what: str) -> np.ndarray:
+    _array_header(f, size, what)
+    f.seek(0)
+    try:
+        return np.asarray(npy_format.read_array(f, allow_pickle=False))
+    except (ValueError, EOFError):
+        raise ConfigError(f"{what} is not a .npy array numpy can read (truncated or "
+                          "damaged)") from None
+
+
+def _read_npz(f: IO[bytes], size: int, what: str) -> dict[str, np.ndarray]:
+    try:
+        archive = zipfile.ZipFile(f)
+    except (zipfile.BadZipFile, EOFError, ValueError):
+        raise ConfigError(f"{what} is not a .npz (zip) archive, or a truncated or damaged "
+                          "one") from None
+    out: dict[str, np.ndarray] = {}
+    with archive:
+        for info in archive.infolist():
+            name = info.filename
+            member = f"{what}, member {name!r}"
+            # the header is checked against the member's declared size: one its stored bytes
+            # could never expand to is a lie that would still allocate it
+            if info.compress_size > size or (
+                    info.compress_type == zipfile.ZIP_STORED
+                    and info.file_size != info.compress_size) or (
+                    info.compress_type == zipfile.ZIP_DEFLATED
+                    and info.file_size > _DEFLATE_MAX_RATIO * info.compress_size + 64):
+                raise ConfigError(f"{member} is damaged: its sizes in the archive cannot be "
+                                  "those of its bytes")
+            try:
+                with archive.open(info) as m:
+                    _array_header(m, info.file_size, member)
+                with archive.open(info) as m:
+                    out[name[:-4] if name.endswith(".npy") else name] = np.asarray(
+                        npy_format.read_array(m, allow_pickle=False))
+            except ConfigError:
+                raise
+            except (zipfile.BadZipFile, EOFError, ValueError, zlib.error):
+                raise ConfigError(f"{member} is truncated or damaged") from None
+            except (NotImplementedError, RuntimeError):  # a compression or encryption
+                raise ConfigError(f"{member} is stored in a way numpy never writes (encrypted "
+                                  "or an unusual compression)") from None
+    return out
+
