@@ -35,7 +35,8 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(
-            f"cannot read {text!r} as a size; write e.g. '512MiB', '2GB' or a row count (int)"
+            f"cannot read {text!r} as a size; write e.g. '512MiB', '2GB' or a whole number of "
+            "bytes"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
@@ -73,6 +74,11 @@ class TierSpec:
             raise ConfigError(f"TierSpec.capacity must be None, rows (int) or a size, got {cap!r}")
         if isinstance(cap, int) and not 1 <= cap <= _INT64_MAX:
             raise ConfigError(f"TierSpec.capacity must be 1 to 2**63 - 1 rows, got {cap}")
+        if isinstance(cap, str):
+            try:
+                parse_bytes(cap)
+            except ConfigError as exc:  # a capacity may be rows too: say how to give those
+                raise ConfigError(f"TierSpec.capacity: {exc}, or rows as an int") from None
         if isinstance(cap, str) and parse_bytes(cap) < 1:
             raise ConfigError(f"TierSpec.capacity {cap!r} is zero bytes")
         if isinstance(cap, str) and parse_bytes(cap) > _INT64_MAX:

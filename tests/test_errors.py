@@ -341,3 +341,13 @@ def test_every_error_class_derives_from_the_base():
     for name in E.__all__:
         cls = getattr(E, name)
         assert issubclass(cls, E.EmbstoreError), name
+
+
+def test_a_size_that_is_no_size_says_what_each_reader_takes():
+    from embstore.spec import parse_bytes
+
+    with pytest.raises(E.ConfigError, match="whole number of bytes") as info:
+        parse_bytes("12 parsecs")
+    assert "row" not in str(info.value)  # budgets and byte options take bytes alone
+    with pytest.raises(E.ConfigError, match="rows as an int"):
+        TierSpec("dram", capacity="12 parsecs")  # a capacity takes rows too

@@ -308,7 +308,11 @@ def tier_chain(text: str) -> tuple[Any, ...]:
             if rest and rest[0]:
                 cap = int(rest[0]) if rest[0].isascii() and rest[0].isdigit() else rest[0]
                 if isinstance(cap, str):
-                    parse_bytes(cap)
+                    try:
+                        parse_bytes(cap)
+                    except ConfigError:  # its words offer bytes alone; here a number is rows
+                        raise ConfigError(f"cannot read {cap!r} as a size; write rows (4096) "
+                                          "or bytes (512MiB)") from None
             eviction = rest[1] if len(rest) > 1 and rest[1] else None
             tiers.append(TierSpec(backend, capacity=cap, eviction=eviction))
     except (ConfigError, TypeError) as exc:
