@@ -239,7 +239,9 @@ class RocksDBBackend(KeyValueBackend):
         super().check_options(options)
         settings = dict(options)
         sync_writes = settings.pop("sync_writes", False)
-        if not isinstance(sync_writes, (bool, np.bool_)):
+        # 0 and 1 too: stores made when any truthy value turned it on must still open
+        if not (isinstance(sync_writes, (bool, np.bool_, int, np.integer))
+                and sync_writes in (0, 1)):
             raise ConfigError(f"rocksdb option sync_writes must be True or False, got "
                               f"{sync_writes!r}")
         _settings(**settings)

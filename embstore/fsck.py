@@ -56,7 +56,7 @@ from ._rebuild import (
     replace_store,
     store_rows,
 )
-from .errors import EmbstoreError, StoreLockedError
+from .errors import CorruptStoreError, EmbstoreError, StoreLockedError
 from .layout import (
     MANIFEST_NAME,
     bottom_dir,
@@ -137,7 +137,7 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
                 fd = lock_for_reading(root)
             except StoreLockedError as exc:  # a writer holds it: check beside the writer
                 fd, writer = None, exc
-    except (OSError, StoreLockedError) as exc:
+    except (OSError, StoreLockedError, CorruptStoreError) as exc:
         return moved + [Finding(None, f"cannot open {root}: {exc}", fatal=True)]
     dump_dir = Path(tempfile.mkdtemp(prefix=f".{root.name}.fsck-rows-", dir=root.parent)) \
         if repair else None

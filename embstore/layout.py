@@ -26,12 +26,13 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .errors import CorruptStoreError, StorageIOError, StoreLockedError
-from .manifest import MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
+from .manifest import FORMAT, MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "foreign_entries", "lock",
@@ -118,7 +119,8 @@ def recover_swap(root: Path) -> None:
         shutil.rmtree(parked, ignore_errors=True)
 
 
-_STORE_ENTRY = re.compile(r"(LOCK|MANIFEST\.json|STATS\.json|cache|written|tier\d+-\w+)"
+# a tier directory is tier<level>-<backend>, and a plugin's backend name may hold '-' or '.'
+_STORE_ENTRY = re.compile(r"(LOCK|MANIFEST\.json|STATS\.json|cache|written|tier\d+-.+)"
                           r"(\.tmp)?")
 
 
@@ -129,9 +131,21 @@ def store_above(path: Path) -> Path | None:
     would delete it.
     """
     for p in Path(os.path.abspath(path)).parents:
-        if (p / MANIFEST_NAME).exists():
+        if is_store(p):
             return p
     return None
+
+
+def is_store(directory: Path) -> bool:
+    """Whether `directory` holds an embstore manifest (damaged or not), not another tool's."""
+    try:
+        with open(directory / MANIFEST_NAME, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    # written with sorted keys, a manifest names its format in its first lines (after the
+    # checksum): read no further, so that a large or damaged file costs nothing
+    return re.search(rb'"format":\s*"' + re.escape(FORMAT.encode()) + rb'"', head) is not None
 
 
 def foreign_entries(root: Path) -> list[str]:
@@ -247,17 +261,25 @@ def _open_lock(root: Path, flags: int) -> int:
         StorageIOError: it cannot be opened (permissions, a full or failing disk).
     """
     file = root / LOCK_NAME
+
+    def not_a_file(why: str) -> CorruptStoreError:
+        return CorruptStoreError(f"{file} is not a plain file ({why}): a store's lock is a file "
+                                 "of its own; remove what lies there (no embstore process "
+                                 "holds it)")
+
     try:
-        return os.open(file, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(file, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileNotFoundError:
         raise
     except OSError as exc:
         if exc.errno in (errno.EISDIR, errno.ELOOP, errno.ENXIO):
-            raise CorruptStoreError(
-                f"{file} is not a plain file ({exc.strerror}): a store's lock is a file of "
-                "its own; remove what lies there (no embstore process holds it)") from None
+            raise not_a_file(exc.strerror or "") from None
         raise StorageIOError(exc.errno, f"cannot open the store's lock {file}: "
                              f"{exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory opens read-only
+        os.close(fd)
+        raise not_a_file("a directory or a device")
+    return fd
 
 
 def release(fd: int) -> None:

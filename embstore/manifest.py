@@ -11,6 +11,7 @@ symbolic link.
 from __future__ import annotations
 
 import json
+import math
 import os
 import zlib
 from collections.abc import Sequence
@@ -210,6 +211,12 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _step(value: Any) -> bool:
+    """A recorded training step: None or a number (checkpoints of earlier versions took any)."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                             and math.isfinite(value))
+
+
 def optional_fields_problem(doc: dict[str, Any]) -> tuple[str, str] | None:
     """(the field, what is wrong with it) for the optional fields of manifest `doc`, or None.
 
@@ -222,10 +229,10 @@ def optional_fields_problem(doc: dict[str, Any]) -> tuple[str, str] | None:
             return key, f"is not an object (got {doc[key]!r:.60})"
     info = doc.get("checkpoint")
     if info is not None and (info.get("kind") not in ("full", "incremental")
-                             or not (info.get("step") is None or _whole(info.get("step")))):
+                             or not _step(info.get("step"))):
         return "checkpoint", f"needs a kind (full or incremental) and a step, got {info!r:.80}"
     origin = doc.get("restored_from")
-    if origin is not None and not (origin.get("step") is None or _whole(origin.get("step"))):
+    if origin is not None and not _step(origin.get("step")):
         return "restored_from", f"has a step that is no count: {origin.get('step')!r:.40}"
     steps = doc.get("gradient_steps", {})
     if not isinstance(steps, dict) or not all(isinstance(k, str) and _whole(v)

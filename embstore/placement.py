@@ -344,11 +344,13 @@ def _check_placed_figures(t: dict[str, Any], tiers: int, where: str, what: str) 
             each = "a row count per cache tier" if whole else "a hit ratio per tier"
             raise ConfigError(f"{where!r}: {what}.{key} must be a list of {each} ({count} for "
                               f"its chain of {tiers}), got {_short(values)}")
-        low, high = (1, MAX_NUMBER) if whole else (0, 1)
+        # a level's share of hits may be below 0 in plans of earlier versions, which let a
+        # lower cache miss more than the one above where a curve rose between profiled sizes
+        low, high = (1, MAX_NUMBER) if whole else (-1, 1)
         for i, v in enumerate(values):
             if key in t and (not _is_number(v) or (whole and not isinstance(v, int))
                              or not low <= v <= high):
-                want = "whole row counts >= 1 and <= 2**53" if whole else "ratios in [0, 1]"
+                want = "whole row counts >= 1 and <= 2**53" if whole else "ratios in [-1, 1]"
                 raise ConfigError(f"{where!r}: {what}.{key}[{i}] must be {want}, got "
                                   f"{_short(v)}")
     _number(t, "seconds_per_batch", where, what, optional=True)

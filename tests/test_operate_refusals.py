@@ -90,7 +90,7 @@ def test_a_path_that_is_not_utf8_is_refused_by_name_before_anything_is_written(s
 
 @pytest.mark.parametrize(("field", "value"), [
     ("checkpoint", "x"), ("checkpoint", {"kind": "partial", "step": 1}),
-    ("restored_from", "x"), ("restored_from", {"step": -5}), ("gradient_steps", "x"),
+    ("restored_from", "x"), ("restored_from", {"step": "5"}), ("gradient_steps", "x"),
     ("gradient_steps", {"t": 1.5}), ("checkpoint_seal", [1]),
 ])
 def test_a_manifest_with_a_field_of_the_wrong_kind_is_corrupt_whatever_reads_it(
@@ -192,3 +192,57 @@ def test_fsck_names_the_rocksdb_manifest_that_is_missing(store):
     (rocks / name).unlink()
     findings = embstore.fsck.check(store)
     assert any(f"CURRENT names {name}, which is missing" in f.message for f in findings), findings
+
+
+def test_a_store_made_with_sync_writes_as_0_or_1_still_opens_and_rewrites(tmp_path, capsys):
+    # any truthy value turned it on once: such stores must still open, read and compact
+    for value in (0, 1):
+        path = tmp_path / f"s{value}"
+        tiers = [TierSpec("rocksdb", options={"sync_writes": value})]
+        with embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=tiers) as s:
+            s.update("t", np.arange(4), np.ones((4, 4), np.float32))
+        assert main(["compact", str(path)]) == 0
+        with embstore.open(path, read_only=True) as reader:
+            np.testing.assert_array_equal(reader.lookup("t", [3]), np.ones((1, 4), np.float32))
+    with pytest.raises(E.ConfigError, match="sync_writes"):
+        embstore.open(tmp_path / "s2", tables=[TableSpec("t", dim=4)],
+                      tiers=[TierSpec("rocksdb", options={"sync_writes": 2})])
+
+
+def test_a_plugin_backend_tier_directory_is_the_store_s_own(store, capsys):
+    # a tier directory is tier<level>-<backend>; a plugin's name may hold '-' or '.'
+    (store / "tier3-my-kv.v2").mkdir()
+    assert main(["compact", str(store)]) == 0
+
+
+def test_another_tool_s_manifest_above_a_destination_is_no_store(store, tmp_path, capsys):
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / "dataset" / "MANIFEST.json").write_text('{"name": "dataset"}')
+    assert main(["export", str(store), str(tmp_path / "dataset" / "x")]) == 0
+
+
+def test_fsck_reports_a_lock_that_is_a_directory_with_or_without_repair(store):
+    (store / "LOCK").unlink()
+    (store / "LOCK").mkdir()
+    for repair in (False, True):
+        findings = embstore.fsck.check(store, repair=repair)
+        assert len(findings) == 1 and findings[0].fatal, findings
+        assert "LOCK is not a plain file" in findings[0].message
+
+
+def test_a_checkpoint_step_past_int64_is_refused_when_taken(store, tmp_path):
+    with embstore.open(store) as s, pytest.raises(E.ConfigError, match="2\\*\\*63"):
+        s.checkpoint(tmp_path / "c", step=2**64)
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("step", [1500.0, -1])
+def test_a_checkpoint_of_an_earlier_version_with_any_numeric_step_still_opens(store, tmp_path,
+                                                                             step):
+    with embstore.open(store) as s:
+        s.checkpoint(tmp_path / "c", step=3)
+    doc = read_manifest(tmp_path / "c")
+    doc["checkpoint"]["step"] = step  # earlier versions took any step
+    write_manifest(tmp_path / "c", doc)
+    with embstore.open(tmp_path / "c", read_only=True) as reader:
+        assert reader.num_rows("t") == 40

@@ -543,8 +543,9 @@ _PLACED = {"format": "embstore.placement", "version": 1, "budget": {"dram": 1024
     ("tables.t.policy", "nosuch", "table 't'.policy must be an eviction policy spec"),
     ("tables.t.cache_rows", [-5], "table 't'.cache_rows[0] must be whole row counts"),
     ("tables.t.cache_rows", [], "a row count per cache tier (1 for its chain of 2)"),
-    ("tables.t.hit_ratios", ["x", 1], "table 't'.hit_ratios[0] must be ratios in [0, 1]"),
-    ("tables.t.hit_ratios", [0.5, 1.5], "table 't'.hit_ratios[1] must be ratios in [0, 1]"),
+    ("tables.t.hit_ratios", ["x", 1], "table 't'.hit_ratios[0] must be ratios in [-1, 1]"),
+    ("tables.t.hit_ratios", [0.5, 1.5], "table 't'.hit_ratios[1] must be ratios in [-1, 1]"),
+    ("tables.t.hit_ratios", [-1.5, 1], "table 't'.hit_ratios[0] must be ratios in [-1, 1]"),
     ("tables.t.seconds_per_batch", float("inf"), "table 't'.seconds_per_batch must be"),
     ("tables.t.bytes", {"floppy": 1}, "table 't'.bytes must be an object of tier"),
     ("tables.t.bytes", {"dram": float("nan")}, "table 't'.bytes.dram must be")])
@@ -555,6 +556,13 @@ def test_every_placement_field_is_checked(tmp_path: Path, field: str, value: Any
     with pytest.raises(ConfigError) as info:
         load_document(_set(_PLACED, field, value), "placement")
     assert says in str(info.value), info.value
+
+
+def test_a_placement_of_an_earlier_planner_with_a_negative_hit_share_still_loads() -> None:
+    # earlier planners let a lower cache miss more than the one above where a miss-ratio
+    # curve rose between profiled sizes: its share of hits came out below 0
+    old = _set(_PLACED, "tables.t.hit_ratios", [0.64, -0.14])
+    assert load_document(old, "placement") is old
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")

@@ -262,11 +262,10 @@ def parse_capacities(text: str | Sequence[float], distinct: int) -> list[int]:
     for v in values:
         if not v > 0 or not np.isfinite(v):
             raise ConfigError(f"capacity {v!r} must be > 0 (a fraction < 1 or a count)")
-        if v < 1 and round(v * distinct) < 1:  # as a tier refuses a capacity under one row
-            raise ConfigError(f"capacity {v!r} of the trace's {distinct} distinct ids holds no "
-                              "row; raise it (or give a row count)")
-        # a cache of every distinct id misses each once: larger ones behave the same
-        out.append(round(v * distinct) if v < 1 else int(min(v, max(distinct, 1))))
+        # a fraction of a small trace's ids is at least one row (the report shows the count),
+        # so the default fractions run on any trace; a cache of every distinct id misses
+        # each once: larger ones behave the same
+        out.append(max(1, round(v * distinct)) if v < 1 else int(min(v, max(distinct, 1))))
     return out
 
 

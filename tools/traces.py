@@ -495,6 +495,8 @@ def _read_npz(f: IO[bytes], size: int, what: str) -> dict[str, np.ndarray]:
     with archive:
         for info in archive.infolist():
             name = info.filename
+            if not name.endswith(".npy"):
+                continue  # a file beside the arrays (notes, metadata): np.load skips it too
             member = f"{what}, member {name!r}"
             # the header is checked against the member's declared size: one its stored bytes
             # could never expand to is a lie that would still allocate it
@@ -509,7 +511,7 @@ def _read_npz(f: IO[bytes], size: int, what: str) -> dict[str, np.ndarray]:
                 with archive.open(info) as m:
                     _array_header(m, info.file_size, member)
                 with archive.open(info) as m:
-                    out[name[:-4] if name.endswith(".npy") else name] = np.asarray(
+                    out[name[:-4]] = np.asarray(
                         npy_format.read_array(m, allow_pickle=False))
             except ConfigError:
                 raise
