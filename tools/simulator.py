@@ -40,7 +40,7 @@ from embstore.errors import ConfigError
 from embstore.policy import AdmissionPolicy, EvictionPolicy
 from embstore.spec import TableSpec, TierSpec
 
-from .traces import read_arrays
+from ._trace_files import read_arrays
 
 if TYPE_CHECKING:
     from .traces import SynthStream
