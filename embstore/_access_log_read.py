@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, CorruptStoreError, StorageIOError
+from .errors import brief as _show
 from .manifest import read_bytes_nofollow
-from .spec import _NAME as _TABLE_NAME
+from .spec import is_table_name
 
 __all__ = ["FORMAT", "HASH_BITS", "HASH_SEED", "HEADER_NAME", "VERSION", "AccessLog",
            "is_access_log", "read_access_log"]
@@ -110,12 +111,6 @@ def _merge_ranks(root: Path, logs: list[AccessLog]) -> AccessLog:
 _DAMAGED = "the log is damaged: record a new one (embstore.open(..., record_accesses=NEW_DIR))"
 
 
-def _show(value: object) -> str:
-    """`value` for a one-line message: its repr, cut short (a damaged header may be huge)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _json_type(value: object) -> str:
     """The JSON name of `value`'s type, as a reader of the header file would call it."""
     if value is None:
@@ -195,7 +190,7 @@ def _read_header(root: Path) -> dict[str, Any]:
                                 f"name to {{'rate', 'threshold'}}; {_DAMAGED}")
     for name, t in tables.items():
         # the name makes file names: one that is no table name could reach outside the log
-        if not _TABLE_NAME.fullmatch(name):  # the whole name: "a/../../x" starts like one
+        if not is_table_name(name):
             raise CorruptStoreError(f"{where}: field 'tables' lists {_show(name)}, which is "
                                     f"not a table name; {_DAMAGED}")
         field = f"tables.{name}"
@@ -307,7 +302,7 @@ def _check_unlisted(root: Path, listed: Iterable[str]) -> None:
     for entry in found:
         suffix = next((s for s in (".ids", ".offsets") if entry.name.endswith(s)), None)
         if (suffix is None or entry.name in known
-                or not _TABLE_NAME.fullmatch(entry.name[: -len(suffix)])
+                or not is_table_name(entry.name[: -len(suffix)])
                 or not entry.is_file(follow_symlinks=False)):
             continue
         try:

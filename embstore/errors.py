@@ -162,3 +162,9 @@ class SyncFailedError(EmbstoreError):
     kernel dropped the unwritten pages: the fsyncgate lesson); close it and reopen the store,
     which then holds what the last successful flush made durable.
     """
+
+
+def brief(value: object) -> str:
+    """`value` for a one-line message: its repr, cut short (a damaged file's field may be huge)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -56,8 +56,8 @@ from typing import Any
 
 from . import registry
 from .errors import ConfigError, StorageIOError
-from .spec import _NAME as _TABLE_NAME
-from .spec import TableSpec, TierSpec
+from .errors import brief as _short
+from .spec import TABLE_NAME_RULE, TableSpec, TierSpec, is_table_name
 
 __all__ = ["KNOWN_TIERS", "apply_placement", "load_document", "placement_chains",
            "save_document"]
@@ -292,12 +292,7 @@ def _check_tiers(doc: dict[str, Any], where: str) -> None:
 
 
 def _check_placement(doc: dict[str, Any], where: str) -> None:
-    budget = doc.get("budget", {})
-    if not isinstance(budget, dict) or not set(budget) <= set(KNOWN_TIERS):
-        raise ConfigError(f"{where!r}: the placement's budget must be an object of tier "
-                          f"({list(KNOWN_TIERS)}) to bytes, got {_short(budget)}")
-    for tier in budget:
-        _number(budget, tier, where, "the placement's budget", whole=True)
+    _check_tier_bytes(doc, "budget", where, "the placement's budget", whole=True)
     _number(doc, "predicted_seconds_per_batch", where, "the placement", optional=True)
     tables = _need(doc, "tables", dict, where, "the placement")
     if not tables:
@@ -339,7 +334,9 @@ def _check_placed_figures(t: dict[str, Any], tiers: int, where: str, what: str) 
         raise ConfigError(f"{where!r}: {what}.policy must be an eviction policy spec (one of "
                           f"{registry.policy_names('eviction')}) or null, got {_short(policy)}")
     for key, count, whole in (("cache_rows", tiers - 1, True), ("hit_ratios", tiers, False)):
-        values = t.get(key, [0] * count)
+        if key not in t:
+            continue
+        values = t[key]
         if not isinstance(values, list) or len(values) != count:
             each = "a row count per cache tier" if whole else "a hit ratio per tier"
             raise ConfigError(f"{where!r}: {what}.{key} must be a list of {each} ({count} for "
@@ -348,31 +345,29 @@ def _check_placed_figures(t: dict[str, Any], tiers: int, where: str, what: str) 
         # lower cache miss more than the one above where a curve rose between profiled sizes
         low, high = (1, MAX_NUMBER) if whole else (-1, 1)
         for i, v in enumerate(values):
-            if key in t and (not _is_number(v) or (whole and not isinstance(v, int))
-                             or not low <= v <= high):
+            if not _is_number(v) or (whole and not isinstance(v, int)) or not low <= v <= high:
                 want = "whole row counts >= 1 and <= 2**53" if whole else "ratios in [-1, 1]"
                 raise ConfigError(f"{where!r}: {what}.{key}[{i}] must be {want}, got "
                                   f"{_short(v)}")
     _number(t, "seconds_per_batch", where, what, optional=True)
-    placed = t.get("bytes", {})
-    if not isinstance(placed, dict) or not set(placed) <= set(KNOWN_TIERS):
-        raise ConfigError(f"{where!r}: {what}.bytes must be an object of tier to bytes, got "
-                          f"{_short(placed)}")
-    for tier in placed:
-        _number(placed, tier, where, f"{what}.bytes")
+    _check_tier_bytes(t, "bytes", where, f"{what}.bytes", whole=False)
+
+
+def _check_tier_bytes(doc: dict[str, Any], key: str, where: str, label: str, *,
+                      whole: bool) -> None:
+    """`doc[key]` (`label` in messages), if present: an object of known tier to bytes."""
+    given = doc.get(key, {})
+    if not isinstance(given, dict) or not set(given) <= set(KNOWN_TIERS):
+        raise ConfigError(f"{where!r}: {label} must be an object of tier "
+                          f"({list(KNOWN_TIERS)}) to bytes, got {_short(given)}")
+    for tier in given:
+        _number(given, tier, where, label, whole=whole)
 
 
 def _check_table_name(name: str, where: str, kind: str) -> None:
-    if not _TABLE_NAME.fullmatch(name):  # TableSpec's rule: a table's name makes file names
+    if not is_table_name(name):  # a table's name makes file names
         raise ConfigError(f"{where!r}: the {kind} names table {_short(name)}, which is no "
-                          "table name (1-128 letters, digits, '_', '.' or '-', not starting "
-                          "with '.' or '-')")
-
-
-def _short(value: Any) -> str:
-    """`value`'s repr, cut short: a message stays one readable line."""
-    shown = repr(value)
-    return shown if len(shown) <= 60 else f"{shown[:57]}..."
+                          f"table name ({TABLE_NAME_RULE})")
 
 
 _CHECKS = {"profile": _check_profile, "tiers": _check_tiers, "placement": _check_placement}

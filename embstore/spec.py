@@ -15,7 +15,7 @@ from . import init as init_mod
 from . import optim as optim_mod
 from .errors import ConfigError
 
-__all__ = ["TableSpec", "TierSpec", "parse_bytes"]
+__all__ = ["TABLE_NAME_RULE", "TableSpec", "TierSpec", "is_table_name", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
@@ -24,6 +24,16 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _INT64_MAX = 2**63 - 1
 MAX_ROW_BYTES = 2**31
 """The most bytes one stored row (weights and optimizer state) may take."""
+
+
+TABLE_NAME_RULE = ("1-128 characters of letters, digits, '_', '.', '-', not starting with '.' "
+                   "or '-'")
+"""What a table name may be: it names files, so nothing that could reach another directory."""
+
+
+def is_table_name(name: object) -> bool:
+    """Whether `name` is a table name (`TABLE_NAME_RULE`), checked whole."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
 def parse_bytes(text: str) -> int:
@@ -161,11 +171,8 @@ class TableSpec:
     precision: str = "fp32"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise ConfigError(
-                f"table name {self.name!r} must be 1-128 characters of letters, digits, "
-                "'_', '.', '-', not starting with '.' or '-'"
-            )
+        if not is_table_name(self.name):
+            raise ConfigError(f"table name {self.name!r} must be {TABLE_NAME_RULE}")
         if isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer)) \
                 or self.dim < 1:
             raise ConfigError(f"table {self.name!r}: dim must be a positive int, got {self.dim!r}")

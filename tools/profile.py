@@ -23,7 +23,7 @@ import numpy as np
 
 from embstore.errors import ConfigError
 from embstore.placement import MAX_NUMBER
-from embstore.spec import _NAME as _TABLE_NAME
+from embstore.spec import is_table_name
 
 from ._mrc import check_plot_path, plot_profile
 
@@ -169,7 +169,7 @@ def check_table_names(names: Sequence[str], what: str) -> None:
         ConfigError: the first such name, with `what` holds it.
     """
     for name in names:
-        if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name):
+        if not is_table_name(name):
             raise ConfigError(f"{what} names table {name!r}: a table name is 1-128 letters, "
                               "digits, '_', '.' or '-', not starting with '.' or '-'")
 
