@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,12 +22,9 @@ from .store import DEFAULT_TIERS, EmbeddingStore
 __all__ = ["open"]
 
 
-_LEFTOVER = re.compile(r"^(tier\d+-\w+|cache|written|MANIFEST\.json\.tmp)$")
-
-
 def _ours(entry: Path) -> bool:
     """Whether `entry` is one a store's creation makes before it writes the manifest."""
-    return bool(_LEFTOVER.match(entry.name))
+    return entry.name != MANIFEST_NAME and layout.is_store_entry(entry.name)
 
 
 def _check_unique(specs: list[TableSpec]) -> None:

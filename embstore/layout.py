@@ -35,10 +35,10 @@ from .errors import CorruptStoreError, StorageIOError, StoreLockedError
 from .manifest import FORMAT, MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
-__all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "foreign_entries", "lock",
-           "lock_for_reading", "manifest_body", "parked_store", "read_manifest", "recover_swap",
-           "release", "store_above", "table_chain", "tier_dir", "write_manifest",
-           "written_file"]
+__all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "foreign_entries",
+           "is_store_entry", "lock", "lock_for_reading", "manifest_body", "parked_store",
+           "read_manifest", "recover_swap", "release", "store_above", "table_chain", "tier_dir",
+           "write_manifest", "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
@@ -148,13 +148,18 @@ def is_store(directory: Path) -> bool:
     return re.search(rb'"format":\s*"' + re.escape(FORMAT.encode()) + rb'"', head) is not None
 
 
+def is_store_entry(name: str) -> bool:
+    """Whether a store makes an entry of this name in its directory."""
+    return _STORE_ENTRY.fullmatch(name) is not None
+
+
 def foreign_entries(root: Path) -> list[str]:
     """Names in the store directory `root` that no store makes: files a user put there.
 
     Rewriting a store (compact, migrate, repair) builds a new directory and swaps it in, so
     whatever else lay in the old one would be deleted with it.
     """
-    return sorted(p.name for p in root.iterdir() if not _STORE_ENTRY.fullmatch(p.name))
+    return sorted(p.name for p in root.iterdir() if not is_store_entry(p.name))
 
 
 def check_inside(root: Path, path: Path) -> None:
