@@ -24,7 +24,7 @@ from typing import Any
 
 from ._fileinfo import fingerprint
 from .layout import bottom_dir, table_chain
-from .manifest import write_atomic
+from .manifest import is_json_int, write_atomic
 from .spec import TableSpec, TierSpec
 
 __all__ = ["COUNTERS", "STATS_NAME", "cumulative", "damage", "fingerprints", "load", "save"]
@@ -76,7 +76,7 @@ def _read(root: Path) -> tuple[dict[str, Any], str | None]:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_json_int(value) and value >= 0
 
 
 def _time(value: Any) -> bool:

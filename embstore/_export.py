@@ -45,7 +45,7 @@ from ._rebuild import (
 )
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
 from .layout import lock, store_above
-from .manifest import fsync_dir, optional_fields_problem, write_atomic
+from .manifest import fsync_dir, is_json_int, optional_fields_problem, write_atomic
 from .spec import TableSpec, TierSpec
 
 __all__ = ["FORMAT", "export_store", "import_store", "read_header"]
@@ -199,7 +199,7 @@ def read_header(src: Path) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise CorruptStoreError(f"{file} is damaged: it must hold a JSON object, got "
                                 f"{_show(doc)}")
-    if doc.get("format") != FORMAT or not _is_int(doc.get("version")) \
+    if doc.get("format") != FORMAT or not is_json_int(doc.get("version")) \
             or doc["version"] != VERSION:
         raise CorruptStoreError(f"{file} is not an embstore export of version {VERSION}")
     if doc.get("byte_order", _MISSING) != "little":
@@ -211,7 +211,7 @@ def read_header(src: Path) -> dict[str, Any]:
     for i, t in enumerate(tiers):
         _check_tier(file, f"tiers[{i}]", t)
     step = doc.get("step", _MISSING)
-    if step is not None and not (_is_int(step) and 0 <= step < 2**63):
+    if step is not None and not (is_json_int(step) and 0 <= step < 2**63):
         raise _bad(file, "step", "a step (an int from 0 to 2**63 - 1) or null", step)
     _check_extras(file, doc.get("extras", _MISSING))
     tables = doc.get("tables", _MISSING)
@@ -245,11 +245,6 @@ def _parse(file: Path) -> Any:
     except RecursionError:
         why = "its JSON is nested too deeply"
     raise CorruptStoreError(f"{file} is damaged: {why}; export the store again")
-
-
-def _is_int(value: Any) -> bool:
-    """Whether `value` is a JSON integer (`true` is an int to Python, not a count)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _show(value: Any) -> str:
@@ -333,9 +328,9 @@ def _check_table(file: Path, field: str, t: Any) -> TableSpec:
     """The spec of table entry `t` of header `file` (at `field`), its fields checked."""
     _check_object(file, field, t, "a table (an object)", _TABLE_FIELDS)
     spec = _check_spec(file, f"{field}.spec", t["spec"])
-    if not _is_int(t["rows"]) or t["rows"] < 0:
+    if not is_json_int(t["rows"]) or t["rows"] < 0:
         raise _bad(file, f"{field}.rows", "a row count (an int >= 0)", t["rows"])
-    if not _is_int(t["row_width"]) or t["row_width"] != spec.storage_width:
+    if not is_json_int(t["row_width"]) or t["row_width"] != spec.storage_width:
         raise _bad(file, f"{field}.row_width",
                    f"{spec.storage_width} (the row width of table {spec.name!r})",
                    t["row_width"])
@@ -345,7 +340,7 @@ def _check_table(file: Path, field: str, t: Any) -> TableSpec:
                    f'"{dtype.str}" (the stored dtype of table {spec.name!r}, little-endian)',
                    t["dtype"])
     for key in ("ids_crc32", "rows_crc32"):
-        if not _is_int(t[key]) or not 0 <= t[key] < 1 << 32:
+        if not is_json_int(t[key]) or not 0 <= t[key] < 1 << 32:
             raise _bad(file, f"{field}.{key}", "a CRC-32 (an int in [0, 2**32))", t[key])
     for key in ("ids_file", "rows_file"):
         name = t[key]

@@ -22,9 +22,9 @@ from typing import Any
 from . import _crash
 from .errors import CorruptStoreError, StoreNotFoundError
 
-__all__ = ["FORMAT", "MANIFEST_NAME", "VERSION", "fsync_dir", "fsync_tree", "make_dirs",
-           "optional_fields_problem", "read_manifest", "write_atomic", "write_atomic_many",
-           "write_manifest"]
+__all__ = ["FORMAT", "MANIFEST_NAME", "VERSION", "fsync_dir", "fsync_tree", "is_json_int",
+           "make_dirs", "optional_fields_problem", "read_manifest", "write_atomic",
+           "write_atomic_many", "write_manifest"]
 
 FORMAT = "embstore"
 VERSION = 1
@@ -207,8 +207,13 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return doc
 
 
+def is_json_int(value: Any) -> bool:
+    """Whether `value` read from JSON is an integer (`true` is an int to Python, not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_json_int(value) and value >= 0
 
 
 def _step(value: Any) -> bool:

@@ -26,6 +26,7 @@ from embstore.placement import MAX_NUMBER
 from embstore.spec import is_table_name
 
 from ._mrc import check_plot_path, plot_profile
+from .traces import is_whole_number
 
 __all__ = ["build_profile", "check_plot_path", "check_settings", "check_table_names",
            "load_tables", "plot_profile", "read_trace", "register", "save_tables",
@@ -211,10 +212,6 @@ def _row_bytes(text: str | int, names: Sequence[str]) -> dict[str, int]:
     return {name: per.get(name, default) for name in names}
 
 
-def _whole(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def check_settings(*, samples_per_batch: int = 1, sample_rate: float | None = None,
                    points: int = 12, warmup: float = 0.0, step_calls: int = 3,
                    seed: int = 0) -> None:
@@ -226,13 +223,13 @@ def check_settings(*, samples_per_batch: int = 1, sample_rate: float | None = No
     def refuse(flag: str, value: object, allowed: str) -> NoReturn:
         raise ConfigError(f"{flag} {value!r}: {allowed}")
 
-    if not _whole(samples_per_batch) or not 1 <= samples_per_batch <= MAX_NUMBER:
+    if not is_whole_number(samples_per_batch) or not 1 <= samples_per_batch <= MAX_NUMBER:
         refuse("--samples-per-batch", samples_per_batch,
                "training samples per batch must be an integer >= 1 and <= 2**53")
     if sample_rate is not None and (isinstance(sample_rate, bool) or not isinstance(
             sample_rate, (int, float)) or not 0 < sample_rate <= 1):
         refuse("--sample-rate", sample_rate, "the SHARDS rate must be in (0, 1], e.g. 0.01")
-    if not _whole(points) or not 2 <= points <= MAX_POINTS:
+    if not is_whole_number(points) or not 2 <= points <= MAX_POINTS:
         # each capacity is a replay per policy: more only cost time (curves are
         # interpolated in log C), and a huge count would not even fit in memory
         refuse("--points", points, f"capacities per curve must be an integer >= 2 and <= "
@@ -240,10 +237,10 @@ def check_settings(*, samples_per_batch: int = 1, sample_rate: float | None = No
     if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
         refuse("--warmup", warmup, "the share of batches that only warm the caches must be "
                "in [0, 1)")
-    if not _whole(step_calls) or not 1 <= step_calls <= MAX_STEP_CALLS:
+    if not is_whole_number(step_calls) or not 1 <= step_calls <= MAX_STEP_CALLS:
         refuse("--step-calls", step_calls, "tier calls per batch must be an integer >= 1 "
                f"and <= {MAX_STEP_CALLS} (3 for training steps, 1 for lookups only)")
-    if not _whole(seed) or seed < 0:
+    if not is_whole_number(seed) or seed < 0:
         refuse("--seed", seed, "the seed must be an integer >= 0")
 
 

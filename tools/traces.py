@@ -38,6 +38,7 @@ __all__ = [
     "SynthParams",
     "SynthStream",
     "calibrate",
+    "is_whole_number",
     "load_locality_stats",
     "mean_histograms",
     "reuse_histograms",
@@ -267,7 +268,7 @@ class SynthStream:
                 raise ConfigError(f"unknown trace profile {profile!r}; known: {sorted(PROFILES)}")
             params = PROFILES[profile]
         if lookups is not None:
-            if not _is_int(lookups):  # int() would cut 2.5 to 2 and read True as 1
+            if not is_whole_number(lookups):  # int() would cut 2.5 to 2 and read True as 1
                 raise ConfigError(f"synthetic trace: lookups must be a whole number, got "
                                   f"{lookups!r}")
             params = replace(params, lookups=int(lookups))
@@ -344,7 +345,7 @@ def synthesize(batches: int = 20, seed: int = 0, profile: str = "2021",
     Raises:
         ConfigError: unknown profile or bad value.
     """
-    if not _is_int(batches) or batches < 0:
+    if not is_whole_number(batches) or batches < 0:
         raise ConfigError(f"synthesize: batches must be a whole number >= 0, got {batches!r}")
     stream = SynthStream(seed=seed, profile=profile, lookups=lookups, drift=drift,
                          params=params)
@@ -359,7 +360,8 @@ def synthesize(batches: int = 20, seed: int = 0, profile: str = "2021",
         yield stream.next_batch()
 
 
-def _is_int(value: object) -> bool:
+def is_whole_number(value: object) -> bool:
+    """Whether `value` is an int or numpy integer (a bool is neither here: True is no count)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
