@@ -390,7 +390,7 @@ def _scan_rocksdb(d: Path, specs: list[TableSpec], options: dict[str, Any],
                 inspect.signature(RocksDBBackend.__init__).parameters.values()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
     settings = tuple((k, options.get(k, v)) for k, v in defaults.items()
-                     if k != "sync_writes")
+                     if k not in ("sync_writes", "cold_read_threads"))
     import rocksdict
 
     try:
