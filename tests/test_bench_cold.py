@@ -1,0 +1,30 @@
+"""Smoke test of `embstore bench cold`: cold and warm ratios, and the same rows for all."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from embstore.tools.cli import main
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_bench_cold_quick_prints_cold_and_warm_ratios(capsys: pytest.CaptureFixture,
+                                                       tmp_path) -> None:
+    assert main(["bench", "cold", "--quick", "--threads", "1,8", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for cache in ("cold page cache", "warm page cache"):
+        table = out[out.index(cache):]
+        row = re.search(r"^\s+cold_read_threads=8\s+[\d,]+\s+(\d+\.\d\d)x", table, re.MULTILINE)
+        assert row, out
+        assert float(row.group(1)) > 0
+    assert "cold: every contender read the same rows" in out
+    assert not any(tmp_path.iterdir())  # its table removed
+
+
+@pytest.mark.parametrize("threads", ["0", "1,1", "x"])
+def test_bench_cold_refuses_bad_thread_counts(capsys: pytest.CaptureFixture, threads) -> None:
+    assert main(["bench", "cold", "--threads", threads]) == 2
+    assert "--threads" in capsys.readouterr().err
