@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bag", type=positive_int, default=20, help="ids per bag (20)")
     parser.add_argument("--zipf", type=zipf_exponent, default=1.05,
                         help="Zipf exponent of ids, above 0 (1.05)")
+    parser.add_argument("--cold-read-threads", type=positive_int, default=None,
+                        help="the rocksdb tier's cold_read_threads (its default: 16; 1 reads "
+                             "every miss on the training thread)")
     parser.add_argument("--path", help="store directory (default: a temporary one, removed)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: 1M rows behind 64MiB of DRAM, 20 steps")
@@ -174,7 +177,10 @@ def run(args: argparse.Namespace) -> int:
     spec = embstore.TableSpec("t", dim=args.dim,
                               optimizer=embstore.optim.RowWiseAdagrad(lr=0.01))
     row_bytes = spec.row_width * 4
-    tiers = [embstore.TierSpec("dram", capacity=args.dram), embstore.TierSpec("rocksdb")]
+    rocksdb_options = ({} if args.cold_read_threads is None
+                       else {"cold_read_threads": args.cold_read_threads})
+    tiers = [embstore.TierSpec("dram", capacity=args.dram),
+             embstore.TierSpec("rocksdb", options=rocksdb_options)]
     print(f"table: {args.rows:,} x {args.dim} float32 + row-wise Adagrad state = "
           f"{args.rows * row_bytes / 2**30:,.1f} GiB; DRAM tier {args.dram} "
           f"({dram_bytes // row_bytes:,} rows); store at {path}")
