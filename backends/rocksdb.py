@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Final, NoReturn, final
 import numpy as np
 import rocksdict
 
+from embstore._cold_reads import MAX_THREADS as _MAX_COLD_READ_THREADS
 from embstore._cold_reads import ColdReads
 from embstore.backend import BackendSpec, foreign_error
 from embstore.errors import (
@@ -78,7 +79,6 @@ _HANDLES: SharedHandles[_Shared] = SharedHandles("rocksdb")
 _FILE_OPENING_THREADS: Final = 16
 _MAX_MANIFEST_BYTES: Final = 64 << 20
 _COLD_READ_THREADS: Final = 16  # the default: the most the VM's disk gained from (cold reads)
-_MAX_COLD_READ_THREADS: Final = 256
 
 
 def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool = False,
@@ -158,7 +158,8 @@ def _settings(block_cache_bytes: int = 128 << 20, row_cache_bytes: int = 64 << 2
 
 
 def _check_cold_read_threads(threads: Any) -> None:
-    if (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
+    # a plain int, as the manifest stores options as JSON
+    if (isinstance(threads, bool) or not isinstance(threads, int)
             or not 1 <= threads <= _MAX_COLD_READ_THREADS):
         raise ConfigError(f"rocksdb option cold_read_threads must be an int from 1 to "
                           f"{_MAX_COLD_READ_THREADS}, got {threads!r}")

@@ -2,13 +2,13 @@
 
 A multi-get of rows whose pages the OS has not cached reads them one page fault (or `pread`)
 after another: on this project's 2-core VM, 250 rows of a cold 1M-row RocksDB table took
-60-80 us a row on one thread and 18-30 us split over 16 (`embstore bench cold`), as the
+58-64 us a row on one thread and 22-23 us split over 16 (`embstore bench cold`), as the
 device serves many reads at once while each thread waits on its own. A read the page cache
-serves is CPU work instead, and more threads would only take turns on the cores (the
-pipeline measured its demo 8% slower so). So a read is split only while the table's reads go
-to the device: every read counts the blocks its threads fetched from it (the kernel's
-per-thread `ru_inblock`, in 512-byte units), and the next read of the table is split when the
-last one fetched at least `COLD_BLOCKS_PER_ROW` a row (the first read of a table splits).
+serves is CPU work instead, and more threads would only take turns on the cores. So a read
+is split only while the table's reads go to the device: every read counts the blocks its
+threads fetched from it (the kernel's per-thread `ru_inblock`, in 512-byte units), and the
+next read of the table is split when the last one fetched at least `COLD_BLOCKS_PER_ROW` a
+row (the first read of a table splits).
 A read split on a warm cache finds no blocks fetched, so the one after runs on the calling
 thread again.
 
@@ -22,9 +22,11 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
+
+from ._parallel import run_split
 
 try:
     import resource
@@ -33,32 +35,41 @@ try:
 except ImportError:  # not on POSIX
     _RUSAGE_THREAD = None
 
-__all__ = ["COLD_BLOCKS_PER_ROW", "MIN_ROWS_PER_CHUNK", "ColdReads"]
+__all__ = ["COLD_BLOCKS_PER_ROW", "MAX_THREADS", "MIN_ROWS_PER_CHUNK", "ColdReads"]
 
 COLD_BLOCKS_PER_ROW: Final = 0.5
 """512-byte blocks fetched from the device per row read that make the next read split: a page
 cache miss fetches 8 or more, so this is about one row in 16 or more read from the device."""
 MIN_ROWS_PER_CHUNK: Final = 16
-"""Fewest rows one thread of a split read gets: a hand-off costs about what 16 cached rows do."""
+"""Fewest rows one thread of a split read gets, so a hand-off to a thread stays a small share
+of the chunk's work even when its rows turn out to be cached."""
+MAX_THREADS: Final = 256
+"""Most threads one read may be split over (the caller and 255 of the pool's)."""
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
-_pool_owner = (0, 0)  # (pid, workers) the pool was made for
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
-    """The process's pool of reading threads, with at least `workers` threads.
+def _forget_pool_in_child() -> None:
+    # a child inherits the pool object but none of its threads, and perhaps a held lock
+    global _lock, _pool
+    _lock = threading.Lock()
+    _pool = None
 
-    Made again after a fork: a child inherits the pool object but not its threads.
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The process's pool of reading threads, made once: it starts threads as reads need them.
+
+    Never replaced while the process lives, so a read never submits to a pool shut down under it.
     """
-    global _pool, _pool_owner
+    global _pool
     with _lock:
-        pid = os.getpid()
-        if _pool is None or _pool_owner[0] != pid or _pool_owner[1] < workers:
-            if _pool is not None and _pool_owner[0] == pid:
-                _pool.shutdown(wait=False)  # reads queued there still run
-            _pool = ThreadPoolExecutor(workers, thread_name_prefix="embstore-cold-read")
-            _pool_owner = (pid, workers)
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MAX_THREADS - 1, thread_name_prefix="embstore-cold-read")
         return _pool
 
 
@@ -96,21 +107,15 @@ class ColdReads:
         called from any thread. Any chunk's exception is raised once every chunk has ended,
         so no read outlives the call.
         """
-        if _RUSAGE_THREAD is None or self.threads <= 1:
+        if _RUSAGE_THREAD is None or self.threads <= 1 or not keys:
             return get(keys)
         parts = min(self.threads, len(keys) // MIN_ROWS_PER_CHUNK) if self.split_next else 1
         if parts <= 1:
             values, fetched = _counted(get, keys)
         else:
             bounds = [len(keys) * k // parts for k in range(parts + 1)]
-            pool = _executor(parts - 1)
-            futures = [pool.submit(_counted, get, keys[bounds[k]:bounds[k + 1]])
-                       for k in range(1, parts)]
-            try:
-                first = _counted(get, keys[bounds[0]:bounds[1]])
-            finally:
-                wait(futures)
-            chunks: Sequence[tuple[list[Any], int]] = [first] + [f.result() for f in futures]
+            chunks = run_split(bounds, lambda start, stop: _counted(get, keys[start:stop]),
+                               _executor())
             values = list(itertools.chain.from_iterable(v for v, _ in chunks))
             fetched = sum(n for _, n in chunks)
         self.split_next = fetched >= COLD_BLOCKS_PER_ROW * len(keys)

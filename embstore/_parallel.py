@@ -18,13 +18,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from .errors import ConfigError
 
 __all__ = ["MIN_ROWS_PER_THREAD", "available_cores", "get_num_threads", "run_ranges",
-           "set_num_threads"]
+           "run_split", "set_num_threads"]
 
 MIN_ROWS_PER_THREAD = 8192
 _MAX_DEFAULT = 8
@@ -75,12 +75,22 @@ def set_num_threads(n: int) -> None:
     _threads = n
 
 
+def _forget_pool_in_child() -> None:
+    # a child inherits the pool object but none of its threads, and perhaps a held lock
+    global _lock, _pool, _pool_workers
+    _lock, _pool, _pool_workers = threading.Lock(), None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def _executor(workers: int) -> ThreadPoolExecutor:
     global _pool, _pool_workers
     with _lock:
         if _pool is None or _pool_workers < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)  # a caller may still wait on its ranges there
+            # the old pool is dropped, not shut down: a caller that holds it may still
+            # submit there; its threads end once it is idle and no longer referenced
             _pool = ThreadPoolExecutor(max_workers=workers,
                                        thread_name_prefix="embstore-kernel")
             _pool_workers = workers
@@ -98,10 +108,42 @@ def run_ranges(n: int, work: Callable[[int, int], T], *,
     if parts <= 1:
         return [(0, work(0, n))]
     bounds = [n * k // parts for k in range(parts + 1)]
-    pool = _executor(parts - 1)
-    futures = [pool.submit(work, bounds[k], bounds[k + 1]) for k in range(1, parts)]
+    results = run_split(bounds, work, _executor(parts - 1))
+    return list(zip(bounds, results, strict=False))  # bounds has one more: the end
+
+
+def run_split(bounds: list[int], work: Callable[[int, int], T],
+              pool: ThreadPoolExecutor) -> list[T]:
+    """`work(bounds[k], bounds[k + 1])` for every k, results in that order.
+
+    The first range runs on the calling thread, the others on `pool`'s threads; a range no
+    thread could be started for runs on the calling thread. Every range has ended when this
+    returns or raises, even through an interrupt (no range still writes into the caller's
+    arrays or reads a table it may close); an exception of any range is raised then.
+    """
+    parts = len(bounds) - 1
+    futures: list[Future[T]] = []
     try:
-        first = work(bounds[0], bounds[1])
+        try:
+            for k in range(1, parts):
+                futures.append(pool.submit(work, bounds[k], bounds[k + 1]))
+        except RuntimeError:  # no thread could be started: the calling thread runs the rest
+            pass
+        mine = [work(bounds[0], bounds[1])]
+        mine += [work(bounds[k], bounds[k + 1]) for k in range(len(futures) + 1, parts)]
     finally:
-        wait(futures)  # no range may still write into the caller's arrays
-    return [(0, first)] + [(bounds[k], futures[k - 1].result()) for k in range(1, parts)]
+        _wait_all(futures)
+    return [mine[0], *(f.result() for f in futures), *mine[1:]]
+
+
+def _wait_all(futures: list[Future[T]]) -> None:
+    """Wait until every future has ended, even through an interrupt (raised after)."""
+    interrupt: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as exc:  # Ctrl-C: the ranges still run; let them end first
+            interrupt = interrupt or exc
+    if interrupt is not None:
+        raise interrupt

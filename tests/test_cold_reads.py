@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import embstore
-from embstore import _cold_reads
+from embstore import _cold_reads, _parallel
 from embstore._cold_reads import MIN_ROWS_PER_CHUNK, ColdReads
 from embstore.backend import BackendSpec
 from embstore.backends.rocksdb import RocksDBBackend
@@ -20,8 +20,8 @@ from embstore.errors import ConfigError
 from embstore.spec import TableSpec, TierSpec
 from embstore.tools._bench_cold import drop_cached
 
-pytestmark = pytest.mark.skipif(_cold_reads._RUSAGE_THREAD is None,
-                                reason="the OS keeps no per-thread block counts: never split")
+splits = pytest.mark.skipif(_cold_reads._RUSAGE_THREAD is None,
+                            reason="the OS keeps no per-thread block counts: never split")
 
 
 class _Medium:
@@ -72,6 +72,7 @@ def _expected(keys: list[bytes]) -> list[bytes | None]:
     return [None if k.endswith(b"7") else k + b"!" for k in keys]
 
 
+@splits
 def test_a_cold_read_splits_the_next_into_ordered_chunks_on_other_threads(medium_blocks):
     medium = _Medium(blocks_per_key=8, delay=0.05)
     medium_blocks(medium)
@@ -85,6 +86,7 @@ def test_a_cold_read_splits_the_next_into_ordered_chunks_on_other_threads(medium
     assert reads.split_next  # it fetched 8 blocks a row
 
 
+@splits
 def test_a_warm_read_keeps_the_next_on_the_calling_thread(medium_blocks):
     medium = _Medium(blocks_per_key=0)
     medium_blocks(medium)
@@ -111,6 +113,7 @@ def test_small_reads_and_one_thread_never_split(medium_blocks):
     assert len(medium.calls) == 2
 
 
+@splits
 def test_chunks_get_at_least_the_minimum_rows(medium_blocks):
     medium = _Medium(blocks_per_key=8)
     medium_blocks(medium)
@@ -120,14 +123,64 @@ def test_chunks_get_at_least_the_minimum_rows(medium_blocks):
     assert min(len(chunk) for chunk, _ in medium.calls) >= MIN_ROWS_PER_CHUNK
 
 
-def test_a_failed_chunk_is_raised_after_every_chunk_ended(medium_blocks):
+@splits
+@pytest.mark.parametrize("failing", [0, -1], ids=["caller's chunk", "a pool thread's chunk"])
+def test_a_failed_chunk_is_raised_after_every_chunk_ended(medium_blocks, failing):
     keys = _keys(8 * MIN_ROWS_PER_CHUNK)
-    medium = _Medium(blocks_per_key=8, fail_at=keys[0], delay=0.05)
+    medium = _Medium(blocks_per_key=8, fail_at=keys[failing], delay=0.05)
     medium_blocks(medium)
     with pytest.raises(OSError, match="the medium failed"):
         ColdReads(threads=8).read(keys, medium.get)
     assert medium.running == 0  # no chunk still reads after the call
     assert len(medium.calls) == 8
+
+
+class _PoolOutOfThreads:
+    """A pool that starts `room` threads' work, then cannot start another."""
+
+    def __init__(self, room: int, real) -> None:
+        self.room = room
+        self.real = real
+
+    def submit(self, fn, *args):
+        if self.room == 0:
+            raise RuntimeError("can't start new thread")
+        self.room -= 1
+        return self.real.submit(fn, *args)
+
+
+@splits
+def test_chunks_no_thread_could_take_are_read_on_the_calling_thread(
+        medium_blocks, monkeypatch: pytest.MonkeyPatch):
+    medium = _Medium(blocks_per_key=8, delay=0.02)
+    medium_blocks(medium)
+    pool = _PoolOutOfThreads(room=2, real=_cold_reads._executor())
+    monkeypatch.setattr(_cold_reads, "_executor", lambda: pool)
+    keys = _keys(8 * MIN_ROWS_PER_CHUNK)
+    assert ColdReads(threads=8).read(keys, medium.get) == _expected(keys)
+    mine = threading.current_thread().name
+    assert sorted(len(chunk) for chunk, t in medium.calls if t != mine) == [16, 16]
+    assert sum(len(chunk) for chunk, t in medium.calls if t == mine) == len(keys) - 32
+
+
+@splits
+def test_an_interrupt_while_waiting_lets_every_chunk_end_first(
+        medium_blocks, monkeypatch: pytest.MonkeyPatch):
+    medium = _Medium(blocks_per_key=8, delay=0.1)
+    medium_blocks(medium)
+    real_wait, interrupted = _parallel.wait, []
+
+    def wait_interrupted_once(futures):
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real_wait(futures)
+
+    monkeypatch.setattr(_parallel, "wait", wait_interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        ColdReads(threads=4).read(_keys(4 * MIN_ROWS_PER_CHUNK), medium.get)
+    assert interrupted and medium.running == 0
+    assert len(medium.calls) == 4
 
 
 def test_without_per_thread_block_counts_reads_never_split(monkeypatch: pytest.MonkeyPatch):
@@ -148,7 +201,9 @@ def _split_read_in_child(out: multiprocessing.Queue) -> None:
             and len({thread for _, thread in medium.calls}) > 1)
 
 
+@splits
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this OS")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_reads_split_on_threads_of_its_own():
     # the parent's pool exists; a child inherits the object but none of its threads
     ColdReads(threads=4).read(_keys(4 * MIN_ROWS_PER_CHUNK), _Medium(8).get)
@@ -165,11 +220,24 @@ def test_a_forked_child_reads_split_on_threads_of_its_own():
 
 # --- the rocksdb backend ------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [0, -1, 257, True, 1.5, "4", None])
+_BAD_THREAD_COUNTS = [0, -1, 257, True, 1.5, "4", None, np.int64(4)]
+
+
+@pytest.mark.parametrize("bad", _BAD_THREAD_COUNTS)
 def test_cold_read_threads_must_be_a_thread_count(tmp_path: Path, bad):
     with pytest.raises(ConfigError, match="cold_read_threads"):
         RocksDBBackend.open(BackendSpec(path=tmp_path / "r", dim=4), cold_read_threads=bad)
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+@pytest.mark.parametrize("bad", _BAD_THREAD_COUNTS)
+def test_a_store_refuses_a_bad_thread_count_and_can_be_made_right_after(tmp_path: Path, bad):
+    path = tmp_path / "s"
+    with pytest.raises(ConfigError, match="cold_read_threads|JSON"):
+        _store_of(path, bad)
+    assert not path.exists()
+    with _store_of(path, 2) as store:  # nothing of the refused create holds the store
+        store.update("t", np.arange(3), np.ones((3, 8), dtype=np.float32))
 
 
 def _store_of(path: Path, threads: int) -> embstore.EmbeddingStore:
@@ -177,6 +245,7 @@ def _store_of(path: Path, threads: int) -> embstore.EmbeddingStore:
                          tiers=[TierSpec("rocksdb", options={"cold_read_threads": threads})])
 
 
+@splits
 def test_split_reads_return_what_one_multi_get_returns(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch):
     ids = np.arange(0, 20_000, 3, dtype=np.int64)
@@ -209,14 +278,24 @@ def test_split_reads_return_what_one_multi_get_returns(tmp_path: Path,
                                   rows[np.searchsorted(ids, asked[stored])])
 
 
-def test_the_option_reopens_with_the_store(tmp_path: Path):
+def test_the_option_reopens_with_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     with _store_of(tmp_path / "s", 4) as store:
         store.update("t", np.arange(10), np.ones((10, 8), dtype=np.float32))
+    made: list[int] = []
+    real_init = ColdReads.__init__
+
+    def recorded(self: ColdReads, threads: int) -> None:
+        made.append(threads)
+        real_init(self, threads)
+
+    monkeypatch.setattr(ColdReads, "__init__", recorded)
     with embstore.open(tmp_path / "s") as store:
         assert store.lookup("t", np.arange(10)).sum() == 80
         assert store.describe()["tiers"][0]["options"] == {"cold_read_threads": 4}
+    assert made == [4]
 
 
+@splits
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
 def test_reads_from_the_device_split_and_page_cache_reads_do_not(tmp_path: Path):
     backend_dir = tmp_path / "r"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -96,3 +98,28 @@ def test_an_overflow_in_any_range_undoes_every_range(threads, bad_row):
         with pytest.raises(NonFiniteValueError, match=f"row {bad_row * 31 + 5} "):
             store.apply_gradients("t", ids, grads)
         assert store.lookup("t", ids).tobytes() == before.tobytes()
+
+
+def test_a_pool_outgrown_by_a_larger_batch_still_takes_the_work_of_one_that_holds_it(
+        monkeypatch):
+    monkeypatch.setattr(_parallel, "_pool", None)
+    monkeypatch.setattr(_parallel, "_pool_workers", 0)
+    held = _parallel._executor(1)  # a batch split in two got this pool...
+    grown = _parallel._executor(3)  # ...while a larger batch made a larger one
+    assert grown is not held
+    got = _parallel.run_split([0, 5, 10, 15],
+                              lambda a, b: (list(range(a, b)), threading.get_ident()), held)
+    assert [ids for ids, _ in got] == [list(range(0, 5)), list(range(5, 10)),
+                                       list(range(10, 15))]
+    assert got[0][1] == threading.get_ident()
+    assert {thread for _, thread in got[1:]} != {threading.get_ident()}  # the held pool ran them
+
+
+def test_ranges_no_thread_could_be_started_for_run_on_the_calling_thread():
+    class NoThreads:
+        def submit(self, *args):
+            raise RuntimeError("can't start new thread")
+
+    got = _parallel.run_split([0, 2, 4, 6], lambda a, b: (a, b, threading.get_ident()),
+                              NoThreads())  # type: ignore[arg-type]
+    assert got == [(a, b, threading.get_ident()) for a, b in ((0, 2), (2, 4), (4, 6))]
