@@ -209,15 +209,26 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
         store = EmbeddingStore(directory, all_specs, chain, read_only=read_only, lock_fd=lock_fd,
                                gradient_steps=steps)
     except BaseException:
-        if not exists:  # a failed create leaves the directory as it found it
-            for entry in directory.iterdir():
-                if before is None or entry not in before:
-                    (shutil.rmtree if entry.is_dir() else os.unlink)(entry)
-            if before is None:
-                directory.rmdir()
+        if not exists:
+            _undo_create(directory, before)
         if lock_fd is not None:
             layout.release(lock_fd)
         raise
     if added:
-        write_manifest(directory, layout.manifest_body(chain, all_specs))
+        try:
+            write_manifest(directory, layout.manifest_body(chain, all_specs))
+        except BaseException:
+            store.close()  # releases the lock: the caller may try again in this process
+            if not exists:
+                _undo_create(directory, before)
+            raise
     return store
+
+
+def _undo_create(directory: Path, before: set[Path] | None) -> None:
+    """Leave the directory of a failed create as it was found (`before`: None if absent)."""
+    for entry in directory.iterdir():
+        if before is None or entry not in before:
+            (shutil.rmtree if entry.is_dir() else os.unlink)(entry)
+    if before is None:
+        directory.rmdir()

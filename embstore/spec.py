@@ -5,6 +5,7 @@ Both serialise to plain JSON for the store's manifest, so reopening a store need
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,12 @@ class TierSpec:
             if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
                 raise ConfigError(f"TierSpec.{key} must be a dict of keyword settings, got "
                                   f"{value!r}")
+            try:  # the manifest keeps them as JSON, and reopens with what it kept
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"TierSpec.{key} must hold plain JSON values (str, int, "
+                                  f"float, bool, None, lists and dicts of them), got "
+                                  f"{value!r}") from None
         if self.eviction is None and cap is not None:
             object.__setattr__(self, "eviction", "clock")
 

@@ -226,6 +226,8 @@ def test_open_refuses_arguments_of_the_wrong_kind(tmp_path, args, words):
     lambda: TierSpec("dram", capacity=10**30),
     lambda: TierSpec("dram", capacity="99999999TiB"),
     lambda: TierSpec("dram", options=[1]),
+    lambda: TierSpec("rocksdb", options={"sync_writes": np.bool_(True)}),  # not JSON: no manifest
+    lambda: TierSpec("dram", capacity=4, eviction_options={"window": {0.1}}),
     lambda: TierSpec("dram", capacity=4, eviction_options=None),
     lambda: TierSpec("dram", capacity=4, eviction=5),
     lambda: TierSpec.from_json({"backend": "dram", "size": 4}),

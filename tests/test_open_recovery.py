@@ -9,8 +9,10 @@ import pytest
 
 import embstore
 from embstore import _crash
+from embstore import errors as E
 from embstore.errors import CorruptStoreError, StoreNotFoundError
 from embstore.manifest import write_manifest
+from embstore.spec import TableSpec, TierSpec
 
 
 @pytest.mark.parametrize("value", ["nope:1", "flush.before_sync:0", "flush.before_sync",
@@ -70,3 +72,22 @@ def test_a_damaged_manifest_is_reported_as_failing_its_checksum(tmp_path):
     (path / "MANIFEST.json").write_text(text.replace('"dim": 2', '"dim": 3'))
     with pytest.raises(CorruptStoreError, match="fails its checksum"):
         embstore.open(path)
+
+
+@pytest.mark.parametrize("tiers", [None, [TierSpec("dram", capacity=8), TierSpec("rocksdb")]])
+def test_a_create_whose_manifest_cannot_be_written_leaves_nothing_and_no_lock(
+        tmp_path, monkeypatch, tiers):
+    path = tmp_path / "s"
+
+    def disk_full(*args, **kwargs):
+        raise E.StorageIOError("writing the manifest: No space left on device")
+
+    monkeypatch.setattr(embstore._open, "write_manifest", disk_full)
+    with pytest.raises(E.StorageIOError, match="No space left"):
+        embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=tiers)
+    assert not path.exists()
+    monkeypatch.undo()
+    with embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=tiers) as store:
+        store.update("t", np.arange(2), np.ones((2, 4), dtype=np.float32))
+    with embstore.open(path) as store:
+        assert store.lookup("t", np.arange(2)).sum() == 8

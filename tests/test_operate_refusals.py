@@ -174,7 +174,7 @@ def test_info_names_a_cache_tier_by_its_backend_even_where_it_leaves_it_shut(tmp
 
 @pytest.mark.parametrize(("options", "words"), [
     ({"zz": 1}, "unknown rocksdb backend option"), ({"block_cache_bytes": -1}, "block_cache_bytes"),
-    ({"sync_writes": "no"}, "sync_writes"),
+    ({"sync_writes": "no"}, "sync_writes"), ({"cold_read_threads": 0}, "cold_read_threads"),
 ])
 def test_a_bad_backend_option_in_the_manifest_is_named_by_fsck_and_the_rewrites(
         store, capsys, options, words):
