@@ -157,6 +157,7 @@ BAD_BENCH = [
     (["scale", "--dram", "lots"], "--dram"), (["scale", "--steps", "0"], "--steps"),
     (["scale", "--bags", "0"], "--bags"), (["scale", "--bag", "-1"], "--bag"),
     (["scale", "--cold-read-threads", "0"], "--cold-read-threads"),
+    (["scale", "--cold-read-threads", "257"], "--cold-read-threads"),
     (["placement", "--dram", "nan"], "--dram"), (["placement", "--dram", "-0.1"], "--dram"),
     (["placement", "--pmem", "inf"], "--pmem"), (["placement", "--warmup", "1"], "--warmup"),
     (["placement", "--tables", "0"], "--tables"), (["placement", "--batches", "0"], "--batches"),

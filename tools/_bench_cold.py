@@ -1,14 +1,14 @@
 """Cold reads of a RocksDB tier: rows the OS has not cached, read split over threads or not.
 
-A table of `--rows` x `--dim` float32 is bulk-loaded into a rocksdb tier (SST ingestion,
-which leaves none of it in the page cache) and read in batches of `--batch` distinct uniform
-ids, as a DRAM tier's misses are. Before every timed repeat the table is closed and each file
-of its directory dropped from the page cache (`posix_fadvise(DONTNEED)`), so the reads go to
-the device under `--dir`. Contenders: the backend's `cold_read_threads` of each of
-`--threads`; the baseline is 1, one multi-get on the calling thread (reads before the option
-existed). Each open then reads its batches a second time, from the page cache: there a read
-must stay on the calling thread and run as fast as the baseline's. Every contender must read
-the same rows.
+A table of `--rows` x `--dim` float32 is bulk-loaded into a rocksdb tier and read in batches
+of `--batch` distinct uniform ids, as a DRAM tier's misses are. Before every timed repeat each
+file of the table's directory is dropped from the page cache (`posix_fadvise(DONTNEED)`, with
+the table closed), so the reads go to the device under `--dir`. Contenders: the backend's
+`cold_read_threads` of each of `--threads`; the baseline is 1, one multi-get on the calling
+thread (reads before the option existed). The table is then closed and opened again, and the
+same batches read from the page cache (RocksDB's own caches start empty): there a read must
+stay on the calling thread and run as fast as the baseline's. Every contender must read the
+same rows.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from embstore import registry
+from embstore._cold_reads import MAX_THREADS
 from embstore.backend import BackendSpec
 
 from ._args import non_negative_int, positive_int, work_dir
 from ._benchutil import print_table
 
-__all__ = ["add_arguments", "drop_cached", "run"]
+__all__ = ["add_arguments", "cold_read_thread_count", "drop_cached", "run"]
 
 _LOAD_ROWS = 1 << 18
 
@@ -53,8 +54,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
 
 
+def cold_read_thread_count(text: str) -> int:
+    """A `cold_read_threads` value given on the command line: 1 to `MAX_THREADS`.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    threads = positive_int(text)
+    if threads > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{text!r}: a read splits over {MAX_THREADS} threads "
+                                         "at most")
+    return threads
+
+
 def _thread_counts(text: str) -> list[int]:
-    counts = [positive_int(part) for part in text.split(",")]
+    counts = [cold_read_thread_count(part) for part in text.split(",")]
     if len(set(counts)) != len(counts):
         raise argparse.ArgumentTypeError(f"{text!r} names a thread count twice")
     return counts
@@ -79,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.quick:
         args.rows, args.reads, args.repeats = min(args.rows, 50_000), 4, 2
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="embstore-bench-cold-", dir=args.dir) as tmp:
         return _run(args, Path(tmp))
 
@@ -107,19 +123,19 @@ def _run(args: argparse.Namespace, root: Path) -> int:
     for i in range(args.repeats):
         for threads in args.threads:  # interleaved, so the device's moods hit all alike
             drop_cached(spec.path)  # type: ignore[arg-type]
-            backend = rocksdb.open(spec, cold_read_threads=threads)
-            try:
-                for times in (cold, warm):
+            for times in (cold, warm):  # the second open finds the rows in the page cache
+                backend = rocksdb.open(spec, cold_read_threads=threads)
+                try:
                     t = time.perf_counter()
                     total = sum(float(backend.get(ids)[0].sum(dtype=np.float64))
                                 for ids in batches[i])
                     times[threads].append(time.perf_counter() - t)
                     sums[threads] = sums.get(threads, 0.0) + total
-            finally:
-                backend.close()
+                finally:
+                    backend.close()
     rows_read = args.reads * batch
     base = args.threads[0]
-    for title, times in (("cold page cache", cold), ("warm page cache (the same reads again)",
+    for title, times in (("cold page cache", cold), ("warm page cache (the same reads, reopened)",
                                                       warm)):
         med = {t: float(np.median(v)) for t, v in times.items()}
         print_table(f"cold: reads of {batch:,} distinct ids of {args.rows:,} rows, "

@@ -31,6 +31,7 @@ from embstore.errors import ConfigError
 from embstore.spec import parse_bytes
 
 from ._args import positive_int
+from ._bench_cold import cold_read_thread_count
 from ._benchutil import zipf_exponent
 
 __all__ = ["add_arguments", "run"]
@@ -73,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bag", type=positive_int, default=20, help="ids per bag (20)")
     parser.add_argument("--zipf", type=zipf_exponent, default=1.05,
                         help="Zipf exponent of ids, above 0 (1.05)")
-    parser.add_argument("--cold-read-threads", type=positive_int, default=None,
+    parser.add_argument("--cold-read-threads", type=cold_read_thread_count, default=None,
                         help="the rocksdb tier's cold_read_threads (its default: 16; 1 reads "
                              "every miss on the training thread)")
     parser.add_argument("--path", help="store directory (default: a temporary one, removed)")
