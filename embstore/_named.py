@@ -19,9 +19,14 @@ __all__ = ["Named", "number_setting"]
 
 def number_setting(what: str, value: Any) -> float:
     """`value` as a float, or a ConfigError naming setting `what` (no strings, bools, None)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    # a timedelta64 is a numpy integer, but a duration, not a number
+    if isinstance(value, (bool, np.timedelta64)) or not isinstance(
+            value, (int, float, np.integer, np.floating)):
         raise ConfigError(f"{what} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond any float
+        raise ConfigError(f"{what} must be a number a float can hold, got {value!r}") from None
 
 T = TypeVar("T", bound="Named")
 
@@ -78,13 +83,18 @@ class Named(ABC):
                               "the keyword arguments of its constructor") from exc
 
     def __eq__(self, other: object) -> bool:
+        # as JSON, as the manifest keeps them: a NaN setting equals itself there
         return isinstance(other, Named) and type(other) is type(self) \
-            and other.config() == self.config()
+            and _as_json(other.config()) == _as_json(self.config())
 
     def __hash__(self) -> int:
         # JSON, not a tuple of items: config values may be lists (Adam's betas)
-        return hash((self.name, json.dumps(self.config(), sort_keys=True)))
+        return hash((self.name, _as_json(self.config())))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({args})"
+
+
+def _as_json(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True)

@@ -211,8 +211,8 @@ def _as_path(value: object, what: str) -> Path:
 
 
 def _check_step(step: object) -> None:
-    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))
-                             or not 0 <= step < 2**63):
+    if step is not None and (isinstance(step, (bool, np.timedelta64))
+                             or not isinstance(step, (int, np.integer)) or not 0 <= step < 2**63):
         raise ConfigError(f"step must be None or an int from 0 to 2**63 - 1 (the training "
                           f"step), got {step!r}")
 

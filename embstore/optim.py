@@ -178,10 +178,10 @@ class RowWiseAdagrad(Optimizer):
         self.lr = _check_positive("lr", lr)
         self.eps = _check_positive("eps", eps)
         self.weight_decay = _check_positive("weight_decay", weight_decay, allow_zero=True)
-        if weight_decay_mode not in self._MODES:
+        if not isinstance(weight_decay_mode, str) or weight_decay_mode not in self._MODES:
             raise ConfigError(f"weight_decay_mode must be one of {self._MODES!r}, "
                               f"got {weight_decay_mode!r}")
-        self.weight_decay_mode = weight_decay_mode
+        self.weight_decay_mode = str(weight_decay_mode)
 
     def state_width(self, dim: int) -> int:
         # docstring inherited

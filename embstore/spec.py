@@ -6,6 +6,7 @@ Both serialise to plain JSON for the store's manifest, so reopening a store need
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,21 @@ TABLE_NAME_RULE = ("1-128 characters of letters, digits, '_', '.', '-', not star
 """What a table name may be: it names files, so nothing that could reach another directory."""
 
 
+def json_copy(value: Any, what: str, *, allow_nan: bool = False) -> Any:
+    """`value` as JSON gives it back: tuples become lists, numpy scalars are refused.
+
+    Raises:
+        ConfigError: `value` holds what JSON does not keep as it is (numpy scalars, sets,
+            and unless `allow_nan`, NaN or infinity).
+    """
+    try:
+        return json.loads(json.dumps(value, allow_nan=allow_nan))
+    except (TypeError, ValueError, RecursionError):
+        finite = "" if allow_nan else "finite "
+        raise ConfigError(f"{what} must hold plain JSON values (str, int, {finite}float, bool, "
+                          f"None, lists and dicts of them), got {value!r}") from None
+
+
 def is_table_name(name: object) -> bool:
     """Whether `name` is a table name (`TABLE_NAME_RULE`), checked whole."""
     return isinstance(name, str) and _NAME.fullmatch(name) is not None
@@ -49,7 +65,10 @@ def parse_bytes(text: str) -> int:
             f"cannot read {text!r} as a size; write e.g. '512MiB', '2GB' or a whole number of "
             "bytes"
         )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(size):
+        raise ConfigError(f"{text!r} is beyond any size; write e.g. '512MiB' or '2GB'")
+    return int(size)
 
 
 @dataclass(frozen=True)
@@ -104,12 +123,9 @@ class TierSpec:
             if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
                 raise ConfigError(f"TierSpec.{key} must be a dict of keyword settings, got "
                                   f"{value!r}")
-            try:  # the manifest keeps them as JSON, and reopens with what it kept
-                json.dumps(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"TierSpec.{key} must hold plain JSON values (str, int, "
-                                  f"float, bool, None, lists and dicts of them), got "
-                                  f"{value!r}") from None
+            # kept as the manifest keeps them (a copy: the caller's dict may change after),
+            # so a store reopens with settings equal to those it was made with
+            object.__setattr__(self, key, json_copy(value, f"TierSpec.{key}"))
         if self.eviction is None and cap is not None:
             object.__setattr__(self, "eviction", "clock")
 
@@ -188,7 +204,7 @@ class TableSpec:
             if self.dtype is None:  # np.dtype(None) is float64: a default no one wrote
                 raise TypeError
             dtype = np.dtype(self.dtype)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ConfigError(f"table {self.name!r}: {self.dtype!r} is not a dtype") from exc
         if dtype.kind != "f":
             raise ConfigError(f"table {self.name!r}: dtype must be a float dtype, got {dtype}")
@@ -203,11 +219,13 @@ class TableSpec:
                               or not 1 <= n <= _INT64_MAX):
             raise ConfigError(f"table {self.name!r}: num_embeddings must be None or 1 to "
                               f"2**63 - 1 (ids are int64), got {n!r}")
+        if n is not None:
+            object.__setattr__(self, "num_embeddings", int(n))
         if not isinstance(self.allow_nonfinite, (bool, np.bool_)):
             raise ConfigError(f"table {self.name!r}: allow_nonfinite must be True or False, "
                               f"got {self.allow_nonfinite!r}")
         object.__setattr__(self, "allow_nonfinite", bool(self.allow_nonfinite))
-        if self.precision not in ("fp32", "fp16", "bf16"):
+        if not isinstance(self.precision, str) or self.precision not in ("fp32", "fp16", "bf16"):
             raise ConfigError(f"table {self.name!r}: precision must be 'fp32', 'fp16' or "
                               f"'bf16', got {self.precision!r}")
         if self.precision != "fp32" and dtype != np.float32:
@@ -229,6 +247,11 @@ class TableSpec:
                 raise ConfigError(
                     f"table {self.name!r}: tiers must be a non-empty list of TierSpec")
             object.__setattr__(self, "tiers", tiers)
+        object.__setattr__(self, "precision", str(self.precision))
+        for part, what in ((self.init, "init"), (self.optimizer, "optimizer")):
+            # NaN too: a constant NaN init is a setting of a table that allows it
+            json_copy(part.config(), f"table {self.name!r}: its {what}'s config()",
+                      allow_nan=True)
 
     def check_initial_values(self) -> None:
         """Refuse an init whose first row is not finite where the table forbids it.

@@ -223,7 +223,7 @@ def test_bad_destinations_and_steps_are_refused_and_leave_nothing(tmp_path):
     with embstore.open(tmp_path / "s", tables=[_spec()]) as store:
         store.update("t", np.arange(10), np.ones((10, 4), np.float32))
         before = sorted(p.name for p in tmp_path.iterdir())
-        for step in (-1, True, 1.5, "3"):
+        for step in (-1, True, 1.5, "3", np.timedelta64(5)):
             with pytest.raises(E.ConfigError, match="step"):
                 store.checkpoint(tmp_path / "c", step=step)
         for dest in (None, 5, ""):

@@ -228,6 +228,17 @@ def test_open_refuses_arguments_of_the_wrong_kind(tmp_path, args, words):
     lambda: TierSpec("dram", options=[1]),
     lambda: TierSpec("rocksdb", options={"sync_writes": np.bool_(True)}),  # not JSON: no manifest
     lambda: TierSpec("dram", capacity=4, eviction_options={"window": {0.1}}),
+    lambda: TierSpec("lmdb", options={"sync_commits": float("nan")}),  # NaN != NaN on reopen
+    lambda: TierSpec("dram", capacity="9" * 400),  # beyond any float
+    lambda: TableSpec("t", dim=4, precision=np.array("fp16")),  # unhashable, not JSON
+    lambda: TableSpec("t", dim=4, dtype=("f4", -1)),  # numpy's own ValueError
+    lambda: TableSpec("t", dim=4, init=_NumpyConfig()),
+    lambda: embstore.optim.RowWiseAdagrad(weight_decay_mode=np.array("decoupled")),
+    lambda: embstore.optim.SGD(lr=10**400),
+    lambda: embstore.optim.Adagrad(eps=10**400),
+    lambda: embstore.optim.SGD(lr=np.timedelta64(1)),
+    lambda: embstore.init.Constant(10**400),
+    lambda: embstore.init.Uniform(-10**400, 1),
     lambda: TierSpec("dram", capacity=4, eviction_options=None),
     lambda: TierSpec("dram", capacity=4, eviction=5),
     lambda: TierSpec.from_json({"backend": "dram", "size": 4}),
@@ -245,6 +256,47 @@ def test_open_refuses_arguments_of_the_wrong_kind(tmp_path, args, words):
 def test_invalid_specs_raise_config_error(make):
     with pytest.raises(E.ConfigError):
         make()
+
+
+class _NumpyConfig(embstore.init.Initializer):
+    """A user's initializer whose settings are numpy scalars, which JSON cannot keep."""
+
+    name = "numpy_config_for_test"
+    listed = False
+
+    def __call__(self, ids, dim, dtype):
+        return np.zeros((len(ids), dim), dtype)
+
+    def config(self):
+        return {"value": np.float32(0.5)}
+
+
+def test_settings_are_kept_as_the_manifest_keeps_them(tmp_path):
+    options = {"sync_commits": True, "shape": (1, 2)}
+    tier = TierSpec("lmdb", options=options)
+    options["sync_commits"] = np.bool_(False)  # the caller's dict changes after: not the spec
+    assert tier.options == {"sync_commits": True, "shape": [1, 2]}
+    spec = TableSpec("t", dim=4, num_embeddings=np.int64(100), precision=np.str_("fp16"))
+    assert type(spec.num_embeddings) is int and type(spec.precision) is str
+    nan_init = TableSpec("n", dim=2, init=embstore.init.Constant(float("nan")),
+                         allow_nonfinite=True)
+    with embstore.open(tmp_path / "s", tables=[spec, nan_init]) as store:
+        store.update("t", np.arange(2), np.ones((2, 4), np.float32))
+    # the same specs reopen it: each equals what the manifest kept (NaN included)
+    with embstore.open(tmp_path / "s", tables=[spec, nan_init]) as store:
+        assert store.lookup("t", np.arange(2)).sum() == 8
+        assert np.isnan(store.lookup("n", np.arange(1))).all()
+
+
+def test_adding_a_table_whose_spec_json_cannot_keep_changes_nothing(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[TableSpec("a", dim=4)]):
+        pass
+    files = sorted(p.relative_to(tmp_path) for p in (tmp_path / "s").rglob("*"))
+    with pytest.raises(E.ConfigError, match="JSON"):
+        embstore.open(tmp_path / "s", tables=[TableSpec("b", dim=4, init=_NumpyConfig())])
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "s").rglob("*")) == files
+    with embstore.open(tmp_path / "s", tables=[TableSpec("b", dim=8)]) as store:
+        assert store.lookup("b", np.arange(1)).shape == (1, 8)
 
 
 def test_unknown_backend_and_policy_names_are_config_errors(tmp_path):

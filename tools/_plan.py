@@ -32,6 +32,7 @@ __all__ = ["Option", "chain_option", "naive_placement", "parse_budget", "plan", 
 
 _BUDGETED = ("dram", "pmem")
 _SSD = SSD_TIERS
+_MOST_SIZE_CHARACTERS = 40  # 2**63 bytes take 19 digits; with a fraction and a unit, fewer than 40
 
 
 @dataclass
@@ -91,14 +92,14 @@ def parse_budget(text: str, row_bytes: int, model: dict[str, Any]) -> dict[str, 
         if "." in size and size.replace(".", "", 1).isdigit():  # parse_bytes would cut it
             raise ConfigError(f"--budget {name}={size}: a number without a unit counts bytes, "
                               "which are whole; write e.g. 8GiB or 8589934592")
+        if len(size) > _MOST_SIZE_CHARACTERS:  # a size beyond any a budget could be
+            raise ConfigError(f"--budget {name}: {len(size)} characters is too large for a "
+                              "size; give it with a unit, e.g. 8GiB")
         try:
             out[name] = parse_bytes(size)
         except ConfigError:  # parse_bytes's own words offer a row count, which this is not
             raise ConfigError(f"--budget {name}={size}: not a size in bytes; write it with a "
                               "unit (8GiB, 512MiB) or as a whole number of bytes") from None
-        except OverflowError:  # more digits than a float holds
-            raise ConfigError(f"--budget {name}: {len(size)} characters is too large for a "
-                              "size; give it with a unit, e.g. 8GiB") from None
         if out[name] < row_bytes:
             raise ConfigError(f"--budget {name}={size} is {out[name]} bytes (a number without a "
                               f"unit counts bytes), below one row ({row_bytes} bytes); raise "
