@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,17 +69,16 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
             `record_sample` or a `record_accesses` path that is no access log or directory.
         CorruptStoreError: the manifest or a tier's files are damaged.
     """
+    attach: Callable[[EmbeddingStore], None] | None = None
     if record_accesses is not None:
         check_rates(record_sample)  # before a store is created for nothing
         _check_log_outside(path, record_accesses)
-    store = _open(path, tables, tiers, read_only, placement)
-    if record_accesses is not None:
-        try:
-            store._attach_recorder(AccessRecorder(record_accesses, store.tables, record_sample))
-        except BaseException:
-            store.close()
-            raise
-    return store
+        log = record_accesses
+
+        def attach(store: EmbeddingStore) -> None:
+            store._attach_recorder(AccessRecorder(log, store.tables, record_sample))
+
+    return _open(path, tables, tiers, read_only, placement, attach)
 
 
 def _check_log_outside(path: str | os.PathLike[str] | None, log: object) -> None:
@@ -123,7 +122,12 @@ def _check_new(specs: list[TableSpec], chain: tuple[TierSpec, ...]) -> None:
 
 def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
           tiers: list[TierSpec] | None, read_only: bool,
-          placement: str | os.PathLike[str] | dict[str, Any] | None) -> EmbeddingStore:
+          placement: str | os.PathLike[str] | dict[str, Any] | None,
+          attach: Callable[[EmbeddingStore], None] | None) -> EmbeddingStore:
+    """`open`, with `attach(store)` run before a new store's manifest is written.
+
+    A failure in `attach` closes the store and undoes a create, as any other failure does.
+    """
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"path must be a str, an os.PathLike or None (in memory), got "
                           f"{type(path).__name__}" + ("; decode it first" if isinstance(
@@ -145,8 +149,15 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
         if not specs:
             raise ConfigError("an in-memory store needs tables=[TableSpec(...)]")
         _check_new(specs, tier_specs or ())
-        return EmbeddingStore(None, specs, tier_specs or DEFAULT_TIERS, read_only=False,
-                              lock_fd=None)
+        memory = EmbeddingStore(None, specs, tier_specs or DEFAULT_TIERS, read_only=False,
+                                lock_fd=None)
+        try:
+            if attach is not None:
+                attach(memory)
+        except BaseException:
+            memory.close()
+            raise
+        return memory
 
     directory = Path(path)
     if not read_only:  # a compact or migrate killed between its two renames; readers write nothing
@@ -214,14 +225,16 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
         if lock_fd is not None:
             layout.release(lock_fd)
         raise
-    if added:
-        try:
+    try:
+        if attach is not None:  # before the manifest: a store whose log fails is not made
+            attach(store)
+        if added:
             write_manifest(directory, layout.manifest_body(chain, all_specs))
-        except BaseException:
-            store.close()  # releases the lock: the caller may try again in this process
-            if not exists:
-                _undo_create(directory, before)
-            raise
+    except BaseException:
+        store.close()  # releases the lock: the caller may try again in this process
+        if not exists:
+            _undo_create(directory, before)
+        raise
     return store
 
 

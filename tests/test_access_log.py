@@ -197,13 +197,18 @@ def test_bad_paths_and_rates_give_embstore_errors_and_create_no_store(tmp_path: 
     for path, message in cases:
         with pytest.raises(ConfigError, match=message):
             embstore.open(None, tables=[spec], record_accesses=path)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=message):  # a store made for nothing: undone
+            embstore.open(tmp_path / "store", tables=[spec],
+                          record_accesses=path)  # type: ignore[arg-type]
+        assert not (tmp_path / "store").exists()
     for rate in (0, 1.5, -1, True, "0.1", 1e-9):
         with pytest.raises(ConfigError, match="record_sample"):
             embstore.open(tmp_path / "store", tables=[spec], record_accesses=tmp_path / "log",
                           record_sample=rate)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="does not have"):
-        embstore.open(None, tables=[spec], record_accesses=tmp_path / "log",
-                      record_sample={"nope": 0.1})
+    for where in (None, tmp_path / "store"):
+        with pytest.raises(ConfigError, match="does not have"):
+            embstore.open(where, tables=[spec], record_accesses=tmp_path / "log",
+                          record_sample={"nope": 0.1})
     with pytest.raises(ConfigError, match="inside the store"):
         embstore.open(tmp_path / "store", tables=[spec],
                       record_accesses=tmp_path / "store" / "log")
