@@ -29,6 +29,31 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
 
 
+def _mode(mode: object) -> str:
+    """`mode` as a plain str (np.str_ and other str subclasses too), if one of `MODES`.
+
+    Raises:
+        ConfigError: anything else, unhashable values (a list, a numpy array) included.
+    """
+    if isinstance(mode, str) and str(mode) in MODES:
+        return str(mode)
+    raise ConfigError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+
+
+def _check_flag(name: str, value: object, *, or_none: bool = False) -> None:
+    """Refuse a `value` for the switch `name` that is not a bool (or None, with `or_none`).
+
+    Nothing is read for its truth: "no" or 0 is no more False than [] is.
+
+    Raises:
+        ConfigError: `value` is not True or False (nor None where None is allowed).
+    """
+    if isinstance(value, bool) or (or_none and value is None):
+        return
+    accepted = "True, False or None" if or_none else "True or False"
+    raise ConfigError(f"{name} must be {accepted}, got {value!r}")
+
+
 def _same(a: Any, b: Any) -> bool:
     """Whether `a` and `b` are the very same arguments (identity of every tensor)."""
     if a is b:
@@ -112,10 +137,11 @@ class _StoreModule(nn.Module):
             # such as embstore.distributed's sharded store (whose calls are collective)
             raise ConfigError(f"store must be an open embstore.EmbeddingStore, got "
                               f"{type(store).__name__}")
-        if mode not in MODES and mode != "none":
-            raise ConfigError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        for table in tables:  # before any store's lookup of the name (a dict's, unhashable)
+            if not isinstance(table, str):
+                raise ConfigError(f"table must be a table name (a str), got {table!r}")
         self.store = store
-        self.mode = mode
+        self.mode = mode if mode == "none" else _mode(mode)  # "none": Embedding's, unpooled
         self._specs = {t: store.table_spec(t) for t in tables}  # UnknownTableError
         dtypes = {s.dtype for s in self._specs.values()}
         if len(dtypes) != 1:
@@ -227,18 +253,19 @@ class EmbeddingBag(_StoreModule):
         pooled.sum().backward()                                           # updates the store
 
     Raises:
-        UnknownTableError: no such table. ConfigError: a bad mode or padding_idx.
+        UnknownTableError: no such table. ConfigError: a bad table name (not a str), mode,
+        padding_idx or include_last_offset (not a bool).
     """
 
     _arity = (1, 3)  # input, offsets, per_sample_weights
 
     def __init__(self, store: EmbeddingStore, table: str, mode: str = "mean",
                  padding_idx: int | None = None, include_last_offset: bool = False) -> None:
-        if mode not in MODES:
-            raise ConfigError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        mode = _mode(mode)
+        _check_flag("include_last_offset", include_last_offset)
         super().__init__(store, [table], padding_idx, mode)
         self.table = table
-        self.include_last_offset = bool(include_last_offset)
+        self.include_last_offset = include_last_offset
         spec = self._specs[table]
         self.embedding_dim = spec.dim
         self.num_embeddings = spec.num_embeddings
@@ -413,8 +440,7 @@ class EmbeddingBagCollection(_StoreModule):
 
     def __init__(self, store: EmbeddingStore, tables: Mapping[str, str], mode: str = "sum",
                  padding_idx: int | None = None) -> None:
-        if mode not in MODES:
-            raise ConfigError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        mode = _mode(mode)
         if not isinstance(tables, Mapping) or not tables \
                 or not all(isinstance(t, str) for t in tables.values()):
             raise ConfigError("tables must be a non-empty mapping {feature: table name}")

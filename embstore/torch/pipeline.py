@@ -41,7 +41,7 @@ from ..errors import ConfigError, EmbstoreError, InvalidIdsError
 from ..index import IdIndex
 from ..store import EmbeddingStore
 from ._core import ForwardPlan, lookup_rows
-from .modules import _StoreModule
+from .modules import _check_flag, _StoreModule
 
 __all__ = ["TrainPipeline"]
 
@@ -141,6 +141,8 @@ class TrainPipeline(Generic[B]):
         for name, value in (("depth", depth), ("read_threads", read_threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        _check_flag("stage_rows", stage_rows, or_none=True)
+        _check_flag("exact", exact)
         # its threads start with the first batch of two tables or more; close() joins them
         self._readers = (ThreadPoolExecutor(read_threads, "embstore-pipeline-read")
                          if read_threads > 1 else None)

@@ -379,6 +379,40 @@ def test_bad_construction():
     assert et.EmbeddingBag(store, "t", padding_idx=-1).padding_idx == ROWS - 1
 
 
+@pytest.mark.parametrize(("make", "match"), [
+    # unhashable modes once reached the MODES dict raw (TypeError: unhashable type)
+    (lambda s: et.EmbeddingBag(s, "t", mode=np.array("sum")), "mode must be one of"),
+    (lambda s: et.EmbeddingBag(s, "t", mode=["sum"]), "mode must be one of"),
+    (lambda s: et.EmbeddingBagCollection(s, {"a": "t"}, mode=np.array("sum")),
+     "mode must be one of"),
+    (lambda s: et.EmbeddingBagCollection(s, {"a": "t"}, mode=["sum"]), "mode must be one of"),
+    # non-bools were read for their truth: "no" was True
+    (lambda s: et.EmbeddingBag(s, "t", include_last_offset="no"), "include_last_offset"),
+    (lambda s: et.EmbeddingBag(s, "t", include_last_offset=1), "include_last_offset"),
+    (lambda s: et.EmbeddingBag(s, "t", include_last_offset=None), "include_last_offset"),
+    (lambda s: et.EmbeddingBag(s, "t", include_last_offset=np.True_), "include_last_offset"),
+    # a table name that is no str (a sharded store's dict lookup of it raised TypeError)
+    (lambda s: et.EmbeddingBag(s, ["t"]), "table must be a table name"),
+    (lambda s: et.Embedding(s, ["t"]), "table must be a table name"),
+], ids=["bag-mode-ndarray", "bag-mode-list", "ebc-mode-ndarray",
+        "ebc-mode-list", "last-offset-str", "last-offset-int", "last-offset-none",
+        "last-offset-np-bool", "bag-table-list", "embedding-table-list"])
+def test_bad_construction_argument_types(make, match):
+    store = _store(embstore.optim.SGD(lr=0.1))
+    with pytest.raises(ConfigError, match=match):
+        make(store)
+    assert store.num_rows("t") == 0
+
+
+@pytest.mark.parametrize("module", ["bag", "ebc"])
+def test_a_str_subclass_mode_is_kept_as_a_plain_str(module):
+    store = _store(embstore.optim.SGD(lr=0.1))
+    mode = np.str_("max")
+    m = (et.EmbeddingBag(store, "t", mode=mode) if module == "bag"
+         else et.EmbeddingBagCollection(store, {"a": "t"}, mode=mode))
+    assert type(m.mode) is str and m.mode == "max"
+
+
 def test_model_state_dict_holds_only_the_dense_part(tmp_path):
     store = _store(embstore.optim.SGD(lr=0.1), path=tmp_path / "s")
     model = torch.nn.ModuleDict({"bag": et.EmbeddingBag(store, "t", mode="sum"),

@@ -272,6 +272,24 @@ def test_bad_settings_are_refused():
         next(pipe)
 
 
+@pytest.mark.parametrize(("setting", "match"), [
+    # read for their truth before: "no" staged rows and kept them exact
+    ({"exact": "no"}, "exact must be True or False"),
+    ({"exact": 0}, "exact must be True or False"),
+    ({"exact": None}, "exact must be True or False"),
+    ({"exact": np.False_}, "exact must be True or False"),
+    ({"stage_rows": "no"}, "stage_rows must be True, False or None"),
+    ({"stage_rows": 1}, "stage_rows must be True, False or None"),
+    ({"stage_rows": np.True_}, "stage_rows must be True, False or None"),
+], ids=["exact-str", "exact-int", "exact-none", "exact-np-bool", "stage-rows-str",
+        "stage-rows-int", "stage-rows-np-bool"])
+def test_non_bool_switches_are_refused(setting, match):
+    before = set(_pipeline_threads())
+    with pytest.raises(embstore.errors.ConfigError, match=match):
+        et.TrainPipeline([1], inputs=lambda b: {}, **setting)
+    assert set(_pipeline_threads()) <= before  # refused before any thread started
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_staging_is_bit_identical_to_the_cpu_loop():
