@@ -11,18 +11,21 @@ a logical clock, the batch counter, so runs are reproducible) and randomness com
 from __future__ import annotations
 
 import inspect
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from ._named import number_setting
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .index import IdIndex
 
-__all__ = ["AdmissionPolicy", "EvictionPolicy", "Policy", "SupportsSharedIndex", "whole_setting"]
+__all__ = ["AdmissionPolicy", "EvictionPolicy", "Policy", "SupportsSharedIndex", "real_setting",
+           "whole_setting"]
 
 P = TypeVar("P", bound="Policy")
 
@@ -45,6 +48,31 @@ def whole_setting(owner: str, setting: str, value: Any, least: int, most: int) -
         raise ConfigError(f"{owner} {setting} must be a whole number in [{least}, {most}], "
                           f"got {value!r}")
     return int(value)
+
+
+def real_setting(owner: str, setting: str, value: Any, low: float, high: float = math.inf, *,
+                 low_open: bool = False, high_open: bool = False) -> float:
+    """`value` as a finite float in [low, high]: a real-number setting of policy `owner`.
+
+    `low_open`, `high_open`: the bound itself is out of range (an open end of the interval);
+    with no `high` any finite number from `low` up is taken.
+
+    Raises:
+        ConfigError: a bool (True is an int to Python, but no share or period), a string or
+            anything else that is not a number, NaN or infinity, or out of range.
+    """
+    interval = (("(" if low_open else "[") + f"{low:g}, {high:g}"
+                + (")" if high_open or high == math.inf else "]"))
+    try:
+        number = number_setting(f"{owner} {setting}", value)
+    except ConfigError:
+        number = math.nan  # not a number: refused below, with the range in the message
+    if not (math.isfinite(number)
+            and (low < number if low_open else low <= number)
+            and (number < high if high_open else number <= high)):
+        raise ConfigError(f"{owner} {setting} must be a finite number in {interval}, got "
+                          f"{value!r}")
+    return number
 
 
 class Policy(ABC):

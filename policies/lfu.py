@@ -8,7 +8,7 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from embstore.errors import ConfigError
-from embstore.policy import whole_setting
+from embstore.policy import real_setting, whole_setting
 
 from ._hashing import positions
 from ._tracked import Tracked, TrackedEviction, count_accesses, smallest
@@ -16,6 +16,11 @@ from ._tracked import Tracked, TrackedEviction, count_accesses, smallest
 __all__ = ["LFUEviction"]
 
 _HISTORY_ROWS = 4
+# Shortest aging period. `now` is the tier's batch counter (an int64), so now / period stays
+# below 2**63 * 1e6 ~ 9e24, far from float's overflow (1.8e308) that math.floor could not
+# take (5e-324 overflowed on the first call). A shorter period would only zero every count
+# at each call anyway: 0.5 ** 1e6 is 0.0.
+_MIN_AGING_PERIOD = 1e-6
 
 
 @final
@@ -37,7 +42,8 @@ class LFUEviction(TrackedEviction):
     not only over the resident ones. The default, 2**18 counters per row, costs 4 MiB.
 
     Args:
-        aging_period: time between agings, in units of `now`; None disables aging.
+        aging_period: time between agings, in units of `now`, at least 1e-6; None disables
+            aging.
         aging_factor: multiplier applied to every count each period, in (0, 1].
         history_width: counters per row of the evicted-count sketch, a power of two; None
             keeps no history (plain in-cache LFU).
@@ -51,10 +57,14 @@ class LFUEviction(TrackedEviction):
 
     def __init__(self, *, aging_period: float | None = 1000.0, aging_factor: float = 0.5,
                  history_width: int | None = 1 << 18, seed: int = 0) -> None:
-        if aging_period is not None and not aging_period > 0:
-            raise ConfigError(f"LFUEviction aging_period must be > 0 or None, got {aging_period!r}")
-        if not 0 < aging_factor <= 1:
-            raise ConfigError(f"LFUEviction aging_factor must be in (0, 1], got {aging_factor!r}")
+        if aging_period is not None:
+            try:
+                aging_period = real_setting("LFUEviction", "aging_period", aging_period,
+                                            _MIN_AGING_PERIOD)
+            except ConfigError as exc:  # name the way to turn aging off, too
+                raise ConfigError(f"{exc}; None disables aging") from None
+        aging_factor = real_setting("LFUEviction", "aging_factor", aging_factor, 0, 1,
+                                    low_open=True)
         if history_width is not None:
             history_width = whole_setting("LFUEviction", "history_width", history_width, 1,
                                           2**32)

@@ -6,8 +6,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
-from embstore.errors import ConfigError
-from embstore.policy import AdmissionPolicy
+from embstore.policy import AdmissionPolicy, real_setting
 
 __all__ = ["ProbabilityAdmission"]
 
@@ -25,14 +24,14 @@ class ProbabilityAdmission(AdmissionPolicy):
         seed: seeds the numpy Generator.
 
     Raises:
-        ConfigError: `p` is outside [0, 1].
+        ConfigError: `p` is not a number in [0, 1].
     """
 
     name: ClassVar[str] = "probability"
 
     def __init__(self, *, p: float = 0.1, seed: int = 0) -> None:
-        if not 0 <= p <= 1:
-            raise ConfigError(f"ProbabilityAdmission p must be in [0, 1], got {p!r}")
+        # a real number: True would pass 0 <= p <= 1 as 1 and admit everything
+        p = real_setting("ProbabilityAdmission", "p", p, 0, 1)
         super().__init__(seed=seed)
         self.p = float(p)
 

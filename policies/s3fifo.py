@@ -6,8 +6,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
-from embstore.errors import ConfigError
-from embstore.policy import whole_setting
+from embstore.policy import real_setting, whole_setting
 
 from ._tracked import SlotLog, Tracked, TrackedEviction, count_accesses_saturating
 
@@ -34,7 +33,7 @@ class S3FIFOEviction(TrackedEviction):
 
     Args:
         small_ratio: share of the tracked ids the small queue may hold, in (0, 1).
-        ghost_ratio: ghost entries kept, as a multiple of the tracked ids, >= 0.
+        ghost_ratio: ghost entries kept, as a multiple of the tracked ids, finite and >= 0.
         move_to_main_threshold: accesses in S that earn a move to M (1 in the paper's code).
         seed: kept for the common interface; S3-FIFO uses no randomness.
 
@@ -46,10 +45,12 @@ class S3FIFOEviction(TrackedEviction):
 
     def __init__(self, *, small_ratio: float = 0.1, ghost_ratio: float = 0.9,
                  move_to_main_threshold: int = 1, seed: int = 0) -> None:
-        if not 0 < small_ratio < 1:
-            raise ConfigError(f"S3FIFOEviction small_ratio must be in (0, 1), got {small_ratio!r}")
-        if not ghost_ratio >= 0:
-            raise ConfigError(f"S3FIFOEviction ghost_ratio must be >= 0, got {ghost_ratio!r}")
+        small_ratio = real_setting("S3FIFOEviction", "small_ratio", small_ratio, 0, 1,
+                                   low_open=True, high_open=True)
+        # finite: the ghost queue's size, int(ghost_ratio * tracked), is taken at every
+        # eviction, and int(inf) would fail there after the tier had changed. Any finite
+        # ratio is exact there; a large one only means "remember every evicted id".
+        ghost_ratio = real_setting("S3FIFOEviction", "ghost_ratio", ghost_ratio, 0)
         move_to_main_threshold = whole_setting("S3FIFOEviction", "move_to_main_threshold",
                                                move_to_main_threshold, 1, _MAX_FREQ)
         super().__init__(seed=seed)

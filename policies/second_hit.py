@@ -7,8 +7,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
-from embstore.errors import ConfigError
-from embstore.policy import AdmissionPolicy, whole_setting
+from embstore.policy import AdmissionPolicy, real_setting, whole_setting
 
 from ._hashing import positions
 
@@ -38,8 +37,8 @@ class SecondHitAdmission(AdmissionPolicy):
 
     def __init__(self, *, capacity: int = 1 << 20, fp_rate: float = 0.01, seed: int = 0) -> None:
         capacity = whole_setting("SecondHitAdmission", "capacity", capacity, 1, 2**40)
-        if not 0 < fp_rate < 1:
-            raise ConfigError(f"SecondHitAdmission fp_rate must be in (0, 1), got {fp_rate!r}")
+        fp_rate = real_setting("SecondHitAdmission", "fp_rate", fp_rate, 0, 1, low_open=True,
+                               high_open=True)
         super().__init__(seed=seed)
         self.capacity = int(capacity)
         self.fp_rate = float(fp_rate)

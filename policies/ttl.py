@@ -7,6 +7,7 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from embstore.errors import ConfigError
+from embstore.policy import real_setting
 
 from ._recency import RecencyEviction
 
@@ -21,19 +22,21 @@ class TTLEviction(RecencyEviction):
     time <= now - ttl. `now` must never decrease (it is the tier's logical clock).
 
     Args:
-        ttl: idle time after which an id expires, in the units of `now`; must be > 0.
+        ttl: idle time after which an id expires, in the units of `now`; finite and > 0.
         seed: kept for the common interface; TTL uses no randomness.
 
     Raises:
-        ConfigError: `ttl` is not positive.
+        ConfigError: `ttl` is not a finite positive number.
     """
 
     name: ClassVar[str] = "ttl"
 
     def __init__(self, *, ttl: float = 1000.0, seed: int = 0) -> None:
-        if not ttl > 0:
-            raise ConfigError(f"TTLEviction ttl must be > 0, got {ttl!r}; pass the idle time "
-                             "after which an id expires, in units of `now`")
+        try:
+            ttl = real_setting("TTLEviction", "ttl", ttl, 0, low_open=True)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; pass the idle time after which an id expires, in units "
+                              "of `now`") from None
         super().__init__(seed=seed)
         self.ttl = float(ttl)
 

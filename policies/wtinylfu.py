@@ -8,6 +8,7 @@ import numpy as np
 
 from embstore._unique import unique_sorted
 from embstore.errors import ConfigError
+from embstore.policy import real_setting
 
 from ._hashing import sketch_count, sketch_estimate, sketch_halve
 from ._tracked import SlotLog, Tracked, TrackedEviction, slots_by_id
@@ -89,25 +90,21 @@ class WTinyLFUEviction(TrackedEviction):
                  climb: bool = True, step: float = 0.0625, sample_factor: float = 0.5,
                  sketch_factor: float = 40.0, hold_new: bool = False,
                  seed: int = 0) -> None:
-        if not 0 <= window_share < 1:
-            raise ConfigError(f"WTinyLFUEviction window_share must be in [0, 1), got "
-                              f"{window_share!r}")
-        if not 0 <= protected_share <= 1:
-            raise ConfigError(f"WTinyLFUEviction protected_share must be in [0, 1], got "
-                              f"{protected_share!r}")
-        if not 0 < step < 1:
-            raise ConfigError(f"WTinyLFUEviction step must be in (0, 1), got {step!r}")
-        if not sketch_factor > 0:
-            raise ConfigError(f"WTinyLFUEviction sketch_factor must be > 0, got "
-                              f"{sketch_factor!r}")
+        window_share = real_setting("WTinyLFUEviction", "window_share", window_share, 0, 1,
+                                    high_open=True)
+        protected_share = real_setting("WTinyLFUEviction", "protected_share", protected_share,
+                                       0, 1)
+        step = real_setting("WTinyLFUEviction", "step", step, 0, 1, low_open=True,
+                            high_open=True)
+        sketch_factor = real_setting("WTinyLFUEviction", "sketch_factor", sketch_factor, 0,
+                                     low_open=True)
         for setting, value in (("climb", climb), ("hold_new", hold_new)):
             if not (isinstance(value, bool | np.bool_) or
                     (isinstance(value, int) and value in (0, 1))):
                 raise ConfigError(f"WTinyLFUEviction {setting} must be true or false, got "
                                   f"{value!r}")
-        if not sample_factor > 0:
-            raise ConfigError(f"WTinyLFUEviction sample_factor must be > 0, got "
-                              f"{sample_factor!r}")
+        sample_factor = real_setting("WTinyLFUEviction", "sample_factor", sample_factor, 0,
+                                     low_open=True)
         super().__init__(seed=seed)
         self.window_share = float(window_share)
         self.protected_share = float(protected_share)

@@ -222,6 +222,40 @@ def test_whole_number_settings_refuse_fractions_bools_and_huge_values(
         registry.load_policy(name)(**{setting: value})
 
 
+@pytest.mark.parametrize(("name", "setting", "value"), [
+    ("lfu", "aging_period", 5e-324), ("lfu", "aging_period", 1e-7),
+    ("lfu", "aging_period", True), ("lfu", "aging_period", float("inf")),
+    ("lfu", "aging_period", "10"), ("lfu", "aging_factor", True),
+    ("lfu", "aging_factor", float("nan")), ("s3fifo", "ghost_ratio", float("inf")),
+    ("s3fifo", "ghost_ratio", True), ("s3fifo", "small_ratio", "0.1"),
+    ("probability", "p", True), ("probability", "p", False), ("probability", "p", "0.5"),
+    ("ttl", "ttl", True), ("ttl", "ttl", float("inf")), ("second_hit", "fp_rate", False),
+    ("wtinylfu", "protected_share", True), ("wtinylfu", "sketch_factor", float("inf")),
+    ("wtinylfu", "sample_factor", float("inf")), ("wtinylfu", "step", "0.1"),
+])
+def test_real_number_settings_refuse_bools_strings_and_non_finite_values(
+        name: str, setting: str, value: object) -> None:
+    # True is an int to Python (1), and an infinite ratio or a period of 5e-324 only failed
+    # later, with an OverflowError on every call of the tier
+    with pytest.raises(ConfigError, match=f"{setting} must be a finite number in "):
+        registry.load_policy(name)(**{setting: value})
+
+
+def test_the_shortest_lfu_aging_period_ages_at_any_clock_without_overflow() -> None:
+    lfu = registry.load_policy("lfu")(aging_period=1e-6, history_width=None)
+    ids = ids_of(1, 2, 3)
+    lfu.record_insert(ids, 0)
+    for now in (1, 2**40, 2**63 - 1):  # the tier's clock is an int64 batch counter
+        lfu.record_access(ids_of(1), now)
+    assert len(lfu.choose_victims(1, 2**63 - 1)) == 1
+
+
+def test_s3fifo_with_a_huge_finite_ghost_ratio_evicts() -> None:
+    s3 = registry.load_policy("s3fifo")(ghost_ratio=1e300)
+    s3.record_insert(np.arange(10, dtype=np.int64), 0)
+    assert len(s3.choose_victims(3, 1)) == 3
+
+
 def test_a_store_whose_manifest_holds_a_whole_float_setting_still_opens(tmp_path) -> None:
     # manifests keep settings as given; one written as 2.0 before settings were checked as
     # whole numbers must still open (and the setting reads as the int)

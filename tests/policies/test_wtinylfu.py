@@ -105,7 +105,9 @@ def test_wtinylfu_is_close_to_the_best_fixed_policy_on_the_calibrated_trace() ->
 @pytest.mark.parametrize("setting", [{"window_share": 1.0}, {"protected_share": -0.1},
                                      {"step": 0.0}, {"sample_factor": 0},
                                      {"sketch_factor": -1}, {"climb": "false"},
-                                     {"hold_new": 2}])
+                                     {"hold_new": 2}, {"protected_share": True},
+                                     {"window_share": "0.1"},
+                                     {"sketch_factor": float("inf")}])
 def test_bad_settings_are_config_errors(setting: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="WTinyLFUEviction"):
         registry.load_policy("wtinylfu")(**setting)
