@@ -19,7 +19,7 @@ from embstore.errors import ConfigError, StoreNotFoundError
 
 from ._keys import decode_keys, decode_values
 
-__all__ = ["KeyValueBackend", "check_table_meta", "missing_medium", "table_meta"]
+__all__ = ["KeyValueBackend", "check_table_meta", "flag_option", "missing_medium", "table_meta"]
 
 FORMAT = 1  # of the per-table metadata record
 
@@ -33,6 +33,20 @@ def missing_medium(what: str, directory: object) -> StoreNotFoundError:
     return StoreNotFoundError(
         f"no {what} in {directory}: never made, or its files were removed or lost (`embstore "
         "fsck STORE` checks a store); a read-only open makes none")
+
+
+def flag_option(backend: str, option: str, value: Any) -> bool:
+    """`value` of the True/False option `option` of `backend`, as a bool.
+
+    0 and 1 (numpy's too) are taken as well: stores made when any truthy value turned the
+    option on hold them in their manifests, and must still open.
+
+    Raises:
+        ConfigError: anything else; bool("no") is True, so a string is never read as one.
+    """
+    if not (isinstance(value, (bool, np.bool_, int, np.integer)) and value in (0, 1)):
+        raise ConfigError(f"{backend} option {option} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def table_meta(spec: BackendSpec) -> dict[str, Any]:

@@ -62,7 +62,7 @@ from ._keys import (
     encode_values,
     record_dtype,
 )
-from ._kv import KeyValueBackend, check_table_meta, missing_medium, table_meta
+from ._kv import KeyValueBackend, check_table_meta, flag_option, missing_medium, table_meta
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "FILE_MODE", "PAYLOAD_OFFSET", "VALUE_LAYOUT",
            "LMDBBackend"]
@@ -75,6 +75,16 @@ _HANDLES: SharedHandles[lmdb.Environment] = SharedHandles("lmdb")
 _SYNCED: dict[str, int] = {}
 """Per open environment (by directory), the last transaction a flush synced."""
 T = TypeVar("T")
+# Upper bounds of the options LMDB's C API takes. Past them py-lmdb raised an OverflowError
+# (it passes them as C ints; map sizes as size_t), which read as a damaged store.
+_SIZE_T_MAX: Final = 2**64 - 1
+# max_dbs (MDB_dbi, an unsigned int): LMDB allocates ~50 bytes per named database for the
+# environment and again for every transaction, so 2**31 - 1 failed with ENOMEM, and 2**20
+# (50 MiB) is still far more tables than a store opens.
+_MAX_TABLES: Final = 1 << 20
+# max_readers (unsigned int): each slot is 64 bytes of lock.mdb, which every process maps;
+# 2**31 - 1 made a 128 GiB lock file.
+_MAX_READERS: Final = 1 << 20
 
 
 @final
@@ -134,6 +144,12 @@ class LMDBBackend(KeyValueBackend):
             _HANDLES.release(self._key, _close_env)
             raise
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        # docstring inherited
+        super().check_options(options)
+        cls._check_options(**options)  # checked apart from the files: a manifest's too
+
     @staticmethod
     def _check_options(*, map_size_bytes: int = 1 << 30,
                        max_map_size_bytes: int = 1 << 40, sync_commits: bool = True,
@@ -144,18 +160,20 @@ class LMDBBackend(KeyValueBackend):
         Raises:
             ConfigError: an invalid option.
         """
-        for opt, value, low in (("map_size_bytes", map_size_bytes, 1 << 16),
-                                ("max_map_size_bytes", max_map_size_bytes, map_size_bytes),
-                                ("max_tables", max_tables, 2),
-                                ("max_readers", max_readers, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"lmdb option {opt} must be an int >= {low}, got {value!r}")
+        for opt, value, low, high in (
+                ("map_size_bytes", map_size_bytes, 1 << 16, _SIZE_T_MAX),
+                ("max_map_size_bytes", max_map_size_bytes, map_size_bytes, _SIZE_T_MAX),
+                ("max_tables", max_tables, 2, _MAX_TABLES),
+                ("max_readers", max_readers, 1, _MAX_READERS)):
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ConfigError(f"lmdb option {opt} must be an int from {low} to {high}, got "
+                                  f"{value!r}")
         return (("map_size_bytes", map_size_bytes),
                 ("max_map_size_bytes", max_map_size_bytes),
-                ("sync_commits", bool(sync_commits)),
+                ("sync_commits", flag_option("lmdb", "sync_commits", sync_commits)),
                 ("max_tables", max_tables),
                 ("max_readers", max_readers),
-                ("readahead", bool(readahead)))
+                ("readahead", flag_option("lmdb", "readahead", readahead)))
 
     # --- opening --------------------------------------------------------------------------
 

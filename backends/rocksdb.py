@@ -56,7 +56,7 @@ from ._keys import (
     encode_values,
     record_dtype,
 )
-from ._kv import KeyValueBackend, check_table_meta, missing_medium, table_meta
+from ._kv import KeyValueBackend, check_table_meta, flag_option, missing_medium, table_meta
 from ._rocksdb_read import check_log_framing, db_files, error_text, open_read_only
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend",
@@ -79,6 +79,16 @@ _HANDLES: SharedHandles[_Shared] = SharedHandles("rocksdb")
 _FILE_OPENING_THREADS: Final = 16
 _MAX_MANIFEST_BYTES: Final = 64 << 20
 _COLD_READ_THREADS: Final = 16  # the default: the most the VM's disk gained from (cold reads)
+# Upper bounds of the size options, each what RocksDB takes as given. Past them rocksdict
+# raised an OverflowError on open, which read as a damaged store, or RocksDB clipped the value.
+_SIZE_T_MAX: Final = 2**64 - 1  # cache capacities are size_t
+_MAX_BLOOM_BITS: Final = 100  # RocksDB's bloom filter uses 100 bits per key for any more
+_MAX_WRITE_BUFFER: Final = 64 << 30  # RocksDB clips write_buffer_size to 64 GiB
+_MAX_BLOCK_SIZE: Final = 2**32 - 1  # RocksDB refuses blocks of 4 GiB and more (uint32 offsets)
+# max_background_jobs is a C int, but RocksDB starts that many threads when it opens the
+# database and keeps them for the life of the process (2000 jobs: 2000 threads); near int's
+# maximum the process would die starting them. Far more than any disk has work for.
+_MAX_BACKGROUND_JOBS: Final = 1024
 
 
 def _make_options(settings: tuple[tuple[str, Any], ...], cache: Any, *, db: bool = False,
@@ -127,18 +137,21 @@ def _settings(block_cache_bytes: int = 128 << 20, row_cache_bytes: int = 64 << 2
     Raises:
         ConfigError: an invalid option.
     """
-    if compression not in _COMPRESSION:
+    # a string first: a list is no key of the table (unhashable), a TypeError otherwise
+    if not isinstance(compression, str) or compression not in _COMPRESSION:
         raise ConfigError(
             f"rocksdb compression must be one of {sorted(_COMPRESSION)}, got {compression!r}"
         )
-    for opt, value, low in (("block_cache_bytes", block_cache_bytes, 1 << 20),
-                            ("row_cache_bytes", row_cache_bytes, 0),
-                            ("bloom_bits_per_key", bloom_bits_per_key, 0),
-                            ("write_buffer_bytes", write_buffer_bytes, 1 << 16),
-                            ("block_size_bytes", block_size_bytes, 512),
-                            ("max_background_jobs", max_background_jobs, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ConfigError(f"rocksdb option {opt} must be an int >= {low}, got {value!r}")
+    for opt, value, low, high in (
+            ("block_cache_bytes", block_cache_bytes, 1 << 20, _SIZE_T_MAX),
+            ("row_cache_bytes", row_cache_bytes, 0, _SIZE_T_MAX),
+            ("bloom_bits_per_key", bloom_bits_per_key, 0, _MAX_BLOOM_BITS),
+            ("write_buffer_bytes", write_buffer_bytes, 1 << 16, _MAX_WRITE_BUFFER),
+            ("block_size_bytes", block_size_bytes, 512, _MAX_BLOCK_SIZE),
+            ("max_background_jobs", max_background_jobs, 1, _MAX_BACKGROUND_JOBS)):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ConfigError(f"rocksdb option {opt} must be an int from {low} to {high}, got "
+                              f"{value!r}")
     if not isinstance(mmap_reads, bool):
         raise ConfigError(f"rocksdb option mmap_reads must be True or False, got {mmap_reads!r}")
     if (isinstance(memtable_bloom_ratio, bool)
@@ -261,11 +274,7 @@ class RocksDBBackend(KeyValueBackend):
         settings = dict(options)
         sync_writes = settings.pop("sync_writes", False)
         _check_cold_read_threads(settings.pop("cold_read_threads", _COLD_READ_THREADS))
-        # 0 and 1 too: stores made when any truthy value turned it on must still open
-        if not (isinstance(sync_writes, (bool, np.bool_, int, np.integer))
-                and sync_writes in (0, 1)):
-            raise ConfigError(f"rocksdb option sync_writes must be True or False, got "
-                              f"{sync_writes!r}")
+        flag_option("rocksdb", "sync_writes", sync_writes)
         _settings(**settings)
 
     def __init__(self, spec: BackendSpec, *, block_cache_bytes: int = 128 << 20,

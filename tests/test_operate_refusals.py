@@ -175,6 +175,8 @@ def test_info_names_a_cache_tier_by_its_backend_even_where_it_leaves_it_shut(tmp
 @pytest.mark.parametrize(("options", "words"), [
     ({"zz": 1}, "unknown rocksdb backend option"), ({"block_cache_bytes": -1}, "block_cache_bytes"),
     ({"sync_writes": "no"}, "sync_writes"), ({"cold_read_threads": 0}, "cold_read_threads"),
+    ({"block_cache_bytes": 10**30}, "block_cache_bytes must be an int from"),
+    ({"compression": ["none"]}, "compression must be one of"),
 ])
 def test_a_bad_backend_option_in_the_manifest_is_named_by_fsck_and_the_rewrites(
         store, capsys, options, words):
@@ -184,6 +186,38 @@ def test_a_bad_backend_option_in_the_manifest_is_named_by_fsck_and_the_rewrites(
     findings = embstore.fsck.check(store)
     assert len(findings) == 1 and words in findings[0].message, findings
     _refused(["compact", str(store)], capsys, words)
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"max_tables": 2**31}, "max_tables must be an int from 2 to"),
+    ({"max_readers": 2**31}, "max_readers must be an int from 1 to"),
+    ({"sync_commits": "no"}, "sync_commits must be True or False"),
+    ({"readahead": "no"}, "readahead must be True or False"),
+])
+def test_a_bad_lmdb_option_in_the_manifest_is_named_by_fsck_and_open(tmp_path, options, words):
+    path = tmp_path / "s"
+    tiers = [TierSpec("dram", capacity=8), TierSpec("lmdb")]
+    with embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=tiers) as s:
+        s.update("t", np.arange(40), np.ones((40, 4), np.float32))
+    doc = read_manifest(path)
+    doc["tiers"][1]["options"] = options
+    write_manifest(path, doc)
+    findings = embstore.fsck.check(path)
+    assert len(findings) == 1 and words in findings[0].message, findings
+    with pytest.raises(E.ConfigError, match=words):
+        embstore.open(path)
+
+
+def test_a_store_made_with_lmdb_flags_as_0_or_1_still_opens_and_rewrites(tmp_path, capsys):
+    # bool() of any value turned them on once: stores holding 0 or 1 must still open
+    for value in (0, 1):
+        path = tmp_path / f"s{value}"
+        tiers = [TierSpec("lmdb", options={"sync_commits": value, "readahead": value})]
+        with embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=tiers) as s:
+            s.update("t", np.arange(4), np.ones((4, 4), np.float32))
+        assert main(["compact", str(path)]) == 0
+        with embstore.open(path, read_only=True) as reader:
+            np.testing.assert_array_equal(reader.lookup("t", [3]), np.ones((1, 4), np.float32))
 
 
 def test_fsck_names_the_rocksdb_manifest_that_is_missing(store):

@@ -46,10 +46,28 @@ def _rows(n: int, seed: int = 0) -> np.ndarray:
 
 @pytest.mark.parametrize("bad", [{"map_size_bytes": 1000}, {"max_tables": 1},
                                  {"max_map_size_bytes": 1 << 16, "map_size_bytes": 1 << 20},
-                                 {"max_readers": 0}, {"no_such_option": 1}])
+                                 {"max_readers": 0}, {"no_such_option": 1},
+                                 # past what LMDB's C API takes: an OverflowError, or ENOMEM,
+                                 # read as a damaged store
+                                 {"max_tables": 2**31}, {"max_tables": 2**31 - 1},
+                                 {"max_readers": 2**31},
+                                 {"map_size_bytes": 2**64, "max_map_size_bytes": 2**64},
+                                 {"max_map_size_bytes": 2**64},
+                                 # bool("no") is True: no string is read as a flag
+                                 {"sync_commits": "no"}, {"readahead": "no"},
+                                 {"sync_commits": 2}, {"readahead": None}])
 def test_invalid_options_raise_config_error(tmp_path, bad):
     with pytest.raises(ConfigError):
         _open(tmp_path / "tier", **bad)
+    assert not (tmp_path / "tier").exists()
+
+
+@pytest.mark.parametrize("option", ["sync_commits", "readahead"])
+@pytest.mark.parametrize("value", [0, 1, np.bool_(True)])
+def test_flags_given_as_0_or_1_still_open_as_bools(tmp_path, option, value):
+    # any truthy value turned them on once: stores holding 0 or 1 must still open
+    with _open(tmp_path / "tier", **{option: value}) as b:
+        assert dict(b._settings)[option] is bool(value)
 
 
 def test_files_are_created_with_mode_0600(tmp_path):

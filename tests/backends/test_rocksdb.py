@@ -66,10 +66,26 @@ def _key(i: int) -> bytes:
                                  {"memtable_bloom_ratio": -0.1},
                                  {"memtable_bloom_ratio": True},
                                  {"memtable_bloom_ratio": float("nan")},
-                                 {"memtable_bloom_ratio": "0.1"}])
+                                 {"memtable_bloom_ratio": "0.1"},
+                                 # past what RocksDB's option types hold or RocksDB uses: an
+                                 # OverflowError read as a damaged store, or a clipped value
+                                 {"block_cache_bytes": 10**30}, {"row_cache_bytes": 2**64},
+                                 {"write_buffer_bytes": 10**30},
+                                 {"write_buffer_bytes": (64 << 30) + 1},
+                                 {"block_size_bytes": 2**32}, {"max_background_jobs": 2**31},
+                                 {"max_background_jobs": 1025}, {"bloom_bits_per_key": 101},
+                                 {"bloom_bits_per_key": 10**400},
+                                 {"compression": ["none"]}])
 def test_invalid_options_raise_config_error(tmp_path, bad):
     with pytest.raises(ConfigError):
         _open(tmp_path / "tier", **bad)
+
+
+def test_an_option_out_of_range_names_the_range_and_makes_nothing(tmp_path):
+    with pytest.raises(ConfigError, match=r"block_size_bytes must be an int from 512 to "
+                                          r"4294967295, got 4294967296"):
+        _open(tmp_path / "tier", block_size_bytes=2**32)
+    assert not (tmp_path / "tier").exists()
 
 
 def test_no_path_raises_config_error():
@@ -82,6 +98,7 @@ def test_no_path_raises_config_error():
     {"sync_writes": True, "block_size_bytes": 16384, "write_buffer_bytes": 1 << 20},
     {"mmap_reads": True},
     {"memtable_bloom_ratio": 0.1, "write_buffer_bytes": 1 << 16},
+    {"block_size_bytes": 2**32 - 1, "bloom_bits_per_key": 100},  # the largest RocksDB takes
 ])
 def test_other_options_store_and_reopen_the_rows(tmp_path, options):
     ids = np.arange(-500, 500, dtype=np.int64) * 7919
