@@ -485,6 +485,9 @@ def _fail(exc: lmdb.Error, what: str) -> NoReturn:
         raise ConfigError(
             f"{what}: the LMDB environment holds more tables than its max_tables option "
             f"allows ({exc}); raise the lmdb tier's max_tables option") from exc
+    if isinstance(exc, lmdb.MemoryError):  # a map the address space or the OS cannot give
+        raise CapacityError(f"{what}: {exc}", hint="lower the lmdb tier's map_size_bytes "
+                            "(and max_map_size_bytes) to what this machine can map") from exc
     if isinstance(exc, lmdb.MapFullError):
         raise CapacityError(f"{what}: {exc}", hint="raise the tier's max_map_size_bytes option") \
             from exc

@@ -102,6 +102,12 @@ def test_a_write_past_the_maximum_map_size_raises_and_writes_nothing(tmp_path):
         np.testing.assert_array_equal(got, _rows(10))
 
 
+def test_a_map_larger_than_the_machine_can_give_is_a_capacity_error(tmp_path):
+    # 2**63 bytes fit LMDB's size_t, but no process's address space: ENOMEM, not damage
+    with pytest.raises(CapacityError, match="map_size_bytes"):
+        _open(tmp_path / "tier", map_size_bytes=1 << 63, max_map_size_bytes=1 << 63)
+
+
 def test_tables_of_one_directory_must_share_options(tmp_path):
     with _open(tmp_path / "tier", table="a"), pytest.raises(ConfigError, match="options"):
         _open(tmp_path / "tier", table="b", sync_commits=False)
