@@ -19,7 +19,8 @@ from embstore.errors import ConfigError, StoreNotFoundError
 
 from ._keys import decode_keys, decode_values
 
-__all__ = ["KeyValueBackend", "check_table_meta", "flag_option", "missing_medium", "table_meta"]
+__all__ = ["KeyValueBackend", "check_table_meta", "flag_option", "int_option", "missing_medium",
+           "table_meta"]
 
 FORMAT = 1  # of the per-table metadata record
 
@@ -47,6 +48,20 @@ def flag_option(backend: str, option: str, value: Any) -> bool:
     if not (isinstance(value, (bool, np.bool_, int, np.integer)) and value in (0, 1)):
         raise ConfigError(f"{backend} option {option} must be True or False, got {value!r}")
     return bool(value)
+
+
+def int_option(backend: str, option: str, value: Any, low: int, high: int) -> int:
+    """`value` of the whole-number option `option` of `backend`, checked to lie in [low, high].
+
+    A plain int only: options are kept in the manifest as JSON, and True is no count.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{backend} option {option} must be an int from {low} to {high}, got "
+                          f"{value!r}")
+    return value
 
 
 def table_meta(spec: BackendSpec) -> dict[str, Any]:

@@ -62,7 +62,14 @@ from ._keys import (
     encode_values,
     record_dtype,
 )
-from ._kv import KeyValueBackend, check_table_meta, flag_option, missing_medium, table_meta
+from ._kv import (
+    KeyValueBackend,
+    check_table_meta,
+    flag_option,
+    int_option,
+    missing_medium,
+    table_meta,
+)
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "FILE_MODE", "PAYLOAD_OFFSET", "VALUE_LAYOUT",
            "LMDBBackend"]
@@ -165,9 +172,7 @@ class LMDBBackend(KeyValueBackend):
                 ("max_map_size_bytes", max_map_size_bytes, map_size_bytes, _SIZE_T_MAX),
                 ("max_tables", max_tables, 2, _MAX_TABLES),
                 ("max_readers", max_readers, 1, _MAX_READERS)):
-            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-                raise ConfigError(f"lmdb option {opt} must be an int from {low} to {high}, got "
-                                  f"{value!r}")
+            int_option("lmdb", opt, value, low, high)
         return (("map_size_bytes", map_size_bytes),
                 ("max_map_size_bytes", max_map_size_bytes),
                 ("sync_commits", flag_option("lmdb", "sync_commits", sync_commits)),

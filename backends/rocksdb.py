@@ -56,7 +56,14 @@ from ._keys import (
     encode_values,
     record_dtype,
 )
-from ._kv import KeyValueBackend, check_table_meta, flag_option, missing_medium, table_meta
+from ._kv import (
+    KeyValueBackend,
+    check_table_meta,
+    flag_option,
+    int_option,
+    missing_medium,
+    table_meta,
+)
 from ._rocksdb_read import check_log_framing, db_files, error_text, open_read_only
 
 __all__ = ["CRC_OFFSET", "CRC_SIZE", "PAYLOAD_OFFSET", "VALUE_LAYOUT", "RocksDBBackend",
@@ -149,9 +156,7 @@ def _settings(block_cache_bytes: int = 128 << 20, row_cache_bytes: int = 64 << 2
             ("write_buffer_bytes", write_buffer_bytes, 1 << 16, _MAX_WRITE_BUFFER),
             ("block_size_bytes", block_size_bytes, 512, _MAX_BLOCK_SIZE),
             ("max_background_jobs", max_background_jobs, 1, _MAX_BACKGROUND_JOBS)):
-        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-            raise ConfigError(f"rocksdb option {opt} must be an int from {low} to {high}, got "
-                              f"{value!r}")
+        int_option("rocksdb", opt, value, low, high)
     if not isinstance(mmap_reads, bool):
         raise ConfigError(f"rocksdb option mmap_reads must be True or False, got {mmap_reads!r}")
     if (isinstance(memtable_bloom_ratio, bool)
@@ -168,14 +173,6 @@ def _settings(block_cache_bytes: int = 128 << 20, row_cache_bytes: int = 64 << 2
             ("max_background_jobs", max_background_jobs),
             ("mmap_reads", mmap_reads),
             ("memtable_bloom_ratio", float(memtable_bloom_ratio)))
-
-
-def _check_cold_read_threads(threads: Any) -> None:
-    # a plain int, as the manifest stores options as JSON
-    if (isinstance(threads, bool) or not isinstance(threads, int)
-            or not 1 <= threads <= _MAX_COLD_READ_THREADS):
-        raise ConfigError(f"rocksdb option cold_read_threads must be an int from 1 to "
-                          f"{_MAX_COLD_READ_THREADS}, got {threads!r}")
 
 
 def restrict_modes(directory: Path) -> None:
@@ -273,7 +270,9 @@ class RocksDBBackend(KeyValueBackend):
         super().check_options(options)
         settings = dict(options)
         sync_writes = settings.pop("sync_writes", False)
-        _check_cold_read_threads(settings.pop("cold_read_threads", _COLD_READ_THREADS))
+        int_option("rocksdb", "cold_read_threads",
+                   settings.pop("cold_read_threads", _COLD_READ_THREADS), 1,
+                   _MAX_COLD_READ_THREADS)
         flag_option("rocksdb", "sync_writes", sync_writes)
         _settings(**settings)
 
@@ -285,8 +284,8 @@ class RocksDBBackend(KeyValueBackend):
                  memtable_bloom_ratio: float = 0.0,
                  cold_read_threads: int = _COLD_READ_THREADS) -> None:
         super().__init__(spec)
-        _check_cold_read_threads(cold_read_threads)
-        self._cold_reads = ColdReads(cold_read_threads)
+        self._cold_reads = ColdReads(int_option("rocksdb", "cold_read_threads",
+                                                cold_read_threads, 1, _MAX_COLD_READ_THREADS))
         if spec.path is None:
             raise ConfigError("the rocksdb backend stores rows on disk: give its tier a path")
         self._settings = _settings(block_cache_bytes, row_cache_bytes, bloom_bits_per_key,

@@ -8,9 +8,8 @@ serves is CPU work instead, and more threads would only take turns on the cores.
 is split only while the table's reads go to the device: every read counts the blocks its
 threads fetched from it (the kernel's per-thread `ru_inblock`, in 512-byte units), and the
 next read of the table is split when the last one fetched at least `COLD_BLOCKS_PER_ROW` a
-row (the first read of a table splits).
-A read split on a warm cache finds no blocks fetched, so the one after runs on the calling
-thread again.
+row (the first read of a table splits). A read split on a warm cache finds no blocks
+fetched, so the one after runs on the calling thread again.
 
 The split changes nothing read: each chunk is a contiguous run of the sorted keys, read by the
 same call; the caller gets the values in key order. Where the OS keeps no per-thread block
@@ -20,13 +19,11 @@ counts (off Linux), reads are never split.
 from __future__ import annotations
 
 import itertools
-import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
-from ._parallel import run_split
+from ._parallel import ThreadPool, run_split
 
 try:
     import resource
@@ -46,31 +43,12 @@ of the chunk's work even when its rows turn out to be cached."""
 MAX_THREADS: Final = 256
 """Most threads one read may be split over (the caller and 255 of the pool's)."""
 
-_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-
-
-def _forget_pool_in_child() -> None:
-    # a child inherits the pool object but none of its threads, and perhaps a held lock
-    global _lock, _pool
-    _lock = threading.Lock()
-    _pool = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
+_READERS = ThreadPool("embstore-cold-read")
 
 
 def _executor() -> ThreadPoolExecutor:
-    """The process's pool of reading threads, made once: it starts threads as reads need them.
-
-    Never replaced while the process lives, so a read never submits to a pool shut down under it.
-    """
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(MAX_THREADS - 1, thread_name_prefix="embstore-cold-read")
-        return _pool
+    """The process's pool of reading threads, as many as a read may hand off (started lazily)."""
+    return _READERS.executor(MAX_THREADS - 1)
 
 
 def _blocks_fetched() -> int:

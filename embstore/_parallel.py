@@ -23,8 +23,8 @@ from typing import TypeVar
 
 from .errors import ConfigError
 
-__all__ = ["MIN_ROWS_PER_THREAD", "available_cores", "get_num_threads", "run_ranges",
-           "run_split", "set_num_threads"]
+__all__ = ["MIN_ROWS_PER_THREAD", "ThreadPool", "available_cores", "get_num_threads",
+           "run_ranges", "run_split", "set_num_threads"]
 
 MIN_ROWS_PER_THREAD = 8192
 _MAX_DEFAULT = 8
@@ -49,10 +49,7 @@ def _default_threads() -> int:
     return max(1, min(available_cores(), _MAX_DEFAULT))
 
 
-_lock = threading.Lock()
 _threads: int | None = None
-_pool: ThreadPoolExecutor | None = None
-_pool_workers = 0
 
 
 def get_num_threads() -> int:
@@ -75,26 +72,35 @@ def set_num_threads(n: int) -> None:
     _threads = n
 
 
-def _forget_pool_in_child() -> None:
-    # a child inherits the pool object but none of its threads, and perhaps a held lock
-    global _lock, _pool, _pool_workers
-    _lock, _pool, _pool_workers = threading.Lock(), None, 0
+class ThreadPool:
+    """A process-wide pool of threads, made larger when a caller needs more workers.
+
+    An outgrown pool is dropped, not shut down: a caller that holds it may still submit there,
+    and its threads end once it is idle and no longer referenced. A forked child, which
+    inherits the pool object but none of its threads (and perhaps a held lock), starts anew.
+    """
+
+    def __init__(self, thread_name_prefix: str) -> None:
+        self._prefix = thread_name_prefix
+        self._forget()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._workers = 0
+
+    def executor(self, workers: int) -> ThreadPoolExecutor:
+        """The pool, with at least `workers` threads (started as work needs them)."""
+        with self._lock:
+            if self._pool is None or self._workers < workers:
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix=self._prefix)
+                self._workers = workers
+            return self._pool
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_workers
-    with _lock:
-        if _pool is None or _pool_workers < workers:
-            # the old pool is dropped, not shut down: a caller that holds it may still
-            # submit there; its threads end once it is idle and no longer referenced
-            _pool = ThreadPoolExecutor(max_workers=workers,
-                                       thread_name_prefix="embstore-kernel")
-            _pool_workers = workers
-        return _pool
+_KERNELS = ThreadPool("embstore-kernel")
 
 
 def run_ranges(n: int, work: Callable[[int, int], T], *,
@@ -108,7 +114,7 @@ def run_ranges(n: int, work: Callable[[int, int], T], *,
     if parts <= 1:
         return [(0, work(0, n))]
     bounds = [n * k // parts for k in range(parts + 1)]
-    results = run_split(bounds, work, _executor(parts - 1))
+    results = run_split(bounds, work, _KERNELS.executor(parts - 1))
     return list(zip(bounds, results, strict=False))  # bounds has one more: the end
 
 

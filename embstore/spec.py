@@ -228,6 +228,7 @@ class TableSpec:
         if not isinstance(self.precision, str) or self.precision not in ("fp32", "fp16", "bf16"):
             raise ConfigError(f"table {self.name!r}: precision must be 'fp32', 'fp16' or "
                               f"'bf16', got {self.precision!r}")
+        object.__setattr__(self, "precision", str(self.precision))
         if self.precision != "fp32" and dtype != np.float32:
             raise ConfigError(f"table {self.name!r}: precision {self.precision!r} stores "
                               f"weights in 16 bits and computes in float32; leave dtype at "
@@ -247,7 +248,6 @@ class TableSpec:
                 raise ConfigError(
                     f"table {self.name!r}: tiers must be a non-empty list of TierSpec")
             object.__setattr__(self, "tiers", tiers)
-        object.__setattr__(self, "precision", str(self.precision))
         for part, what in ((self.init, "init"), (self.optimizer, "optimizer")):
             # NaN too: a constant NaN init is a setting of a table that allows it
             json_copy(part.config(), f"table {self.name!r}: its {what}'s config()",

@@ -100,12 +100,10 @@ def test_an_overflow_in_any_range_undoes_every_range(threads, bad_row):
         assert store.lookup("t", ids).tobytes() == before.tobytes()
 
 
-def test_a_pool_outgrown_by_a_larger_batch_still_takes_the_work_of_one_that_holds_it(
-        monkeypatch):
-    monkeypatch.setattr(_parallel, "_pool", None)
-    monkeypatch.setattr(_parallel, "_pool_workers", 0)
-    held = _parallel._executor(1)  # a batch split in two got this pool...
-    grown = _parallel._executor(3)  # ...while a larger batch made a larger one
+def test_a_pool_outgrown_by_a_larger_batch_still_takes_the_work_of_one_that_holds_it():
+    pools = _parallel.ThreadPool("test-kernel")
+    held = pools.executor(1)  # a batch split in two got this pool...
+    grown = pools.executor(3)  # ...while a larger batch made a larger one
     assert grown is not held
     got = _parallel.run_split([0, 5, 10, 15],
                               lambda a, b: (list(range(a, b)), threading.get_ident()), held)
