@@ -285,25 +285,45 @@ class WrittenIds:
         assert self._index is not None
         return self._index.find(np.ascontiguousarray(ids)) >= 0
 
-    def add(self, ids: np.ndarray, *, absent: bool = False) -> None:
+    def add(self, ids: np.ndarray, *, absent: bool = False) -> np.ndarray:
         """Record distinct `ids` as written (durable in the file from the next flush).
 
         `absent`: the caller saw `holds` deny every one of them (under the store's lock).
+        Returns the ids the record did not hold before, for `withdraw` if the write fails.
         """
         if self._bits is not None:
-            if not absent and not self._changed and self._bits[ids].all():
-                return  # the common case in training: rows written before
-            self._bits[ids] = True
+            if absent:
+                new = ids
+            else:
+                new = np.asarray(ids[~self._bits[ids]])
+                if not len(new):
+                    return new  # the common case in training: rows written before
+            self._bits[new] = True
             self._changed = True
-            return
+            return new
         assert self._index is not None
+        ids = np.ascontiguousarray(ids)
         if absent:
-            self._index.add_absent(np.ascontiguousarray(ids))
+            self._index.add_absent(ids)
             self._changed = self._changed or bool(len(ids))
-            return
-        _, inserted = self._index.add(np.ascontiguousarray(ids))
+            return ids
+        _, inserted = self._index.add(ids)
         if inserted.any():
             self._changed = True
+        fresh: np.ndarray = ids[inserted]
+        return fresh
+
+    def withdraw(self, ids: np.ndarray) -> None:
+        """Forget `ids` that `add` just recorded for a write that then failed.
+
+        The write may have reached a tier for some of them: the record then lacks an id
+        the store holds, which leaves that row's loss unnoticed; holding one the store
+        lacks would report a row lost that was never written. No journal entry: the
+        record file cannot hold these ids yet (it is rewritten only at a flush, and the
+        caller withdraws before releasing the store's lock).
+        """
+        if len(ids):
+            self._forget(np.ascontiguousarray(ids))
 
     def remove(self, ids: np.ndarray) -> None:
         """Forget distinct `ids`; call it before the medium deletes them (it syncs a journal)."""

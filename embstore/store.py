@@ -68,6 +68,8 @@ _CATCH_UPS = 8
 lost (it stops sooner once two reads under a still record agree)."""
 _PARALLEL_SYNCS = 8
 """Tables from which a flush syncs them on several threads."""
+_NO_IDS = np.zeros(0, dtype=np.int64)
+_NO_IDS.flags.writeable = False
 
 
 @dataclass
@@ -168,8 +170,10 @@ class EmbeddingStore:
         name = spec.name
         # feature expiry drops rows as a delete does: recorded for the next incremental
         # checkpoint, pre-imaged for a running one, told to the write listeners
-        chain.expire_listener = lambda ids: self._before_write(name, self._tables[name], ids,
-                                                               deleting=True)
+        def expired(ids: np.ndarray) -> None:
+            self._before_write(name, self._tables[name], ids, deleting=True)
+
+        chain.expire_listener = expired
         return chain
 
     def _open_written(self, spec: TableSpec, chain: TableChain) -> WrittenIds | None:
@@ -215,7 +219,7 @@ class EmbeddingStore:
             raise StoreClosedError("the store is closed; open it again with embstore.open(path)")
 
     def _before_write(self, name: str, t: _Table, ids: np.ndarray, *,
-                      deleting: bool = False, held: bool | np.ndarray = False) -> None:
+                      deleting: bool = False, held: bool | np.ndarray = False) -> np.ndarray:
         """Record distinct `ids` as changed, tell the write listeners, save pre-images.
 
         Pre-images are saved for a running checkpoint; the listeners are `_write_hooks`'.
@@ -225,15 +229,10 @@ class EmbeddingStore:
         row in a tier was recorded when it was first written, or found in the store of
         record when the record was made. With a bool[N] `held`, the others are ones the
         record was just seen to lack (`_fill_absent` checked them under the lock).
+
+        Returns the ids the record learns here: a write that then fails hands them to
+        `_written_failed`, so the record never holds an id whose row no tier got.
         """
-        if t.written is not None:
-            if deleting:
-                t.written.remove(ids)
-            elif held is False:
-                t.written.add(ids)
-            elif held is not True and not held.all():
-                # the rows no tier held: `_fill_absent` saw the record deny them all
-                t.written.add(ids[~held], absent=True)
         if self._changes is not None:
             self._changes[name].add(ids)
         _write_hooks.notify(self, name, ids)
@@ -241,6 +240,33 @@ class EmbeddingStore:
             # an id not yet copied nor saved was not written since T0, and T0 began with a
             # flush: the bottom tier holds its T0 value
             self._copy.capture(name, ids, t.chain.tiers[-1].backend.get)
+        # the record last: a pre-image that cannot be saved fails the write before it
+        recorded = _NO_IDS
+        if t.written is not None:
+            if deleting:
+                t.written.remove(ids)
+            elif held is False:
+                recorded = t.written.add(ids)
+            elif held is not True and not held.all():
+                # the rows no tier held: `_fill_absent` saw the record deny them all
+                recorded = t.written.add(ids[~held], absent=True)
+        return recorded
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _written_failed(t: _Table, recorded: np.ndarray) -> Iterator[None]:
+        """Around a write of rows whose ids `_before_write` recorded: withdraw them if it fails.
+
+        On an I/O error or an interrupt, the record forgets the ids it learned for the
+        write before the error goes on; a later flush would otherwise save them, and every
+        read after it would report those rows lost.
+        """
+        try:
+            yield
+        except BaseException:
+            if t.written is not None:
+                t.written.withdraw(recorded)
+            raise
 
     def _get(self, t: _Table, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Full rows [N, row_width] of the table dtype (decoded from half precision)."""
@@ -311,8 +337,9 @@ class EmbeddingStore:
                        else t.codec.round_stochastic(full[:, :dim], ids, step))
             _check_in_range(name, t, ids, rounded)
             rows = t.codec.encode(full, rounded)
-        self._before_write(name, t, ids, held=held)
-        t.updates_dropped += int(len(ids) - np.count_nonzero(t.chain.put(ids, rows)))
+        with self._written_failed(t, self._before_write(name, t, ids, held=held)):
+            written = t.chain.put(ids, rows)
+        t.updates_dropped += int(len(ids) - np.count_nonzero(written))
 
     def _fill_absent(self, spec: TableSpec, ids: np.ndarray, rows: np.ndarray,
                      found: np.ndarray, *, with_state: bool) -> None:
@@ -759,8 +786,8 @@ class EmbeddingStore:
                 rounded = t.codec.round_nearest(rows[:, : spec.dim])
                 _check_in_range(table, t, groups.unique, rounded)
                 rows = t.codec.encode(rows, rounded)
-            self._before_write(table, t, groups.unique)
-            t.chain.bulk_load(groups.unique, rows)
+            with self._written_failed(t, self._before_write(table, t, groups.unique)):
+                t.chain.bulk_load(groups.unique, rows)
 
     def delete(self, table: str, ids: Any) -> int:
         """Remove the rows of `ids`; later lookups return initial values. Returns rows removed."""

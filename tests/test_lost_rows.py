@@ -163,6 +163,55 @@ def test_rows_first_written_by_an_optimizer_step_are_recorded_and_their_loss_is_
             store.lookup("t", np.array([1005]))
 
 
+class _Interrupted(BaseException):
+    """Stands for Ctrl-C or a failure the store does not expect, raised inside a write."""
+
+
+@pytest.mark.parametrize("write", ["update", "apply_gradients", "bulk_load"])
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "unbounded"])
+def test_a_write_that_fails_leaves_no_id_in_the_record_and_no_row_reported_lost(
+        tmp_path, monkeypatch, write, bounded):
+    # the record learns a write's ids before the tiers get the rows: a write that fails in
+    # between must take them back, or the next flush saves them and every read after it
+    # reports rows lost that were never written
+    spec = embstore.TableSpec("t", dim=DIM, optimizer=embstore.optim.SGD(0.1),
+                              num_embeddings=2000 if bounded else None,
+                              init=embstore.init.Uniform(-1, 1, seed=3))
+    tiers = [embstore.TierSpec("dram", capacity=100), embstore.TierSpec("rocksdb")]
+    old, new = np.arange(0, 50), np.arange(1000, 1040)
+    both = np.concatenate([old[:10], new])
+    ones = np.ones((len(both), DIM), np.float32)
+    init = spec.init(new, DIM, np.dtype(np.float32))
+    with embstore.open(tmp_path / "s", tables=[spec], tiers=tiers) as store:
+        store.update("t", old, np.ones((len(old), DIM), np.float32))
+        store.flush()
+        chain = type(store._tables["t"].chain)
+
+        def fail(*args, **kwargs):
+            raise _Interrupted
+
+        monkeypatch.setattr(chain, "bulk_load" if write == "bulk_load" else "put", fail)
+        with pytest.raises(_Interrupted):
+            if write == "update":
+                store.update("t", both, ones)
+            elif write == "apply_gradients":
+                store.apply_gradients("t", both, ones)
+            else:
+                store.bulk_load("t", both, ones)
+        monkeypatch.undo()
+        record = store._tables["t"].written
+        assert record is not None and not record.holds(new).any()
+        assert record.holds(old).all()
+        assert np.array_equal(store.lookup("t", new), init)
+        store.flush()
+    with embstore.open(tmp_path / "s") as store:
+        assert np.array_equal(store.lookup("t", new), init)
+        assert len(store.lost_rows("t")) == 0
+        store.apply_gradients("t", new, np.ones((len(new), DIM), np.float32))
+        assert store._tables["t"].written.holds(new).all()  # a write that succeeds: recorded
+    assert fsck.check(tmp_path / "s") == []
+
+
 @pytest.mark.parametrize("backend", PERSISTENT)
 def test_never_written_and_deleted_ids_read_their_initial_value(tmp_path, backend):
     rows = _make(tmp_path / "s", backend, bounded=False)
