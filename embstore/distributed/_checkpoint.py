@@ -66,7 +66,7 @@ def checkpoint_sharded(store: Any, dest: object, step: int | None) -> Path:
                 "tables": [store.table_spec(t).to_json() for t in store.tables],
                 "tiers": None}
             meta["step"] = None if step is None else int(step)
-            write_atomic(path / META, json.dumps(meta, indent=1).encode())
+            write_atomic(path / META, json.dumps(meta, indent=1, allow_nan=False).encode())
         except OSError as exc:
             error = io_error(exc, path / META, "write")
         except Exception as exc:

@@ -38,7 +38,8 @@ from ..errors import (
     StoreExistsError,
     StoreNotFoundError,
 )
-from ..manifest import MANIFEST_NAME, make_dirs, write_atomic
+from ..manifest import MANIFEST_NAME, make_dirs, read_bytes_nofollow, write_atomic
+from ..policy import real_setting
 from ..spec import TableSpec, TierSpec
 from ..store import EmbeddingStore
 from ._checkpoint import META, checkpoint_sharded
@@ -50,9 +51,13 @@ from .store import ShardedStore
 __all__ = ["checkpoint_sharded", "open", "restore"]
 
 _PLACEHOLDER = TableSpec("_no_shards", dim=1)
+_META_LIMIT = 1 << 30
+"""Largest record read: tables, tiers and plan are JSON of a few hundred bytes a table."""
 
 
 def _comm(group: dist.ProcessGroup | None, timeout_s: float) -> Comm:
+    timeout_s = real_setting("embstore.distributed", "timeout_s", timeout_s, 0, 1e9,
+                             low_open=True)
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("embstore.distributed needs torch.distributed initialised: call "
                           "torch.distributed.init_process_group(...) on every rank first")
@@ -71,18 +76,45 @@ def _read_meta(directory: Path
                ) -> tuple[list[TableSpec], Plan, list[TierSpec] | None] | None:
     """The tables, plan and default tiers in `directory`'s record, None where it has none."""
     file = directory / META
-    if not file.exists():
-        return None
     try:
-        meta = json.loads(file.read_text())
+        # not followed if a link: a dangling one would otherwise read as no record at all
+        raw = read_bytes_nofollow(file, _META_LIMIT)
+    except (FileNotFoundError, NotADirectoryError):  # the latter: creating it will say why
+        return None
+    except OSError as exc:
+        raise io_error(exc, file, "read") from None
+    try:
+        meta = json.loads(raw)
         specs = [TableSpec.from_json(t) for t in meta["tables"]]
         plan = Plan.from_json(meta["plan"])
         tiers = None if meta["tiers"] is None else [TierSpec.from_json(t) for t in meta["tiers"]]
         plan.check(specs)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError,
+            RecursionError, ConfigError) as exc:
         raise CorruptStoreError(f"{file} is damaged ({type(exc).__name__}: {exc}); restore the "
                                 "sharded store from a checkpoint") from None
     return specs, plan, tiers
+
+
+def _check_no_shards(directory: Path) -> None:
+    """Refuse to create a sharded store where ranks' shards lie without the store's record.
+
+    The record is written once every rank holds its shards, before any row: shards without
+    it mean the record was removed (a new store made there would serve every row as never
+    written) or the creation was cut short.
+    """
+    try:
+        shards = sorted(p.name for p in directory.iterdir() if p.name.startswith("rank"))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as exc:
+        raise io_error(exc, directory, "list") from None
+    if shards:
+        raise CorruptStoreError(
+            f"{directory} holds shards ({', '.join(shards[:4])}) but no record {META}: the "
+            "record was removed, or the store's creation was cut short. Restore the sharded "
+            "store from a checkpoint; if it never held rows (its creation was interrupted), "
+            "remove the directory and create the store again")
 
 
 @dataclass
@@ -232,6 +264,8 @@ def _settle(comm: Comm, directory: Path | None, tables: list[TableSpec] | None,
                               "the checkpoint with the new world size or plan")
         specs, plan = stored, stored_plan
     else:
+        if directory is not None:
+            _check_no_shards(directory)
         if not specs:
             raise StoreNotFoundError(f"no sharded store at {directory} and no tables= to "
                                      "create one")
@@ -248,6 +282,7 @@ def _check_args(directory: Path | None, plan: Plan | None,
                 record_accesses: str | os.PathLike[str] | None,
                 record_sample: float | Mapping[str, float]) -> None:
     """Refuse arguments that are wrong whatever is stored."""
+    _check_plan(plan)
     if directory is None and plan is not None:
         disk = sorted({t.backend for per in plan.tiers.values() for chain in per.values()
                        for t in chain} - {"dram"})
@@ -256,6 +291,12 @@ def _check_args(directory: Path | None, plan: Plan | None,
                               "open the sharded store with a path")
     if record_accesses is not None:
         check_rates(record_sample)
+
+
+def _check_plan(plan: Any) -> None:
+    if plan is not None and not isinstance(plan, Plan):
+        raise ConfigError(f"plan must be an embstore.distributed.Plan or None, got "
+                          f"{type(plan).__name__}")
 
 
 def _publish(store: ShardedStore, doc: dict[str, Any], made: _Made) -> None:
@@ -268,7 +309,7 @@ def _publish(store: ShardedStore, doc: dict[str, Any], made: _Made) -> None:
     if store.rank == 0:
         assert store.path is not None
         try:
-            write_atomic(store.path / META, json.dumps(doc, indent=1).encode())
+            write_atomic(store.path / META, json.dumps(doc, indent=1, allow_nan=False).encode())
         except OSError as exc:
             error = io_error(exc, store.path / META, "write")
         except Exception as exc:

@@ -24,11 +24,15 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..init import _mix64
+from ..policy import whole_setting
 from ..spec import TableSpec, TierSpec
 
 __all__ = ["KINDS", "Placement", "Plan", "default_plan"]
 
 KINDS = ("table", "row", "column")
+_MAX_RANK = 2**31 - 2
+"""Largest rank (and column offset) a placement names: torch.distributed counts ranks in an
+int32 world size."""
 _HASH_SEED = np.uint64(0x5EED5EED12345678)
 
 
@@ -43,22 +47,33 @@ class Placement:
     columns: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
-        object.__setattr__(self, "bounds", tuple(int(b) for b in self.bounds))
-        object.__setattr__(self, "columns", tuple(int(c) for c in self.columns))
-        if self.kind not in KINDS:
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
             raise ConfigError(f"sharding kind must be one of {KINDS}, got {self.kind!r}")
+        object.__setattr__(self, "ranks", _whole_numbers("ranks", self.ranks, 0, _MAX_RANK))
+        object.__setattr__(self, "bounds", _whole_numbers("bounds", self.bounds, -2**63,
+                                                          2**63 - 1))
+        object.__setattr__(self, "columns", _whole_numbers("columns", self.columns, 0,
+                                                           _MAX_RANK))
         if not self.ranks or len(set(self.ranks)) != len(self.ranks):
             raise ConfigError(f"placement ranks must be distinct and non-empty, got {self.ranks}")
+        if not isinstance(self.split, str) or self.split not in ("hash", "range"):
+            raise ConfigError(f"placement split must be 'hash' or 'range', got {self.split!r}")
+        # fields another kind would use are refused, not carried into the store's record
+        if self.bounds and (self.kind, self.split) != ("row", "range"):
+            raise ConfigError(f"bounds belong to a row-wise range split, not to a {self.kind}"
+                              f"-wise placement split by {self.split}; got {self.bounds}")
+        if self.columns and self.kind != "column":
+            raise ConfigError(f"columns belong to a column-wise placement, not a {self.kind}-"
+                              f"wise one; got {self.columns}")
+        if self.split == "range" and self.kind != "row":
+            raise ConfigError(f"only a row-wise placement is split by range, not a "
+                              f"{self.kind}-wise one")
         if self.kind == "table" and len(self.ranks) != 1:
             raise ConfigError(f"a table-wise placement has one rank, got {self.ranks}")
-        if self.kind == "row":
-            if self.split not in ("hash", "range"):
-                raise ConfigError(f"row-wise split must be 'hash' or 'range', got {self.split!r}")
-            if self.split == "range" and (len(self.bounds) != len(self.ranks) - 1
-                                          or list(self.bounds) != sorted(set(self.bounds))):
-                raise ConfigError(f"range split over {len(self.ranks)} ranks needs "
-                                  f"{len(self.ranks) - 1} increasing bounds, got {self.bounds}")
+        if self.split == "range" and (len(self.bounds) != len(self.ranks) - 1
+                                      or list(self.bounds) != sorted(set(self.bounds))):
+            raise ConfigError(f"range split over {len(self.ranks)} ranks needs "
+                              f"{len(self.ranks) - 1} increasing bounds, got {self.bounds}")
         if self.kind == "column":
             c = self.columns
             if len(c) != len(self.ranks) + 1 or c[0] != 0 or any(np.diff(c) <= 0):
@@ -109,6 +124,17 @@ class Plan:
     not named takes its table's own chain, else the store's default."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "world_size", whole_setting("Plan", "world_size",
+                                                             self.world_size, 1, _MAX_RANK + 1))
+        if not isinstance(self.tables, Mapping) or not all(
+                isinstance(t, str) and isinstance(p, Placement) for t, p in self.tables.items()):
+            raise ConfigError("Plan.tables maps table names to Placement, got "
+                              f"{self.tables!r}")
+        # its own copy: a caller's dict changed later must not reach the store's record
+        object.__setattr__(self, "tables", dict(self.tables))
+        if not isinstance(self.tiers, Mapping):
+            raise ConfigError("Plan.tiers maps ranks to {table: [TierSpec, ...]}, got "
+                              f"{self.tiers!r}")
         try:
             tiers = {int(r): {str(t): tuple(chain) for t, chain in per.items()}
                      for r, per in self.tiers.items()}
@@ -176,6 +202,14 @@ class Plan:
                  for r, per in data.get("tiers", {}).items()}
         return cls(int(data["world_size"]),
                    {t: Placement.from_json(p) for t, p in data["tables"].items()}, tiers)
+
+
+def _whole_numbers(field_name: str, values: Any, least: int, most: int) -> tuple[int, ...]:
+    """`values` (a tuple or list) as a tuple of ints in [least, most]; ConfigError else."""
+    if not isinstance(values, (tuple, list)):
+        raise ConfigError(f"placement {field_name} must be a tuple of whole numbers, got "
+                          f"{values!r}")
+    return tuple(whole_setting("placement", field_name, v, least, most) for v in values)
 
 
 def even_columns(dim: int, ranks: tuple[int, ...]) -> tuple[int, ...]:

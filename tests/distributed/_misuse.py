@@ -242,3 +242,14 @@ def owner_read_fails(rank: int, world: int, error: str) -> list[Any]:
         out: list[Any] = ["slow" if time.monotonic() - start > 4 else got]
         out += [store.lookup("a", np.arange(3)).tolist() for _ in range(2)]
     return out
+
+
+def record_gone(rank: int, world: int, tmp: str) -> list[str]:
+    """Reopens of a store whose record (sharded.json) is removed, a dangling link, or
+    damaged past what JSON parsers take: each is refused, and nothing is made there.
+    """
+    out = []
+    for name in ("removed", "dangling", "deep", "huge-world"):
+        out.append(outcome(lambda n=name: ed.open(f"{tmp}/{n}", tables=specs(),
+                                                  timeout_s=20)))
+    return out

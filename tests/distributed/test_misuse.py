@@ -114,3 +114,25 @@ def test_a_failed_restore_leaves_nothing_and_can_be_made_again(tmp_path) -> None
     got = launch.run(mu.restore_fails_then_retried, 2, str(tmp_path), timeout_s=30)
     assert got[0] == ["PeerFailedError", False, 20]
     assert got[1] == ["StorageIOError", False, 20]
+
+
+@pytest.mark.timeout(90)
+def test_a_store_whose_record_is_gone_or_unreadable_is_refused_not_made_anew(tmp_path) -> None:
+    # the record removed or a dangling link: reopening with tables= once made a new store
+    # over the old shards, serving most of their rows as never written
+    launch.run(mu.checkpointed, 2, str(tmp_path / "store"), str(tmp_path / "ckpt"),
+               timeout_s=50)
+    for name in ("removed", "dangling", "deep", "huge-world"):
+        shutil.copytree(tmp_path / "store", tmp_path / name)
+    (tmp_path / "removed" / "sharded.json").unlink()
+    (tmp_path / "dangling" / "sharded.json").unlink()
+    (tmp_path / "dangling" / "sharded.json").symlink_to(tmp_path / "nowhere.json")
+    (tmp_path / "deep" / "sharded.json").write_text("[" * 100_000 + "]" * 100_000)
+    meta = json.loads((tmp_path / "huge-world" / "sharded.json").read_text())
+    meta["plan"]["world_size"] = 1e400
+    (tmp_path / "huge-world" / "sharded.json").write_text(
+        json.dumps(meta).replace("Infinity", "1e400"))
+    got = launch.run(mu.record_gone, 2, str(tmp_path), timeout_s=80)
+    assert got[0] == got[1] == ["CorruptStoreError"] * 4
+    assert not (tmp_path / "removed" / "sharded.json").exists()
+    assert (tmp_path / "dangling" / "sharded.json").is_symlink()
