@@ -510,7 +510,9 @@ def test_bench_tiers_refuses_no_tier_and_a_bad_output_before_measuring(
     ("dram=unbounded", "needs a size, e.g. dram=8GiB"),
     ("dram=8GiB,dram=1GiB", "gives dram twice"), ("dram=8GiB,pmem=1GiB, pmem=2GiB",
                                                   "gives pmem twice"),
-    ("dram=1" + "0" * 400, "--budget dram: 401 characters is too large")])
+    ("dram=1" + "0" * 400, "--budget dram: 401 characters is too large"),
+    ("dram=9000TiB", "above the 2**53 a placement holds"),
+    ("dram=8GiB,pmem=100000000000000000000", "above the 2**53 a placement holds")])
 def test_a_budget_is_bytes_given_once_and_rocksdb_may_be_unbounded(
         model: dict[str, Any], budget: str, says: str | None) -> None:
     # "dram=0.5" was refused as "below one row (16 bytes)" beside a parse error offering "a
@@ -571,3 +573,22 @@ def test_a_placement_that_cannot_be_written_is_said_of_the_path_given(
     err = _plan_fails(files, capsys, "-o", "/proc/x.json")
     assert "cannot write '/proc/x.json': No such file or directory" in err, err
     assert ".tmp" not in err and "Errno" not in err
+
+
+def test_plan_writes_no_placement_that_open_would_refuse(tmp_path: Path, profile: dict[str, Any],
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    # a tier model this slow predicts seconds beyond what a placement holds: said before
+    # writing, not left for `embstore.open(placement=...)` to refuse
+    model = json.loads(EXAMPLE_TIERS.read_text())
+    for tier in model["tiers"].values():
+        for way in ("read", "write"):
+            tier[way]["batch_latency_s"] = 2**53
+    (tmp_path / "p.json").write_text(json.dumps(profile))
+    (tmp_path / "slow.json").write_text(json.dumps(model))
+    out = tmp_path / "placement.json"
+    rc = main(["plan", str(tmp_path / "p.json"), "--tiers", str(tmp_path / "slow.json"),
+               "--budget", "dram=1MiB,pmem=1MiB", "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "do not fit a placement" in err and "Traceback" not in err, err
+    assert not out.exists()

@@ -24,7 +24,7 @@ import numpy as np
 
 from embstore._tier_cost import SSD_TIERS, step_seconds
 from embstore.errors import ConfigError
-from embstore.placement import KNOWN_TIERS, load_document
+from embstore.placement import KNOWN_TIERS, MAX_NUMBER, load_document
 from embstore.spec import TierSpec, parse_bytes
 from embstore.tools.simulator import parse_policy
 
@@ -100,6 +100,9 @@ def parse_budget(text: str, row_bytes: int, model: dict[str, Any]) -> dict[str, 
         except ConfigError:  # parse_bytes's own words offer a row count, which this is not
             raise ConfigError(f"--budget {name}={size}: not a size in bytes; write it with a "
                               "unit (8GiB, 512MiB) or as a whole number of bytes") from None
+        if out[name] > MAX_NUMBER:  # a placement keeps sizes as exact JSON numbers
+            raise ConfigError(f"--budget {name}={size} is {out[name]} bytes, above the "
+                              f"2**53 a placement holds")
         if out[name] < row_bytes:
             raise ConfigError(f"--budget {name}={size} is {out[name]} bytes (a number without a "
                               f"unit counts bytes), below one row ({row_bytes} bytes); raise "

@@ -32,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from embstore.errors import ConfigError
     from embstore.placement import load_document, save_document
 
     from ._args import check_output
@@ -44,6 +45,11 @@ def _run(args: argparse.Namespace) -> int:
     budget = parse_budget(args.budget, row, model)
     chosen = plan(profile, model, budget)
     doc = to_placement(chosen, budget)
+    try:  # what `embstore.open(placement=...)` will read back, checked before it is written
+        load_document(doc, "placement")
+    except ConfigError as exc:
+        raise ConfigError(f"the plan's figures do not fit a placement ({exc}); check the tier "
+                          "model's latencies and the budgets; nothing was written") from None
     save_document(args.output, doc)
     if args.json:
         print(json.dumps(doc, indent=1))
