@@ -8,13 +8,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import layout
+from . import _counters, _written, layout
 from ._access_log import AccessRecorder, check_rates
 from ._build import check_ignored_settings
+from ._private_dir import io_error
 from ._rebuild import check_path
-from .errors import ConfigError, ReadOnlyError, StoreNotFoundError
+from .errors import ConfigError, CorruptStoreError, ReadOnlyError, StoreNotFoundError
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
-from .manifest import make_dirs
+from .manifest import make_dirs, read_bytes_nofollow
 from .placement import apply_placement
 from .spec import TableSpec, TierSpec
 from .store import DEFAULT_TIERS, EmbeddingStore
@@ -25,6 +26,33 @@ __all__ = ["open"]
 def _ours(entry: Path) -> bool:
     """Whether `entry` is one a store's creation makes before it writes the manifest."""
     return entry.name != MANIFEST_NAME and layout.is_store_entry(entry.name)
+
+
+def _sign_of_use(directory: Path, leftovers: set[Path]) -> str | None:
+    """Why `leftovers` (a directory without a manifest) are a store that was in use, if so.
+
+    The manifest is written last when a store is made, and no write is acknowledged before
+    it: what a creation cut short leaves holds no counters of a close and no written id. A
+    store with either lost its manifest, and making a new one there would delete its rows.
+    """
+    if directory / _counters.STATS_NAME in leftovers:
+        return f"{_counters.STATS_NAME}, which a store writes when it closes"
+    records = directory / layout.WRITTEN_DIR
+    if records not in leftovers or not records.is_dir() or records.is_symlink():
+        return None
+    for file in sorted(records.iterdir()):
+        try:
+            raw = read_bytes_nofollow(file, 1 << 40)
+        except (OSError, CorruptStoreError):
+            return f"{file}, which it cannot read"
+        if file.suffix == ".del" and raw:
+            return f"{file}, a journal of deleted rows"
+        if file.suffix == ".ids":
+            held = len(raw) < _written.BODY_OFFSET or raw[:8] != _written.MAGIC or (
+                any(raw[_written.BODY_OFFSET:]))  # ids in a list, or bits set in a bitmap
+            if held:
+                return f"{file}, a record of rows written"
+    return None
 
 
 def _check_unique(specs: list[TableSpec]) -> None:
@@ -166,10 +194,19 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
         raise StoreNotFoundError(f"{directory} is a file, not a store directory")
     exists = (directory / MANIFEST_NAME).exists()
     if not exists:
+        try:
+            leftovers = ({p for p in directory.iterdir() if p.name != LOCK_NAME}
+                         if directory.exists() else set())
+        except OSError as exc:
+            raise io_error(exc, directory, "list") from None
+        used = _sign_of_use(directory, leftovers)
+        if used is not None:
+            raise CorruptStoreError(
+                f"{directory} holds a store that was in use ({used}) but no {MANIFEST_NAME}: "
+                "its manifest was removed or lost. Nothing was changed; restore the store "
+                "from a checkpoint, or open another directory to make a new one")
         if not specs or read_only:
             read_manifest(directory)  # raises StoreNotFoundError with the reason
-        leftovers = ({p for p in directory.iterdir() if p.name != LOCK_NAME}
-                     if directory.exists() else set())
         if not all(_ours(p) for p in leftovers):
             raise StoreNotFoundError(
                 f"{directory} holds files but no {MANIFEST_NAME}: it is not an embstore store; "

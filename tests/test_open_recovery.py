@@ -44,6 +44,38 @@ def test_the_leftovers_of_an_interrupted_creation_are_replaced(tmp_path):
         assert store.lookup("t", [1]).tolist() == [[1.0, 1.0]]
 
 
+def _files(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != "LOCK"}
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "flushed-then-killed"])
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "unbounded"])
+def test_a_store_in_use_whose_manifest_is_gone_is_damage_not_a_creation_cut_short(
+        tmp_path, closed, bounded):
+    # a creation cut short leaves no counters of a close and no written id: its leftovers
+    # are replaced. A store with either lost its manifest: opening it with tables= once
+    # deleted every row and made a new store in its place.
+    path = tmp_path / "s"
+    spec = TableSpec("t", dim=2, num_embeddings=100 if bounded else None)
+    tiers = [TierSpec("dram", capacity=2), TierSpec("rocksdb")]
+    store = embstore.open(path, tables=[spec], tiers=tiers)
+    store.update("t", np.arange(10), np.ones((10, 2), np.float32))
+    store.flush()
+    if closed:
+        store.close()
+    (path / "MANIFEST.json").unlink()
+    if not closed:  # as a killed process leaves it: no STATS.json, only the written record
+        assert not (path / "STATS.json").exists()
+    before = _files(path)
+    for how in ({"tables": [spec], "tiers": tiers}, {}, {"read_only": True}):
+        with pytest.raises(CorruptStoreError, match="in use .* no MANIFEST.json"):
+            embstore.open(path, **how)
+    assert _files(path) == before
+    if not closed:
+        store.close()
+
+
 def test_a_directory_with_foreign_files_is_not_taken_over(tmp_path):
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "notes.txt").write_text("mine")
