@@ -467,6 +467,10 @@ class TableChain:
             if tier.eviction is not None and existed is None:
                 existed = tier.backend.contains(ids)
             tier.backend.put(ids, rows)
+        # dirty before the policy's bookkeeping: a row newer than the tier below must never
+        # be held clean, or an interrupt between the two would keep it from every flush
+        if dirty and tier.dirty is not None:
+            tier.dirty.mark(ids, slots)
         if tier.eviction is not None and existed is not None:  # (it is set then)
             if existed.any():
                 tier.record_reads(ids[existed], None if slots is None else slots[existed], now)
@@ -477,8 +481,6 @@ class TableChain:
                 else:
                     tier.eviction.record_insert(np.ascontiguousarray(ids[new]), now)
                 tier.rows += int(len(ids) - np.count_nonzero(existed))
-        if dirty and tier.dirty is not None:
-            tier.dirty.mark(ids, slots)
         self._enforce_capacity(tier, now)
 
     def _enforce_capacity(self, tier: Tier, now: int) -> None:

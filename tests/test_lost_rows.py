@@ -371,3 +371,32 @@ def test_a_read_only_record_holds_still_until_the_writer_deletes_or_flushes(tmp_
             assert not record.held_still()
             record.file.unlink()
             assert not record.held_still()
+
+
+def test_a_row_written_to_the_cache_is_flushed_even_if_the_policy_bookkeeping_is_interrupted(
+        tmp_path, monkeypatch):
+    # the row lands in the DRAM tier, then the eviction policy's record of it is cut short:
+    # the row must still be dirty, so the flush writes it down and a reopen reads it
+    tiers = [embstore.TierSpec("dram", capacity=8, eviction="lru"),
+             embstore.TierSpec("rocksdb")]
+    with embstore.open(tmp_path / "s", tables=[embstore.TableSpec("t", dim=4)],
+                       tiers=tiers) as store:
+        store.update("t", [7], np.full((1, 4), 1.0, np.float32))
+        store.flush()
+        store.update("t", np.arange(20, 40), np.zeros((20, 4), np.float32))  # 7 evicted
+        store.flush()
+        eviction = store._tables["t"].chain.tiers[0].eviction
+        for name in ("record_insert_slots", "record_insert"):
+            if hasattr(eviction, name):
+                monkeypatch.setattr(eviction, name, _raise_interrupted)
+        with pytest.raises(_Interrupted):
+            store.update("t", [7], np.full((1, 4), 3.0, np.float32))
+        monkeypatch.undo()
+        assert store.lookup("t", [7]).tolist() == [[3.0] * 4]
+        store.flush()
+    with embstore.open(tmp_path / "s") as store:
+        assert store.lookup("t", [7]).tolist() == [[3.0] * 4]
+
+
+def _raise_interrupted(*args, **kwargs):
+    raise _Interrupted
