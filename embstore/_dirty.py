@@ -48,7 +48,8 @@ class DirtySlots:
 
     def __init__(self, index: IdIndex) -> None:
         self._index = index
-        self._bits = np.zeros(0, dtype=bool)
+        # never empty: an absent id's slot (-1) then reads the last bit, which `which` masks
+        self._bits = np.zeros(1024, dtype=bool)
 
     def _slots(self, ids: np.ndarray, slots: np.ndarray | None) -> np.ndarray:
         if slots is None:

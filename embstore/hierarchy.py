@@ -472,16 +472,31 @@ class TableChain:
         if dirty and tier.dirty is not None:
             tier.dirty.mark(ids, slots)
         if tier.eviction is not None and existed is not None:  # (it is set then)
-            if existed.any():
-                tier.record_reads(ids[existed], None if slots is None else slots[existed], now)
-            if not existed.all():
-                new = ~existed
-                if tier.shares_index and slots is not None:
-                    tier.shared.record_insert_slots(ids[new], slots[new], now)
-                else:
-                    tier.eviction.record_insert(np.ascontiguousarray(ids[new]), now)
-                tier.rows += int(len(ids) - np.count_nonzero(existed))
+            new = ~existed
+            tier.rows += int(np.count_nonzero(new))
+            try:
+                if existed.any():
+                    tier.record_reads(ids[existed], None if slots is None else slots[existed],
+                                      now)
+                if new.any():
+                    if tier.shares_index and slots is not None:
+                        tier.shared.record_insert_slots(ids[new], slots[new], now)
+                    else:
+                        tier.eviction.record_insert(np.ascontiguousarray(ids[new]), now)
+            except BaseException:
+                # cut short: rows the policy missed would never be evicted
+                self._track_again(tier, np.ascontiguousarray(ids[new]))
+                raise
         self._enforce_capacity(tier, now)
+
+    def _track_again(self, tier: Tier, ids: np.ndarray) -> None:
+        """Make the policy track distinct `ids` that the tier holds, whatever it knew of them."""
+        assert tier.eviction is not None
+        tier.eviction.record_remove(ids)
+        if tier.shares_index:
+            tier.shared.record_insert_slots(ids, tier.slot_backend.index.find(ids), self._clock)
+        else:
+            tier.eviction.record_insert(ids, self._clock)
 
     def _enforce_capacity(self, tier: Tier, now: int) -> None:
         if tier.eviction is None:
@@ -590,15 +605,8 @@ class TableChain:
         self._absent = None
         for tier in self.tiers[:-1]:
             held = np.ascontiguousarray(ids[tier.backend.contains(ids)])
-            if not len(held):  # a load is mostly rows no cache holds: skip the policy's work
-                continue
-            if tier.eviction is not None:
-                tier.eviction.record_remove(held)
-            if tier.dirty is not None:
-                tier.dirty.clear(held, None)
-            tier.backend.delete(held)
-            if tier.rows is not None:
-                tier.rows -= len(held)
+            if len(held):  # a load is mostly rows no cache holds: skip the policy's work
+                self._drop(tier, held)
         if self._writer is not None:
             self._writer.drain()  # queued write-backs are older than the loaded rows
         self.note_bottom_write(ids)
@@ -616,16 +624,44 @@ class TableChain:
         self.note_bottom_write(ids)
         found = np.zeros(len(ids), dtype=bool)
         for tier in self.tiers:
-            # first: a shared index, and dirty bits per slot, must still know the ids
+            found |= self._drop(tier, ids)
+        return found
+
+    def _drop(self, tier: Tier, ids: np.ndarray) -> np.ndarray:
+        """Delete distinct `ids` from one tier with its policy and dirty bits; bool[N] removed.
+
+        The policy and the dirty bits forget the ids first (a shared index, and bits per
+        slot, must still know them). If the delete then fails or is interrupted, the rows
+        it left stay tracked and keep their dirty bits: a row newer than the tier below,
+        held clean, would be kept from every flush.
+        """
+        if tier.eviction is None and tier.dirty is None:
+            return tier.backend.delete(ids)
+        held = tier.backend.contains(ids)
+        was_dirty = None if tier.dirty is None else tier.dirty.which(ids, None)[0]
+        try:
             if tier.eviction is not None:
                 tier.eviction.record_remove(ids)
             if tier.dirty is not None:
                 tier.dirty.clear(ids, None)
             removed = tier.backend.delete(ids)
-            if tier.eviction is not None:
-                tier.rows -= int(np.count_nonzero(removed))
-            found |= removed
-        return found
+        except BaseException:
+            self._keep_what_stayed(tier, ids, held, was_dirty)
+            raise
+        if tier.eviction is not None:
+            tier.rows -= int(np.count_nonzero(removed))
+        return removed
+
+    def _keep_what_stayed(self, tier: Tier, ids: np.ndarray, held: np.ndarray,
+                          was_dirty: np.ndarray | None) -> None:
+        """After a failed `_drop`: track again, and mark dirty again, the rows still held."""
+        stayed = held & tier.backend.contains(ids)
+        kept = np.ascontiguousarray(ids[stayed])
+        if tier.eviction is not None:
+            tier.rows -= int(np.count_nonzero(held)) - len(kept)
+            self._track_again(tier, kept)
+        if tier.dirty is not None and was_dirty is not None:
+            tier.dirty.mark(np.ascontiguousarray(ids[stayed & was_dirty]), None)
 
     # --- whole-table operations -------------------------------------------------------------
 

@@ -373,11 +373,12 @@ def test_a_read_only_record_holds_still_until_the_writer_deletes_or_flushes(tmp_
             assert not record.held_still()
 
 
+@pytest.mark.parametrize("eviction", ["lru", "clock", "wtinylfu"])
 def test_a_row_written_to_the_cache_is_flushed_even_if_the_policy_bookkeeping_is_interrupted(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, eviction):
     # the row lands in the DRAM tier, then the eviction policy's record of it is cut short:
     # the row must still be dirty, so the flush writes it down and a reopen reads it
-    tiers = [embstore.TierSpec("dram", capacity=8, eviction="lru"),
+    tiers = [embstore.TierSpec("dram", capacity=8, eviction=eviction),
              embstore.TierSpec("rocksdb")]
     with embstore.open(tmp_path / "s", tables=[embstore.TableSpec("t", dim=4)],
                        tiers=tiers) as store:
@@ -385,18 +386,67 @@ def test_a_row_written_to_the_cache_is_flushed_even_if_the_policy_bookkeeping_is
         store.flush()
         store.update("t", np.arange(20, 40), np.zeros((20, 4), np.float32))  # 7 evicted
         store.flush()
-        eviction = store._tables["t"].chain.tiers[0].eviction
+        cache = store._tables["t"].chain.tiers[0]
+        calls: list[int] = []  # the first call of either raises
         for name in ("record_insert_slots", "record_insert"):
-            if hasattr(eviction, name):
-                monkeypatch.setattr(eviction, name, _raise_interrupted)
+            if hasattr(cache.eviction, name):
+                monkeypatch.setattr(cache.eviction, name,
+                                    _raise_once(getattr(cache.eviction, name), calls))
         with pytest.raises(_Interrupted):
             store.update("t", [7], np.full((1, 4), 3.0, np.float32))
         monkeypatch.undo()
         assert store.lookup("t", [7]).tolist() == [[3.0] * 4]
         store.flush()
+        # and the policy tracks it again: the tier's count and its capacity still hold
+        store.update("t", np.arange(100, 120), np.zeros((20, 4), np.float32))
+        assert cache.rows == len(cache.backend) == len(cache.eviction) <= 8
     with embstore.open(tmp_path / "s") as store:
         assert store.lookup("t", [7]).tolist() == [[3.0] * 4]
 
 
 def _raise_interrupted(*args, **kwargs):
     raise _Interrupted
+
+
+def _raise_once(method, calls: list[int]):
+    """`method`, raising _Interrupted instead of running while `calls` is empty."""
+
+    def once(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            raise _Interrupted
+        return method(*args, **kwargs)
+
+    return once
+
+
+@pytest.mark.parametrize("eviction", ["lru", "clock", "wtinylfu"])
+@pytest.mark.parametrize("write", ["delete", "bulk_load"])
+def test_a_cached_row_whose_drop_is_interrupted_stays_dirty_and_evictable(
+        tmp_path, monkeypatch, eviction, write):
+    # a delete or a bulk load drops the cached copy: the policy and the dirty bits forget it
+    # first, then the tier deletes it. Cut short in between, the row is still served, so it
+    # must still reach the tier below at the next flush and still leave when evicted
+    capacity = 8
+    tiers = [embstore.TierSpec("dram", capacity=capacity, eviction=eviction),
+             embstore.TierSpec("rocksdb")]
+    with embstore.open(tmp_path / "s", tables=[embstore.TableSpec("t", dim=4)],
+                       tiers=tiers) as store:
+        store.update("t", [7], np.full((1, 4), 1.0, np.float32))
+        store.flush()
+        store.update("t", [7], np.full((1, 4), 3.0, np.float32))  # newer than the tier below
+        cache = store._tables["t"].chain.tiers[0]
+        monkeypatch.setattr(cache.backend, "delete", _raise_interrupted)
+        with pytest.raises(_Interrupted):
+            if write == "delete":
+                store.delete("t", [7])
+            else:
+                store.bulk_load("t", [7], np.full((1, 4), 5.0, np.float32))
+        monkeypatch.undo()
+        assert store.lookup("t", [7]).tolist() == [[3.0] * 4]
+        store.flush()
+        store.update("t", np.arange(100, 100 + 3 * capacity),
+                     np.zeros((3 * capacity, 4), np.float32))
+        assert cache.rows == len(cache.backend) == len(cache.eviction) <= capacity
+    with embstore.open(tmp_path / "s") as store:
+        assert store.lookup("t", [7]).tolist() == [[3.0] * 4]
