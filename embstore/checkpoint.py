@@ -147,6 +147,27 @@ class CopyState:
         done.add(np.ascontiguousarray(ids[fresh]))
         return fresh
 
+    def changes_to_keep(self, current: dict[str, IdIndex] | None
+                        ) -> dict[str, IdIndex] | None:
+        """After a failed checkpoint: the store's `current` change sets with `previous` added.
+
+        In new sets, not `current` changed in place: an interrupt while they are built
+        leaves the store's own change sets as they were.
+        """
+        if current is None or self.previous is None:
+            return current
+        kept = {}
+        for name, changed in current.items():
+            before = self.previous.get(name)
+            ids = np.zeros(0, np.int64) if before is None else before.items()[0]
+            if len(ids):
+                changed_too = changed
+                changed = IdIndex()
+                changed.add(ids)
+                changed.add(changed_too.items()[0])
+            kept[name] = changed
+        return kept
+
     def preimages(self, table: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """All pre-images of `table` (ids, rows, found at T0), once every page is copied."""
         parts = self.saved.get(table)
@@ -200,7 +221,11 @@ class CheckpointSource(Protocol):
         """The saved T0 rows of `table` (ids, rows, found), after its last page."""
 
     def end_checkpoint(self, dest: Path | None) -> None:
-        """Stop saving pre-images; `dest` is the finished checkpoint, None after a failure."""
+        """Stop saving pre-images; `dest` is the finished checkpoint, None after a failure.
+
+        Does nothing where no checkpoint is begun: after a failed `begin_checkpoint`, or a
+        second time.
+        """
 
 
 def _as_path(value: object, what: str) -> Path:
@@ -264,11 +289,7 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
     tmp, made = make_private(dest, StorageIOError)
     try:
         plan = source.begin_checkpoint(incremental)
-    except BaseException:
-        discard(tmp, made)
-        raise
-    _crash.point("checkpoint.begin")
-    try:
+        _crash.point("checkpoint.begin")
         seal: dict[str, Any] = {}
         for spec in plan.specs:
             total = plan.rows[spec.name]
@@ -310,13 +331,15 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
         _crash.point("checkpoint.before_publish")
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
+        source.end_checkpoint(dest)
     except BaseException as exc:
+        # also where begin_checkpoint failed or end_checkpoint(dest) was cut short: ending
+        # an ended or never begun checkpoint does nothing
         discard(tmp, made)
         source.end_checkpoint(None)
         if isinstance(exc, OSError) and not isinstance(exc, EmbstoreError):
             raise io_error(exc, dest, "write") from exc
         raise
-    source.end_checkpoint(dest)
     return dest
 
 

@@ -906,9 +906,11 @@ class EmbeddingStore:
             except BaseException:
                 self._release_reading_lock()  # no checkpoint began: no end_checkpoint comes
                 raise
-            previous = self._changes
-            self._changes = {name: IdIndex() for name in self._tables}  # changes after T0
-            self._copy = CopyState(scope, previous)
+            changes = {name: IdIndex() for name in self._tables}  # changes after T0
+            copy = CopyState(scope, self._changes)
+            # one step, no call between: an interrupt cannot leave the changes before T0 given
+            # up with no copy state to take them back from (`end_checkpoint(None)`)
+            self._changes, self._copy = changes, copy
             return CheckpointPlan([t.spec for t in self._tables.values()], self._default_tiers,
                                   parent, rows, self._gradient_steps())
 
@@ -959,18 +961,26 @@ class EmbeddingStore:
             return self._copy.preimages(table)
 
     def end_checkpoint(self, dest: Path | None) -> None:
-        """For `embstore.checkpoint`: stop saving pre-images; `dest` None after a failure."""
+        """For `embstore.checkpoint`: stop saving pre-images; `dest` None after a failure.
+
+        Without a checkpoint begun (none, or this one ended already) it does nothing: a
+        failure anywhere after `begin_checkpoint` was called may end it with None.
+        """
         with self._mutex:
-            copy, self._copy = self._copy, None
-            self._release_reading_lock()
-            if dest is not None:
-                self._last_checkpoint = dest
-            elif copy is not None and copy.previous is not None and self._changes is not None:
+            try:
+                copy = self._copy
+                if copy is None:
+                    return
+                if dest is not None:
+                    # one step, no call between: an interrupt cannot leave the copy ended but
+                    # the checkpoint unrecorded, the parent of the next incremental one
+                    self._copy, self._last_checkpoint = None, dest
+                    return
                 # the changes meant for this checkpoint must go into the next incremental one
-                for name, changed in copy.previous.items():
-                    ids = changed.items()[0]
-                    if len(ids):
-                        self._changes[name].add(ids)
+                changes = copy.changes_to_keep(self._changes)
+                self._copy, self._changes = None, changes
+            finally:
+                self._release_reading_lock()
 
     def _release_reading_lock(self) -> None:
         """Let writers in again: the lock a read-only handle holds while it checkpoints."""

@@ -433,3 +433,45 @@ def test_rows_expiring_while_a_checkpoint_copies_stay_in_it(tmp_path, monkeypatc
         assert set(_contents(store)["t"]) == set(range(100, 116))
     with embstore.open(tmp_path / "ck", read_only=True) as ck:
         assert _contents(ck) == before  # the checkpoint is the table as the call began
+
+
+class _Interrupted(BaseException):
+    """Stands for Ctrl-C arriving inside a checkpoint."""
+
+
+@pytest.mark.parametrize("where", ["checkpoint.begin", "checkpoint.page", "end"])
+def test_an_interrupted_checkpoint_leaves_every_change_to_the_next_incremental(
+        tmp_path, monkeypatch, where):
+    # cut short right after it began, while it copies, or while it ends: the next incremental
+    # checkpoint must still hold every change since the last checkpoint that was recorded
+    from embstore import _crash
+
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=TIERS) as store:
+        _train(store, 0)
+        store.checkpoint(tmp_path / "c0")
+        _train(store, 1)
+        if where == "end":
+            release, hits = store._release_reading_lock, []
+
+            def interrupt() -> None:
+                release()
+                if not hits:
+                    hits.append(1)
+                    raise _Interrupted
+
+            monkeypatch.setattr(store, "_release_reading_lock", interrupt)
+        else:
+            def interrupt_at(name: str) -> None:
+                if name == where:
+                    raise _Interrupted
+
+            monkeypatch.setattr(_crash, "point", interrupt_at)
+        with pytest.raises(_Interrupted):
+            store.checkpoint(tmp_path / "c1", incremental=True)
+        monkeypatch.undo()
+        _train(store, 2)
+        store.checkpoint(tmp_path / "c2", incremental=True)
+        live = _contents(store)
+    embstore.restore(tmp_path / "c2", tmp_path / "restored")
+    with embstore.open(tmp_path / "restored") as restored:
+        assert _contents(restored) == live
