@@ -637,7 +637,10 @@ class TableChain:
         """
         if tier.eviction is None and tier.dirty is None:
             return tier.backend.delete(ids)
-        held = tier.backend.contains(ids)
+        # a store of record keeps no dirty bits and deletes a batch in one write: all or
+        # nothing. Which rows it held is asked only if the delete fails (a read of RocksDB
+        # costs more than the delete)
+        held = None if tier.is_bottom else tier.backend.contains(ids)
         was_dirty = None if tier.dirty is None else tier.dirty.which(ids, None)[0]
         try:
             if tier.eviction is not None:
@@ -652,13 +655,19 @@ class TableChain:
             tier.rows -= int(np.count_nonzero(removed))
         return removed
 
-    def _keep_what_stayed(self, tier: Tier, ids: np.ndarray, held: np.ndarray,
+    def _keep_what_stayed(self, tier: Tier, ids: np.ndarray, held: np.ndarray | None,
                           was_dirty: np.ndarray | None) -> None:
-        """After a failed `_drop`: track again, and mark dirty again, the rows still held."""
-        stayed = held & tier.backend.contains(ids)
+        """After a failed `_drop`: track again, and mark dirty again, the rows still held.
+
+        `held` (bool[N]) says which ids the tier held before; None: the same as now.
+        """
+        stayed = tier.backend.contains(ids)
+        if held is not None:
+            stayed &= held
         kept = np.ascontiguousarray(ids[stayed])
         if tier.eviction is not None:
-            tier.rows -= int(np.count_nonzero(held)) - len(kept)
+            if held is not None:
+                tier.rows -= int(np.count_nonzero(held)) - len(kept)
             self._track_again(tier, kept)
         if tier.dirty is not None and was_dirty is not None:
             tier.dirty.mark(np.ascontiguousarray(ids[stayed & was_dirty]), None)

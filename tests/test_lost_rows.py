@@ -450,3 +450,24 @@ def test_a_cached_row_whose_drop_is_interrupted_stays_dirty_and_evictable(
         assert cache.rows == len(cache.backend) == len(cache.eviction) <= capacity
     with embstore.open(tmp_path / "s") as store:
         assert store.lookup("t", [7]).tolist() == [[3.0] * 4]
+
+
+@pytest.mark.parametrize("bottom", ["rocksdb", "lmdb"])
+def test_a_delete_cut_short_in_a_bottom_that_evicts_leaves_its_rows_tracked(
+        tmp_path, monkeypatch, bottom):
+    # a store of record with feature expiry (an eviction policy of its own): a delete stopped
+    # before the medium's write leaves every row there, and the policy must still know them
+    tiers = [embstore.TierSpec("dram", capacity=4, eviction="lru"),
+             embstore.TierSpec(bottom, capacity=40, eviction="lru")]
+    with embstore.open(tmp_path / "s", tables=[embstore.TableSpec("t", dim=4)],
+                       tiers=tiers) as store:
+        store.update("t", np.arange(30), np.ones((30, 4), np.float32))
+        store.flush()
+        below = store._tables["t"].chain.tiers[-1]
+        monkeypatch.setattr(below.backend, "delete", _raise_interrupted)
+        with pytest.raises(_Interrupted):
+            store.delete("t", np.arange(10, 20))
+        monkeypatch.undo()
+        assert below.rows == len(below.backend) == len(below.eviction) == 30
+        store.update("t", np.arange(100, 120), np.ones((20, 4), np.float32))
+        assert below.rows == len(below.backend) == len(below.eviction) == 40
