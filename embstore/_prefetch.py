@@ -9,8 +9,8 @@ unlocked, in three steps:
    by its policy, so that promoting later batches' rows does not evict them before their
    batch runs); those with a write-back still queued for the bottom (their stored value is
    not the latest yet) are promoted at once from the queue, which holds the latest, and the
-   rest make the job, which is then registered with the chain, which tells it every id
-   written to or deleted from the bottom from now on (`TableChain.note_bottom_write`);
+   rest make the job. The caller registers it with the chain (`watch`), which tells it every
+   id written to or deleted from the bottom from now on (`TableChain.note_bottom_write`);
 2. `read` (no lock): the bottom backend's own `get`, concurrently with the training thread
    and the write-back thread; only backends with `supports_concurrent_reads` are read so;
 3. `end` (lock held): rows of ids that were written or deleted meanwhile, or that reached
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .backend import Backend
     from .hierarchy import TableChain
 
-__all__ = ["PrefetchJob", "begin", "end"]
+__all__ = ["PrefetchJob", "begin", "end", "watch"]
 
 
 @dataclass(eq=False)
@@ -50,7 +50,9 @@ class PrefetchJob:
     backend: Backend
     """The bottom tier's own backend (not the draining view)."""
     written: list[np.ndarray] = field(default_factory=list)
-    """Ids written to or deleted from the bottom since `begin`."""
+    """Ids written to or deleted from the bottom since `watch`."""
+    reading: bool = False
+    """From `watch` until its caller is done reading: the backend must stay open."""
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """The bottom's rows and found mask of `ids`; call without the store's lock."""
@@ -87,17 +89,29 @@ def begin(chain: TableChain, ids: np.ndarray) -> tuple[int, PrefetchJob | None]:
         missing = np.ascontiguousarray(missing[~queued[0]])
         if not len(missing):
             return n, None
-    job = PrefetchJob(missing, raw)
+    return len(missing), PrefetchJob(missing, raw)
+
+
+def watch(chain: TableChain, job: PrefetchJob) -> None:
+    """Tell `job` of every id written to or deleted from `chain`'s bottom from now on.
+
+    Called under the store's lock, after `begin` returned the job: whoever holds the job
+    then owns its `end`, which unregisters it, and clears `job.reading` when its read is
+    over (the store's close waits for that).
+    """
+    job.reading = True
     chain.watchers.append(job)
-    return len(missing), job
 
 
 def end(chain: TableChain, job: PrefetchJob, rows: np.ndarray | None,
         found: np.ndarray | None) -> None:
     """Promote what `job` read that is still current (the store's lock held).
 
-    `rows` None: the read failed; the job is only unregistered.
+    `rows` None: the read failed; the job is only unregistered. A job that is not (or no
+    longer) registered is left alone: an interrupt may have come before `watch`.
     """
+    if job not in chain.watchers:  # (jobs compare by identity)
+        return
     chain.watchers.remove(job)
     if rows is None or found is None:
         return

@@ -285,32 +285,31 @@ class WrittenIds:
         assert self._index is not None
         return self._index.find(np.ascontiguousarray(ids)) >= 0
 
-    def add(self, ids: np.ndarray, *, absent: bool = False) -> np.ndarray:
+    def add(self, ids: np.ndarray, *, absent: bool = False,
+            into: list[np.ndarray] | None = None) -> np.ndarray:
         """Record distinct `ids` as written (durable in the file from the next flush).
 
         `absent`: the caller saw `holds` deny every one of them (under the store's lock).
-        Returns the ids the record did not hold before, for `withdraw` if the write fails.
+        Returns the ids the record did not hold before, for `withdraw` if the write fails;
+        they are appended to `into` too, before the record changes (so a caller whose
+        guard is already in place withdraws them whatever interrupts this call).
         """
         if self._bits is not None:
-            if absent:
-                new = ids
-            else:
-                new = np.asarray(ids[~self._bits[ids]])
-                if not len(new):
-                    return new  # the common case in training: rows written before
-            self._bits[new] = True
-            self._changed = True
+            new = ids if absent else np.asarray(ids[~self._bits[ids]])
+            if into is not None:
+                into.append(new)
+            if len(new):  # none: the common case in training, rows written before
+                self._bits[new] = True
+                self._changed = True
             return new
         assert self._index is not None
         ids = np.ascontiguousarray(ids)
-        if absent:
-            self._index.add_absent(ids)
-            self._changed = self._changed or bool(len(ids))
-            return ids
-        _, inserted = self._index.add(ids)
-        if inserted.any():
+        fresh = ids if absent else np.ascontiguousarray(ids[self._index.find(ids) < 0])
+        if into is not None:
+            into.append(fresh)
+        if len(fresh):
+            self._index.add_absent(fresh)
             self._changed = True
-        fresh: np.ndarray = ids[inserted]
         return fresh
 
     def withdraw(self, ids: np.ndarray) -> None:

@@ -68,8 +68,6 @@ _CATCH_UPS = 8
 lost (it stops sooner once two reads under a still record agree)."""
 _PARALLEL_SYNCS = 8
 """Tables from which a flush syncs them on several threads."""
-_NO_IDS = np.zeros(0, dtype=np.int64)
-_NO_IDS.flags.writeable = False
 
 
 @dataclass
@@ -124,7 +122,6 @@ class EmbeddingStore:
         self._mutex = threading.RLock()
         # prefetch reads the store of record without the lock; close() waits for those reads
         # to end before it closes the tiers under them
-        self._unlocked_reads = 0
         self._reads_ended = threading.Condition(self._mutex)
         self._checkpointing = threading.Lock()
         self._tables: dict[str, _Table] = {}
@@ -219,7 +216,8 @@ class EmbeddingStore:
             raise StoreClosedError("the store is closed; open it again with embstore.open(path)")
 
     def _before_write(self, name: str, t: _Table, ids: np.ndarray, *,
-                      deleting: bool = False, held: bool | np.ndarray = False) -> np.ndarray:
+                      deleting: bool = False, held: bool | np.ndarray = False,
+                      recorded: list[np.ndarray] | None = None) -> None:
         """Record distinct `ids` as changed, tell the write listeners, save pre-images.
 
         Pre-images are saved for a running checkpoint; the listeners are `_write_hooks`'.
@@ -230,8 +228,9 @@ class EmbeddingStore:
         record when the record was made. With a bool[N] `held`, the others are ones the
         record was just seen to lack (`_fill_absent` checked them under the lock).
 
-        Returns the ids the record learns here: a write that then fails hands them to
-        `_written_failed`, so the record never holds an id whose row no tier got.
+        The ids the record learns here go into `recorded`, the list `_written_failed`
+        withdraws if the write then fails: the record never holds an id whose row no tier
+        got.
         """
         if self._changes is not None:
             self._changes[name].add(ids)
@@ -241,31 +240,33 @@ class EmbeddingStore:
             # flush: the bottom tier holds its T0 value
             self._copy.capture(name, ids, t.chain.tiers[-1].backend.get)
         # the record last: a pre-image that cannot be saved fails the write before it
-        recorded = _NO_IDS
         if t.written is not None:
             if deleting:
                 t.written.remove(ids)
             elif held is False:
-                recorded = t.written.add(ids)
+                t.written.add(ids, into=recorded)
             elif held is not True and not held.all():
                 # the rows no tier held: `_fill_absent` saw the record deny them all
-                recorded = t.written.add(ids[~held], absent=True)
-        return recorded
+                t.written.add(ids[~held], absent=True, into=recorded)
 
     @staticmethod
     @contextlib.contextmanager
-    def _written_failed(t: _Table, recorded: np.ndarray) -> Iterator[None]:
-        """Around a write of rows whose ids `_before_write` recorded: withdraw them if it fails.
+    def _written_failed(t: _Table) -> Iterator[list[np.ndarray]]:
+        """Around `_before_write` and the write: withdraw the ids recorded if either fails.
 
-        On an I/O error or an interrupt, the record forgets the ids it learned for the
-        write before the error goes on; a later flush would otherwise save them, and every
-        read after it would report those rows lost.
+        Yields the list `_before_write` takes as `recorded`. On an I/O error or an
+        interrupt, the record forgets the ids it learned for the write before the error
+        goes on; a later flush would otherwise save them, and every read after it would
+        report those rows lost. Entered first, so no moment is left between the record
+        learning the ids and the guard being in place.
         """
+        recorded: list[np.ndarray] = []
         try:
-            yield
+            yield recorded
         except BaseException:
             if t.written is not None:
-                t.written.withdraw(recorded)
+                for ids in recorded:
+                    t.written.withdraw(ids)
             raise
 
     def _get(self, t: _Table, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -337,7 +338,8 @@ class EmbeddingStore:
                        else t.codec.round_stochastic(full[:, :dim], ids, step))
             _check_in_range(name, t, ids, rounded)
             rows = t.codec.encode(full, rounded)
-        with self._written_failed(t, self._before_write(name, t, ids, held=held)):
+        with self._written_failed(t) as recorded:
+            self._before_write(name, t, ids, held=held, recorded=recorded)
             written = t.chain.put(ids, rows)
         t.updates_dropped += int(len(ids) - np.count_nonzero(written))
 
@@ -490,23 +492,26 @@ class EmbeddingStore:
         Raises:
             UnknownTableError, InvalidIdsError, StoreClosedError, CorruptStoreError.
         """
-        with self._mutex:
-            t = self._table(table)
-            missing, job = _prefetch.begin(t.chain, as_ids(ids, t.spec))
-            if job is None:
-                return missing
-            self._unlocked_reads += 1
-        # the slow read of the store of record runs without the lock: the training thread's
-        # own calls go on meanwhile (embstore/_prefetch.py says why this is safe)
+        job: _prefetch.PrefetchJob | None = None
         rows = found = None
         try:
+            with self._mutex:
+                t = self._table(table)
+                missing, job = _prefetch.begin(t.chain, as_ids(ids, t.spec))
+                if job is None:
+                    return missing
+                _prefetch.watch(t.chain, job)
+            # the slow read of the store of record runs without the lock: the training
+            # thread's own calls go on meanwhile (embstore/_prefetch.py says why this is safe)
             rows, found = job.read()
         finally:
-            with self._mutex:
-                self._unlocked_reads -= 1
-                self._reads_ended.notify_all()
-                if not self._closed:
-                    _prefetch.end(t.chain, job, rows, found)
+            # on every way out, an interrupt included: close() waits while a job reads, and
+            # a job left watching would collect the ids of every later write
+            if job is not None:
+                job.reading = False  # first and without a call: nothing cuts it off
+                with self._mutex:
+                    self._reads_ended.notify_all()
+                    _prefetch.end(t.chain, job, None if self._closed else rows, found)
         return missing
 
     def lookup_state(self, table: str, ids: Any) -> np.ndarray:
@@ -786,7 +791,8 @@ class EmbeddingStore:
                 rounded = t.codec.round_nearest(rows[:, : spec.dim])
                 _check_in_range(table, t, groups.unique, rounded)
                 rows = t.codec.encode(rows, rounded)
-            with self._written_failed(t, self._before_write(table, t, groups.unique)):
+            with self._written_failed(t) as recorded:
+                self._before_write(table, t, groups.unique, recorded=recorded)
                 t.chain.bulk_load(groups.unique, rows)
 
     def delete(self, table: str, ids: Any) -> int:
@@ -1130,12 +1136,19 @@ class EmbeddingStore:
         with self._mutex:
             return self._table(table).chain.statistics()
 
+    def _no_unlocked_reads(self) -> bool:
+        return not any(job.reading for t in self._tables.values() for job in t.chain.watchers)
+
     def close(self) -> None:
         """Flush (unless read-only), close every tier and release the lock. Idempotent."""
         with self._mutex:
             if self._closed:
                 return
-            self._reads_ended.wait_for(lambda: self._unlocked_reads == 0)
+            # reads of the store of record without the lock must end before it closes. Each
+            # says so itself, whatever cut its caller short; woken by the caller's notify, or
+            # by the timeout where an interrupt came before it
+            while not self._reads_ended.wait_for(self._no_unlocked_reads, timeout=0.1):
+                pass
             if self.closed:  # closed by another thread while this one waited
                 return
             record = None

@@ -167,13 +167,15 @@ class _Interrupted(BaseException):
     """Stands for Ctrl-C or a failure the store does not expect, raised inside a write."""
 
 
+@pytest.mark.parametrize("at", ["tiers", "record"])
 @pytest.mark.parametrize("write", ["update", "apply_gradients", "bulk_load"])
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "unbounded"])
 def test_a_write_that_fails_leaves_no_id_in_the_record_and_no_row_reported_lost(
-        tmp_path, monkeypatch, write, bounded):
+        tmp_path, monkeypatch, write, bounded, at):
     # the record learns a write's ids before the tiers get the rows: a write that fails in
-    # between must take them back, or the next flush saves them and every read after it
-    # reports rows lost that were never written
+    # between (in the tiers, or as the record has just learned them) must take them back,
+    # or the next flush saves them and every read after it reports rows lost that were
+    # never written
     spec = embstore.TableSpec("t", dim=DIM, optimizer=embstore.optim.SGD(0.1),
                               num_embeddings=2000 if bounded else None,
                               init=embstore.init.Uniform(-1, 1, seed=3))
@@ -190,7 +192,16 @@ def test_a_write_that_fails_leaves_no_id_in_the_record_and_no_row_reported_lost(
         def fail(*args, **kwargs):
             raise _Interrupted
 
-        monkeypatch.setattr(chain, "bulk_load" if write == "bulk_load" else "put", fail)
+        if at == "tiers":
+            monkeypatch.setattr(chain, "bulk_load" if write == "bulk_load" else "put", fail)
+        else:
+            add = _written.WrittenIds.add
+
+            def add_then_fail(*args, **kwargs):
+                add(*args, **kwargs)
+                raise _Interrupted
+
+            monkeypatch.setattr(_written.WrittenIds, "add", add_then_fail)
         with pytest.raises(_Interrupted):
             if write == "update":
                 store.update("t", both, ones)

@@ -80,3 +80,40 @@ def test_close_waits_for_a_prefetch_reading_the_store_of_record(tmp_path, monkey
         expected = rows.copy()
         expected[:4] *= -1
         np.testing.assert_array_equal(again.lookup("t", np.arange(64)), expected)
+
+
+class _Interrupted(BaseException):
+    """Stands for Ctrl-C arriving inside a prefetch."""
+
+
+@pytest.mark.parametrize("where", ["begin", "watch", "read"])
+def test_a_prefetch_cut_short_leaves_no_job_watching_and_close_does_not_wait_for_it(
+        tmp_path, monkeypatch, where: str) -> None:
+    # right after the job was made, right after it was registered, or while it reads: the
+    # chain must stop telling it of writes, and close() must not wait for a read that is over
+    import threading
+
+    from embstore import _prefetch
+
+    tiers = [TierSpec("dram", capacity=8, eviction="lru"), TierSpec("rocksdb")]
+    store = embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=4)], tiers=tiers)
+    store.bulk_load("t", np.arange(64), np.ones((64, 4), np.float32))
+    chain = store._tables["t"].chain
+    real = {"begin": _prefetch.begin, "watch": _prefetch.watch,
+            "read": _prefetch.PrefetchJob.read}[where]
+
+    def interrupted(*args):
+        real(*args)
+        raise _Interrupted
+
+    monkeypatch.setattr(_prefetch.PrefetchJob if where == "read" else _prefetch, where,
+                        interrupted)
+    with pytest.raises(_Interrupted):
+        store.prefetch("t", np.arange(20, 40))
+    monkeypatch.undo()
+    assert chain.watchers == []
+    assert store.prefetch("t", np.arange(40, 50)) == 10  # later prefetches go on
+    closing = threading.Thread(target=store.close)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive() and store.closed

@@ -484,5 +484,6 @@ def _write_mine(store: ShardedStore, spec: TableSpec, ids: np.ndarray, rows: np.
         # read as lost, not as new)
         table = store.local._tables[spec.name]
         ids = np.ascontiguousarray(ids)
-        store.local._before_write(spec.name, table, ids)
-        table.chain.put(ids, np.ascontiguousarray(local))
+        with store.local._written_failed(table) as recorded:
+            store.local._before_write(spec.name, table, ids, recorded=recorded)
+            table.chain.put(ids, np.ascontiguousarray(local))
