@@ -224,6 +224,8 @@ class _StoreModule(nn.Module):
             self._staged = None
             if plan.error is not None:
                 raise plan.error
+            if plan.catch_up is not None:
+                plan.catch_up(self, plan)
         else:
             plan = self._plan(args)
         pool_in_store(self.store, plan, self.mode, self.device)

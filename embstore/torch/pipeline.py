@@ -71,6 +71,16 @@ def _weak_hook(me: weakref.ref[TrainPipeline[Any]]) -> Callable[..., None]:
     return hook
 
 
+def _weak_catch_up(me: weakref.ref[TrainPipeline[Any]]
+                   ) -> Callable[[_StoreModule, ForwardPlan], None]:
+    """`TrainPipeline._catch_up` of `me` while it lives: a staged plan must not keep it."""
+    def catch_up(module: _StoreModule, plan: ForwardPlan) -> None:
+        pipeline = me()
+        if pipeline is not None:
+            pipeline._catch_up(module, plan)
+    return catch_up
+
+
 def _abandon(stop: threading.Event, hook: Callable[..., None],
              readers: ThreadPoolExecutor | None,
              touched: dict[_StoreModule, ForwardPlan]) -> None:
@@ -158,7 +168,9 @@ class TrainPipeline(Generic[B]):
         self._log: list[tuple[int, EmbeddingStore, str, np.ndarray]] = []
         self._outstanding: list[int] = []  # the count when each staged batch was read
         self._holding = False
-        self._done = False
+        self._serving: int | None = None  # the count the trained batch's staged rows are at
+        self._done = False  # closed, or closing: no more batches
+        self._closed = False  # close() finished
         self._ended = False  # every batch was handed out
         self._stream: Any = None
         self._touched: dict[_StoreModule, ForwardPlan] = {}  # the last plan staged on each
@@ -167,6 +179,7 @@ class TrainPipeline(Generic[B]):
         # the thread and the listener, which would otherwise poll and log updates for ever
         me = weakref.ref(self)
         self._hook = _weak_hook(me)
+        self._catch_up_hook = _weak_catch_up(me)
         _write_hooks.add(self._hook)
         self._finalizer = weakref.finalize(self, _abandon, self._stop, self._hook,
                                            self._readers, self._touched)
@@ -208,6 +221,22 @@ class TrainPipeline(Generic[B]):
         with self._lock:
             read_at = self._count
             self._outstanding.append(read_at)
+        try:
+            return self._read_ahead_at(batch, read_at)
+        except BaseException:
+            self._settled(read_at)  # no batch will refresh from it: updates need no log
+            raise
+
+    def _settled(self, mark: int) -> None:
+        """Forget an update count that no staged rows wait to be refreshed from any more."""
+        with self._lock:
+            with contextlib.suppress(ValueError):
+                self._outstanding.remove(mark)
+            low = min(self._outstanding, default=self._count)
+            self._log = [entry for entry in self._log if entry[0] > low]
+
+    def _read_ahead_at(self, batch: Any, read_at: int
+                       ) -> tuple[Any, list[tuple[_StoreModule, ForwardPlan]], int, None]:
         staged = []
         given = self._inputs(batch)
         if not isinstance(given, Mapping):
@@ -293,8 +322,11 @@ class TrainPipeline(Generic[B]):
             raise ConfigError("this TrainPipeline was closed before its batches ended; make "
                               "a new one to go on")
         if self._holding:
+            self._holding = False  # first: an interrupt must not let the slot go twice
             self._slots.release()  # the previous batch is done: one more may be read ahead
-            self._holding = False
+        if self._serving is not None:  # its staged rows are used or dropped now
+            mark, self._serving = self._serving, None
+            self._settled(mark)
         item = self._queue.get()
         if item is _END:
             self._ended = True
@@ -309,6 +341,15 @@ class TrainPipeline(Generic[B]):
                                    "thread") from exc
             raise exc
         self._holding = True
+        try:
+            self._serve(staged, read_at)
+        except BaseException:
+            self._settled(read_at)  # the batch is lost with the error: nothing to refresh
+            raise
+        return cast(B, batch)
+
+    def _serve(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int) -> None:
+        """Refresh the batch's staged rows and hand its plans to their modules."""
         self._refresh(staged, read_at)
         for module, plan in staged:
             if _collective(module):
@@ -320,62 +361,91 @@ class TrainPipeline(Generic[B]):
                     module.fetch_forward(plan)
                 except EmbstoreError as exc:
                     plan.error = exc
+            elif self._exact and any(tp.rows is not None for tp in plan.tables):
+                # writes between this step's start and the forward (a trainer's own, or an
+                # earlier module's backward) are caught up when the forward takes the plan
+                plan.catch_up = self._catch_up_hook
+            self._touched[module] = plan  # first: close() drops the plans it knows
             module.stage(plan)
-            self._touched[module] = plan
-        return cast(B, batch)
 
     def _refresh(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int) -> None:
-        """Read again the staged rows that updates since `read_at` have changed."""
+        """Read again the staged rows that updates since `read_at` have changed.
+
+        The rows are then current as of the count kept in `_serving`, from which their
+        forwards catch up (`_catch_up`).
+        """
         with self._lock:
-            self._outstanding.remove(read_at)
             log = [entry for entry in self._log if entry[0] > read_at]
-            low = min(self._outstanding, default=self._count)
+            self._serving = self._count
+            self._outstanding.remove(read_at)
+            self._outstanding.append(self._serving)
+            low = min(self._outstanding)
             self._log = [entry for entry in self._log if entry[0] > low]
+        for _, plan in staged:
+            for tp in plan.tables:
+                tp.fetched_at = self._serving
         if not log or not self._exact:
             return
         for module, plan in staged:
-            if _collective(module):
-                continue  # fetched after every earlier update, nothing to refresh
+            if not _collective(module):  # (those are fetched after every earlier update)
+                self._patch(module, plan, log)
+
+    def _catch_up(self, module: _StoreModule, plan: ForwardPlan) -> None:
+        """Refresh `plan`'s staged rows for the writes since they were last refreshed."""
+        with self._lock:
+            since = min((tp.fetched_at for tp in plan.tables), default=self._count)
+            log = [entry for entry in self._log if entry[0] > since]
             for tp in plan.tables:
-                if tp.rows is None:
-                    continue  # not staged: the forward reads the store itself
-                changed = [ids for _, store, table, ids in log
-                           if store is module.store and table == tp.table]
-                if not changed:
-                    continue
-                index = IdIndex(2 * sum(len(c) for c in changed))
-                for ids in changed:
-                    index.add(np.ascontiguousarray(ids[index.find(ids) < 0]))
-                pos = np.flatnonzero(index.find(tp.groups.unique) >= 0)
-                if not len(pos):
-                    continue
-                fresh = lookup_rows(module.store, tp.table, tp.groups.unique[pos])
-                assert tp.rows is not None
-                if tp.ready is not None:  # the staged copy must land before it is patched
-                    stream = torch.cuda.current_stream(tp.rows.device)
-                    stream.wait_event(tp.ready)
-                    tp.rows.record_stream(stream)
-                    assert tp.inverse is not None
-                    tp.inverse.record_stream(stream)
-                    tp.ready = None
-                tp.rows.index_copy_(0, torch.from_numpy(pos).to(tp.rows.device),
-                                    fresh.to(tp.rows.device))
+                tp.fetched_at = self._count
+        if log:
+            self._patch(module, plan, log)
+
+    def _patch(self, module: _StoreModule, plan: ForwardPlan,
+               log: list[tuple[int, EmbeddingStore, str, np.ndarray]]) -> None:
+        """Read again the staged rows of `plan` whose ids the writes in `log` changed."""
+        for tp in plan.tables:
+            if tp.rows is None:
+                continue  # not staged: the forward reads the store itself
+            changed = [ids for _, store, table, ids in log
+                       if store is module.store and table == tp.table]
+            if not changed:
+                continue
+            index = IdIndex(2 * sum(len(c) for c in changed))
+            for ids in changed:
+                index.add(np.ascontiguousarray(ids[index.find(ids) < 0]))
+            pos = np.flatnonzero(index.find(tp.groups.unique) >= 0)
+            if not len(pos):
+                continue
+            fresh = lookup_rows(module.store, tp.table, tp.groups.unique[pos])
+            if tp.ready is not None:  # the staged copy must land before it is patched
+                stream = torch.cuda.current_stream(tp.rows.device)
+                stream.wait_event(tp.ready)
+                tp.rows.record_stream(stream)
+                assert tp.inverse is not None
+                tp.inverse.record_stream(stream)
+                tp.ready = None
+            tp.rows.index_copy_(0, torch.from_numpy(pos).to(tp.rows.device),
+                                fresh.to(tp.rows.device))
 
     def close(self) -> None:
-        """Stop the background thread and wait for it; unused staged rows are dropped."""
-        if self._done:
+        """Stop the background thread and wait for it; unused staged rows are dropped.
+
+        A close cut short (a second Ctrl-C while it waits) is finished by the next call.
+        """
+        if self._closed:
             return
         self._done = True
         self._finalizer.detach()
         self._stop.set()
         _write_hooks.remove(self._hook)
+        _unstage(self._touched)  # first: no staged row may outlive the log of updates
         while self._thread.is_alive():
             with contextlib.suppress(queue.Empty):  # unblock a thread waiting to queue
                 self._queue.get(timeout=0.05)
         self._thread.join()
         if self._readers is not None:
             self._readers.shutdown(wait=True)
-        _unstage(self._touched)
+        self._closed = True
 
     def __enter__(self) -> TrainPipeline[B]:
         return self

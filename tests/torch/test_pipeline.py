@@ -583,3 +583,97 @@ def test_batches_made_in_inference_mode_are_served_from_the_staged_rows(monkeypa
     for t in ("t", "u"):
         np.testing.assert_array_equal(store.lookup(t, np.arange(ROWS)),
                                       plain.lookup(t, np.arange(ROWS)))
+
+
+class TwoBags(torch.nn.Module):
+    """Two bags over one table, each trained on its own loss.
+
+    The second forward runs after the first one's backward has updated rows it staged.
+    """
+
+    def __init__(self, store):
+        super().__init__()
+        self.first = et.EmbeddingBag(store, "t", mode="sum")
+        self.second = et.EmbeddingBag(store, "t", mode="sum")
+
+
+@pytest.mark.parametrize("between", ["own-write", "earlier-backward"])
+def test_writes_between_a_step_and_its_forward_reach_the_staged_rows(between):
+    # the pipeline hands a batch over with its staged rows current; a trainer's own write
+    # before the forward, or a first bag's backward before a second bag's forward on the
+    # same table, changes rows after that: the forward must still see them as written
+    batches = [tuple((ids, torch.cumsum(n, 0) - n) for ids, n in (b.sparse["a"], b.sparse["b"]))
+               for b in _batches(8)]
+
+    def train(piped):
+        store = _store()
+        bags = TwoBags(store)
+        outputs = []
+
+        def step(i, batch):
+            if between == "own-write":
+                ids = batch[1][0].numpy()
+                store.update("t", ids, np.full((len(ids), 8), float(i), np.float32))
+            else:
+                bags.first(*batch[0]).sum().backward()
+            out = bags.second(*batch[1])
+            out.sum().backward()
+            outputs.append(out.detach().clone())
+
+        if not piped:
+            for i, batch in enumerate(batches):
+                step(i, batch)
+        else:
+            with et.TrainPipeline(batches, inputs=lambda b: {bags.first: b[0], bags.second: b[1]},
+                                  stage_rows=True) as pipe:
+                for i, batch in enumerate(pipe):
+                    step(i, batch)
+        return outputs, store.lookup("t", np.arange(ROWS))
+
+    plain, piped = train(False), train(True)
+    for x, y in zip(plain[0], piped[0], strict=True):
+        assert torch.equal(x, y)
+    np.testing.assert_array_equal(plain[1], piped[1])
+
+
+class _Interrupted(BaseException):
+    """Stands for Ctrl-C."""
+
+
+def test_a_close_cut_short_drops_the_staged_plans_and_the_next_close_finishes_it():
+    store = _store()
+    model = Model(store)
+    pipe = et.TrainPipeline(_batches(6), inputs=lambda b: {model.ebc: b.sparse},
+                            stage_rows=True, read_threads=2)
+    next(pipe)  # staged on the module, its forward not run
+    shutdown = pipe._readers.shutdown
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            raise _Interrupted  # a second Ctrl-C while close() waits for the threads
+        shutdown(*args, **kwargs)
+
+    pipe._readers.shutdown = interrupted
+    with pytest.raises(_Interrupted):
+        pipe.close()
+    assert model.ebc._staged is None  # no staged row outlives the pipeline's log of writes
+    pipe.close()
+    assert calls and not _pipeline_threads()
+
+
+def test_a_step_cut_short_as_it_stages_its_plan_leaves_nothing_staged(monkeypatch):
+    store = _store()
+    model = Model(store)
+    stage = type(model.ebc).stage
+
+    def stage_then_interrupt(module, plan):
+        stage(module, plan)
+        raise _Interrupted
+
+    with pytest.raises(_Interrupted), et.TrainPipeline(
+            _batches(4), inputs=lambda b: {model.ebc: b.sparse}, stage_rows=True) as pipe:
+        monkeypatch.setattr(type(model.ebc), "stage", stage_then_interrupt)
+        next(pipe)
+    assert model.ebc._staged is None
