@@ -22,10 +22,19 @@ _WIDTH = 16  # sketch counters per row per id of capacity
 # the climber's probe phases: above, below, below, above its centre, so that a hit ratio
 # that rises or falls steadily over the four (a drifting hot set) weighs on both sides alike
 _PATTERN = (1, -1, -1, 1)
-_GROW, _SHRINK = 1.5, 0.5  # the step after a move in the same / the other direction
-_MIN_STEP, _MAX_STEP = 0.01, 0.25
+# the step after a move in the same direction (2x when the two sides' hit ratios differ by
+# more than _STRONG of the larger: a recency-heavy stream then reaches a full window in a few
+# rounds), and after a move in the other direction
+_GROW, _GROW_STRONG, _STRONG, _SHRINK = 1.5, 2.0, 0.05, 0.5
+_MIN_STEP, _MAX_STEP = 0.01, 0.5
 _MIN_PROBE, _MAX_PROBE = 0.02, 0.1  # the probe's distance from the centre: the step, bounded
-_MAX_SHARE = 0.8
+# a phase whose hit ratio falls by more than a fifth of the last one's (and by more than
+# chance allows) marks a new hot set: the sketch is halved twice at once, so the old set's
+# counts stop outbidding the new ids for space in the main region
+_SHIFT_DROP, _SHIFT_HALVINGS = 0.2, 2
+# a round moves the centre only if its two sides' hit ratios differ by more than one
+# standard error: on a flat stretch the climber otherwise wanders on noise alone
+_SIGNIF = 1.0
 
 
 @final
@@ -52,19 +61,26 @@ class WTinyLFUEviction(TrackedEviction):
     climbing on the hit ratio, in rounds of four probe phases of `sample_factor` x capacity
     requests (hits and inserts) each: the window runs at the climber's centre plus a probe,
     then minus it twice, then plus it again, and the centre then moves by a step toward the
-    side whose phases hit more. A step in the same direction as the last grows 1.5x (up to
-    a quarter of the capacity); a reversal, or a move the bounds [0, 0.8] cut off, halves it
-    (down to 1%); the probe is the step, within [0.02, 0.1]. Caffeine's climber compares each
-    sample with the one before, which a stream whose hit ratio moves on its own defeats: on
-    a drifting hot set the ratio fell from sample to sample whatever the window did, the
-    climber reversed at every sample, and the window stayed at 1-7% where 50% misses 9%
-    less. The symmetric phases cancel such a trend when it is steady over a round.
-    Recency-heavy streams grow the window, frequency-heavy ones shrink it; the sketch's
-    halving period shrinks with the window (times 1 - 3 x share, at least 0.1), so
-    frequencies forget faster where recency pays. Phases are short (half the capacity;
-    Caffeine samples 10 x): a trace of a few hundred batches must see enough rounds to
-    climb. As for S3-FIFO, the capacity is the number of tracked ids left after an eviction.
-    A call costs O(batch + victims) numpy work.
+    side whose phases hit more, if by more than one standard error (the first phase, run
+    while the cache fills, is not counted).
+    A step in the same direction as the last grows 1.5x, or 2x where the two sides' hit
+    ratios differ by more than 5% (up to half the capacity); a reversal, or a move the
+    bounds [0, 1] cut off, halves it (down to 1%); the probe is the step, within
+    [0.02, 0.1]. A window of the whole capacity is LRU: on a stream with no reuse beyond
+    recency (a sliding window of ids) the window climbs there within five rounds.
+    Caffeine's climber compares each sample with the one before, which a stream whose hit
+    ratio moves on its own defeats: on a drifting hot set the ratio fell from sample to
+    sample whatever the window did, the climber reversed at every sample, and the window
+    stayed at 1-7% where 50% misses 9% less. The symmetric phases cancel such a trend when
+    it is steady over a round. Recency-heavy streams grow the window, frequency-heavy ones
+    shrink it; the sketch's halving period shrinks with the window (times 1 - 3 x share, at
+    least 0.1), so frequencies forget faster where recency pays; and a phase whose hit
+    ratio falls by more than a fifth of the last phase's (and by more than three standard
+    errors) halves the sketch twice at once: the hot set changed, and the old set's counts
+    would otherwise keep the new ids out of the main region for a whole halving period.
+    Phases are short (half the capacity; Caffeine samples 10 x): a trace of a few hundred
+    batches must see enough rounds to climb. As for S3-FIFO, the capacity is the number of
+    tracked ids left after an eviction. A call costs O(batch + victims) numpy work.
 
     Args:
         window_share: initial share of the capacity in the window, in [0, 1).
@@ -87,7 +103,7 @@ class WTinyLFUEviction(TrackedEviction):
     name: ClassVar[str] = "wtinylfu"
 
     def __init__(self, *, window_share: float = 0.01, protected_share: float = 0.8,
-                 climb: bool = True, step: float = 0.0625, sample_factor: float = 0.5,
+                 climb: bool = True, step: float = 0.125, sample_factor: float = 0.5,
                  sketch_factor: float = 40.0, hold_new: bool = False,
                  seed: int = 0) -> None:
         window_share = real_setting("WTinyLFUEviction", "window_share", window_share, 0, 1,
@@ -131,6 +147,8 @@ class WTinyLFUEviction(TrackedEviction):
         # hits and requests of the round's phases below (index 0) and above (1) the centre
         self._phase_hits = [0, 0]
         self._phase_requests = [0, 0]
+        self._last_ratio = 0.0
+        self._warm = False
         self._direction = 0.0  # of the climber's last move: 1 up, -1 down, 0 none yet
         if self.climb:
             self._share = self._probe_share()
@@ -257,6 +275,13 @@ class WTinyLFUEviction(TrackedEviction):
         requests = self._hits + self._misses
         if not self.climb or requests < self.sample_factor * self._capacity:
             return
+        if not self._warm:
+            # the first phase ran while the cache filled: its hit ratio says nothing of the
+            # window (on a sliding-window trace a move on it sent the window down)
+            self._warm = True
+            self._hits = self._misses = 0
+            return
+        self._notice_shift(self._hits / requests, requests)
         above = int(_PATTERN[self._phase] > 0)
         self._phase_hits[above] += self._hits
         self._phase_requests[above] += requests
@@ -265,23 +290,43 @@ class WTinyLFUEviction(TrackedEviction):
         if self._phase == 0:
             r_low, r_high = (h / max(r, 1) for h, r in zip(self._phase_hits,
                                                            self._phase_requests, strict=True))
+            n_low, n_high = (max(r, 1) for r in self._phase_requests)
             self._phase_hits = [0, 0]
             self._phase_requests = [0, 0]
-            if r_high != r_low:
+            p = (r_low + r_high) / 2
+            noise = _SIGNIF * np.sqrt(max(p * (1 - p), 0.0) * (1 / n_low + 1 / n_high))
+            if abs(r_high - r_low) > noise:
                 direction = 1.0 if r_high > r_low else -1.0
-                center = float(np.clip(self._center + direction * self._step, 0.0, _MAX_SHARE))
+                center = float(np.clip(self._center + direction * self._step, 0.0, 1.0))
                 if center == self._center or (self._direction and direction != self._direction):
                     self._step = max(self._step * _SHRINK, _MIN_STEP)
                 elif direction == self._direction:
-                    self._step = min(self._step * _GROW, _MAX_STEP)
+                    strong = abs(r_high - r_low) > _STRONG * max(r_high, r_low)
+                    self._step = min(self._step * (_GROW_STRONG if strong else _GROW),
+                                     _MAX_STEP)
                 self._direction = direction
                 self._center = center
         self._share = self._probe_share()
 
+    def _notice_shift(self, ratio: float, requests: int) -> None:
+        """Age the sketch at once when a phase's hit ratio falls far below the last one's.
+
+        The probes move the ratio by a few percent; a fall of a fifth that is also three
+        standard errors wide is a new hot set, whose ids would otherwise wait a whole
+        halving period (40 x capacity additions) to outbid the old set's counts.
+        """
+        last = self._last_ratio
+        chance = 3.0 * np.sqrt(last * (1.0 - last) / requests)
+        if ratio < last * (1.0 - _SHIFT_DROP) and last - ratio > chance:
+            for _ in range(_SHIFT_HALVINGS):
+                sketch_halve(self._sketch)
+            self._added = 0
+        self._last_ratio = ratio
+
     def _probe_share(self) -> float:
         """The window share of the current phase: the centre plus or minus the probe."""
         probe = max(_MIN_PROBE, min(self._step, _MAX_PROBE))
-        return float(np.clip(self._center + _PATTERN[self._phase] * probe, 0.0, _MAX_SHARE))
+        return float(np.clip(self._center + _PATTERN[self._phase] * probe, 0.0, 1.0))
 
     def _choose_victims(self, n: int, now: float) -> np.ndarray:
         # docstring inherited
