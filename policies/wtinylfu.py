@@ -273,7 +273,7 @@ class WTinyLFUEviction(TrackedEviction):
     def _adapt(self) -> None:
         """End the probe phase once it has seen its requests; after a round, move the centre."""
         requests = self._hits + self._misses
-        if not self.climb or requests < self.sample_factor * self._capacity:
+        if not self.climb or not requests or requests < self.sample_factor * self._capacity:
             return
         if not self._warm:
             # the first phase ran while the cache filled: its hit ratio says nothing of the
@@ -313,7 +313,7 @@ class WTinyLFUEviction(TrackedEviction):
 
         The probes move the ratio by a few percent; a fall of a fifth that is also three
         standard errors wide is a new hot set, whose ids would otherwise wait a whole
-        halving period (40 x capacity additions) to outbid the old set's counts.
+        halving period (`sketch_factor` x capacity additions) to outbid the old set's counts.
         """
         last = self._last_ratio
         chance = 3.0 * np.sqrt(last * (1.0 - last) / requests)
