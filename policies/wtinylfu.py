@@ -30,8 +30,9 @@ _MIN_STEP, _MAX_STEP = 0.01, 0.5
 _MIN_PROBE, _MAX_PROBE = 0.02, 0.1  # the probe's distance from the centre: the step, bounded
 # a phase whose hit ratio falls by more than a fifth of the last one's (and by more than
 # chance allows) marks a new hot set: the sketch is halved twice at once, so the old set's
-# counts stop outbidding the new ids for space in the main region
-_SHIFT_DROP, _SHIFT_HALVINGS = 0.2, 2
+# counts stop outbidding the new ids for space in the main region; and the climber's step is
+# raised to a quarter (as Caffeine restarts its climber), since the best window moves too
+_SHIFT_DROP, _SHIFT_HALVINGS, _SHIFT_STEP = 0.2, 2, 0.25
 # a round moves the centre only if its two sides' hit ratios differ by more than one
 # standard error: on a flat stretch the climber otherwise wanders on noise alone
 _SIGNIF = 1.0
@@ -76,8 +77,9 @@ class WTinyLFUEviction(TrackedEviction):
     shrink it; the sketch's halving period shrinks with the window (times 1 - 3 x share, at
     least 0.1), so frequencies forget faster where recency pays; and a phase whose hit
     ratio falls by more than a fifth of the last phase's (and by more than three standard
-    errors) halves the sketch twice at once: the hot set changed, and the old set's counts
-    would otherwise keep the new ids out of the main region for a whole halving period.
+    errors) halves the sketch twice at once and raises the climber's step to a quarter:
+    the hot set changed, and the old set's counts would otherwise keep the new ids out of
+    the main region for a whole halving period.
     Phases are short (half the capacity; Caffeine samples 10 x): a trace of a few hundred
     batches must see enough rounds to climb. As for S3-FIFO, the capacity is the number of
     tracked ids left after an eviction. A call costs O(batch + victims) numpy work.
@@ -309,7 +311,7 @@ class WTinyLFUEviction(TrackedEviction):
         self._share = self._probe_share()
 
     def _notice_shift(self, ratio: float, requests: int) -> None:
-        """Age the sketch at once when a phase's hit ratio falls far below the last one's.
+        """Age the sketch and widen the climber's step when the hit ratio falls sharply.
 
         The probes move the ratio by a few percent; a fall of a fifth that is also three
         standard errors wide is a new hot set, whose ids would otherwise wait a whole
@@ -321,6 +323,7 @@ class WTinyLFUEviction(TrackedEviction):
             for _ in range(_SHIFT_HALVINGS):
                 sketch_halve(self._sketch)
             self._added = 0
+            self._step = max(self._step, _SHIFT_STEP)
         self._last_ratio = ratio
 
     def _probe_share(self) -> float:
