@@ -31,7 +31,8 @@ _MIN_PROBE, _MAX_PROBE = 0.02, 0.1  # the probe's distance from the centre: the 
 # a phase whose hit ratio falls by more than a fifth of the last one's (and by more than
 # chance allows) marks a new hot set: the sketch is halved twice at once, so the old set's
 # counts stop outbidding the new ids for space in the main region; and the climber's step is
-# raised to a quarter (as Caffeine restarts its climber), since the best window moves too
+# raised to a quarter (Caffeine restarts its climber, at its initial step, on a jump of the
+# hit rate): the best window moves too
 _SHIFT_DROP, _SHIFT_HALVINGS, _SHIFT_STEP = 0.2, 2, 0.25
 # a round moves the centre only if its two sides' hit ratios differ by more than one
 # standard error: on a flat stretch the climber otherwise wanders on noise alone
@@ -66,7 +67,7 @@ class WTinyLFUEviction(TrackedEviction):
     while the cache fills, is not counted).
     A step in the same direction as the last grows 1.5x, or 2x where the two sides' hit
     ratios differ by more than 5% (up to half the capacity); a reversal, or a move the
-    bounds [0, 1] cut off, halves it (down to 1%); the probe is the step, within
+    bounds [0, 1] cut off entirely, halves it (down to 1%); the probe is the step, within
     [0.02, 0.1]. A window of the whole capacity is LRU: on a stream with no reuse beyond
     recency (a sliding window of ids) the window climbs there within five rounds.
     Caffeine's climber compares each sample with the one before, which a stream whose hit
@@ -77,7 +78,8 @@ class WTinyLFUEviction(TrackedEviction):
     shrink it; the sketch's halving period shrinks with the window (times 1 - 3 x share, at
     least 0.1), so frequencies forget faster where recency pays; and a phase whose hit
     ratio falls by more than a fifth of the last phase's (and by more than three standard
-    errors) halves the sketch twice at once and raises the climber's step to a quarter:
+    errors) halves the sketch twice at once and raises the climber's step to a quarter (a
+    fall that goes on into the next phase does so again, which can empty the sketch):
     the hot set changed, and the old set's counts would otherwise keep the new ids out of
     the main region for a whole halving period.
     Phases are short (half the capacity; Caffeine samples 10 x): a trace of a few hundred
@@ -87,8 +89,10 @@ class WTinyLFUEviction(TrackedEviction):
     Args:
         window_share: initial share of the capacity in the window, in [0, 1).
         protected_share: share of the main region kept in the protected segment, in [0, 1].
-        climb: tune the window share online (False keeps `window_share`).
-        step: the climber's initial step, as a share of the capacity, in (0, 1).
+        climb: tune the window share online (False keeps `window_share`, and a fall of the
+            hit ratio no longer ages the sketch early).
+        step: the climber's initial step, as a share of the capacity, in (0, 1) (0.125,
+            twice Caffeine's: a trace of a few hundred batches leaves few rounds to climb).
         sample_factor: requests per probe phase, as a multiple of the capacity, > 0.
         sketch_factor: sketch additions between halvings, as a multiple of the capacity,
             > 0 (TinyLFU halves after 10 x capacity with a 4x narrower sketch; smaller
@@ -315,7 +319,8 @@ class WTinyLFUEviction(TrackedEviction):
 
         The probes move the ratio by a few percent; a fall of a fifth that is also three
         standard errors wide is a new hot set, whose ids would otherwise wait a whole
-        halving period (`sketch_factor` x capacity additions) to outbid the old set's counts.
+        halving period (`sketch_factor` x capacity additions, less with a wide window) to
+        outbid the old set's counts.
         """
         last = self._last_ratio
         chance = 3.0 * np.sqrt(last * (1.0 - last) / requests)
