@@ -154,6 +154,8 @@ class WTinyLFUEviction(TrackedEviction):
         self._phase_hits = [0, 0]
         self._phase_requests = [0, 0]
         self._last_ratio = 0.0
+        self._last_requests = 0
+        self._shifts = 0
         self._warm = False
         self._direction = 0.0  # of the climber's last move: 1 up, -1 down, 0 none yet
         if self.climb:
@@ -164,6 +166,11 @@ class WTinyLFUEviction(TrackedEviction):
     def current_window_share(self) -> float:
         """The climber's window share: the centre its probes alternate around."""
         return self._center
+
+    @property
+    def hot_set_shifts(self) -> int:
+        """How many times a sharp fall of the hit ratio aged the sketch (a new hot set)."""
+        return self._shifts
 
     # --- frequency sketch -------------------------------------------------------------------
 
@@ -320,16 +327,23 @@ class WTinyLFUEviction(TrackedEviction):
         The probes move the ratio by a few percent; a fall of a fifth that is also three
         standard errors wide is a new hot set, whose ids would otherwise wait a whole
         halving period (`sketch_factor` x capacity additions, less with a wide window) to
-        outbid the old set's counts.
+        outbid the old set's counts. The error is that of the difference of the two phases'
+        ratios, each measured on its own requests: counting only this phase's noise, small
+        caches (a few hundred requests a phase) saw a new hot set every hundred batches in a
+        steady stream.
         """
-        last = self._last_ratio
-        chance = 3.0 * np.sqrt(last * (1.0 - last) / requests)
+        last, last_requests = self._last_ratio, self._last_requests
+        self._last_ratio, self._last_requests = ratio, requests
+        if not last_requests:
+            return
+        p = (last + ratio) / 2
+        chance = 3.0 * np.sqrt(p * (1.0 - p) * (1 / requests + 1 / last_requests))
         if ratio < last * (1.0 - _SHIFT_DROP) and last - ratio > chance:
             for _ in range(_SHIFT_HALVINGS):
                 sketch_halve(self._sketch)
             self._added = 0
             self._step = max(self._step, _SHIFT_STEP)
-        self._last_ratio = ratio
+            self._shifts += 1
 
     def _probe_share(self) -> float:
         """The window share of the current phase: the centre plus or minus the probe."""

@@ -9,6 +9,7 @@ from embstore import TableSpec, TierSpec, registry
 from embstore._build import build_chain
 from embstore.errors import ConfigError
 from embstore.policies._hashing import positions, sketch_count, sketch_estimate, sketch_halve
+from embstore.policies.wtinylfu import WTinyLFUEviction
 from embstore.tools.simulator import Trace, belady, parse_policy, run_policies
 from embstore.tools.traces import synthesize
 
@@ -54,18 +55,22 @@ def test_hits_in_probation_protect_an_id() -> None:
 
 
 def _final_window_share(trace: Trace) -> float:
+    return _replayed(trace, round(0.05 * trace.distinct)).current_window_share
+
+
+def _replayed(trace: Trace, capacity: int) -> WTinyLFUEviction:
     # a real bounded DRAM tier over a DRAM store of record, as the simulator builds it
-    tiers = [TierSpec("dram", capacity=round(0.05 * trace.distinct), eviction="wtinylfu"),
-             TierSpec("dram")]
+    tiers = [TierSpec("dram", capacity=capacity, eviction="wtinylfu"), TierSpec("dram")]
     chain = build_chain(TableSpec("t", dim=1), tiers, None, read_only=False,
                         background_writes=False)
     chain.tiers[-1].backend.put(trace.ids, np.zeros((trace.distinct, 1), np.float32))
     for dense in trace.unique:
         if len(dense):
             chain.get(np.ascontiguousarray(trace.ids[dense]))
-    share = chain.tiers[0].eviction.current_window_share  # type: ignore[union-attr]
+    policy = chain.tiers[0].eviction
     chain.close()
-    return float(share)
+    assert isinstance(policy, WTinyLFUEviction)
+    return policy
 
 
 def test_the_climber_grows_the_window_on_a_drifting_trace_and_not_on_a_stationary_one() -> None:
@@ -141,8 +146,20 @@ def test_the_window_climbs_to_the_whole_capacity_where_only_recency_pays() -> No
 def test_a_new_hot_set_gets_into_the_main_region_within_a_phase() -> None:
     # each shuffle is a fall in the hit ratio the climber notices: the sketch is aged at
     # once, where before the old set's counts outbid the new ids for a halving period
-    misses = _misses(_new_hot_sets(300, 3, seed=4), ("wtinylfu", "s3fifo", "lfu"))
+    trace = _new_hot_sets(300, 3, seed=4)
+    misses = _misses(trace, ("wtinylfu", "s3fifo", "lfu"))
     assert misses["wtinylfu"] <= 1.03 * min(misses["s3fifo"], misses["lfu"]), misses
+    # both shuffles noticed (a fall spread over two phases is noticed in each)
+    assert 2 <= _replayed(trace, round(0.05 * trace.distinct)).hot_set_shifts <= 4
+
+
+def test_a_steady_stream_is_seldom_taken_for_a_new_hot_set() -> None:
+    # small caches' phases are a few hundred to a few thousand requests: when only the new
+    # phase's noise was counted, the shift detector fired 3, 4 and 3 times in these 400
+    # batches of a steady stream, each time aging the sketch twice and widening the step
+    trace = _sliding_window(400, seed=7)
+    shifts = [_replayed(trace, capacity).hot_set_shifts for capacity in (400, 1_600, 3_000)]
+    assert sum(shifts) <= 1, shifts
 
 
 @pytest.mark.parametrize("setting", [{"window_share": 1.0}, {"protected_share": -0.1},
