@@ -280,3 +280,44 @@ def test_a_checkpoint_of_an_earlier_version_with_any_numeric_step_still_opens(st
     write_manifest(tmp_path / "c", doc)
     with embstore.open(tmp_path / "c", read_only=True) as reader:
         assert reader.num_rows("t") == 40
+
+
+@pytest.mark.parametrize("command", [["compact"], ["migrate", "--tiers", "rocksdb"],
+                                     ["export"]])
+def test_a_rewrite_or_export_of_a_damaged_lmdb_tree_is_refused_not_killed_by_sigbus(
+        tmp_path, command):
+    # LMDB trusts its page numbers and node offsets: read through its map, a damaged tree
+    # killed these commands with SIGBUS (exit 135), leaving a half-made copy beside the
+    # store. Run in a child, so that a crash fails this test instead of ending pytest.
+    import subprocess
+    import sys
+
+    path = tmp_path / "s"
+    with embstore.open(path, tables=[TableSpec("t", dim=8)], tiers=[TierSpec("lmdb")]) as s:
+        s.update("t", np.arange(2_000), np.ones((2_000, 8), np.float32))
+    data = next(path.rglob("data.mdb"))
+    raw = bytearray(data.read_bytes())
+
+    def leaf_nodes(page):  # nodes on a leaf page, 0 on any other
+        if int.from_bytes(raw[page * 4096 + 10:page * 4096 + 12], "little") != 2:
+            return 0
+        return (int.from_bytes(raw[page * 4096 + 12:page * 4096 + 14], "little") - 16) // 2
+
+    # a full leaf page near the end: node offsets of 65,535 there point past the file's end
+    page = max((p for p in range(2, len(raw) // 4096) if p * 4096 + 0xFFFF >= len(raw)),
+               key=leaf_nodes)
+    assert leaf_nodes(page) > 8
+    at = page * 4096 + 16 + 2 * (leaf_nodes(page) // 2)
+    raw[at:at + 8] = b"\xff" * 8
+    data.write_bytes(bytes(raw))
+    before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    argv = [command[0], str(path), *command[1:]]
+    if command == ["export"]:
+        argv.append(str(tmp_path / "out"))
+    done = subprocess.run([sys.executable, "-m", "embstore.tools.cli", *argv],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, (done.returncode, done.stderr[-500:])
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "is damaged" in done.stderr and "embstore fsck" in done.stderr, done.stderr
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]  # no half-made copy
