@@ -104,7 +104,7 @@ class WrittenIds:
         """The file does not exist yet (`defer_write`): `write_missing` writes it."""
         stats = self._stats() if read_only else b""  # before the read, for `held_still`
         try:
-            raw: bytes | None = read_bytes_nofollow(file, 16 + (1 << 40))
+            raw: bytes | None = read_bytes_nofollow(file, self._size_said(file))
         except FileNotFoundError:
             raw = None
         except NotADirectoryError:
@@ -177,20 +177,50 @@ class WrittenIds:
 
     # --- the file -------------------------------------------------------------------------
 
-    def _parse(self, raw: bytes) -> np.ndarray:
-        def bad(why: str) -> CorruptStoreError:
-            return CorruptStoreError(
-                f"written-id record {self.file} is damaged ({why}); run `embstore fsck "
-                "--repair` to rebuild it from the table's rows, or restore from a checkpoint")
+    def _damaged(self, why: str) -> CorruptStoreError:
+        return CorruptStoreError(
+            f"written-id record {self.file} is damaged ({why}); run `embstore fsck "
+            "--repair` to rebuild it from the table's rows, or restore from a checkpoint")
 
+    def _size_said(self, file: Path) -> int:
+        """The size of `file` that its header and the table allow, checked before the read.
+
+        A file grown past it (a damaged length, a stray write far out) would otherwise be
+        read whole: a record blown up to 20 GiB got the process killed for its memory.
+        """
+        try:
+            fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return BODY_OFFSET  # the read reports what is wrong
+        try:
+            size = os.fstat(fd).st_size
+            head = os.read(fd, BODY_OFFSET)
+        except OSError:  # a directory, a FIFO: the read reports it
+            return BODY_OFFSET
+        finally:
+            os.close(fd)
+        if len(head) < BODY_OFFSET:
+            return BODY_OFFSET
+        _, kind, _, n = HEADER.unpack(head)
+        if self._n is not None:  # a bitmap of the table's ids, whatever the header says
+            said = BODY_OFFSET + (self._n + 7) // 8
+        else:
+            said = BODY_OFFSET + 8 * n if kind == IDS else BODY_OFFSET
+        if size > said:
+            raise self._damaged(f"{size} bytes, more than the {said} its header and the "
+                                "table allow")
+        return said
+
+    def _parse(self, raw: bytes) -> np.ndarray:
+        bad = self._damaged
         if len(raw) < BODY_OFFSET:
             raise bad(f"{len(raw)} bytes, shorter than its {BODY_OFFSET}-byte header")
         magic, kind, crc, n = HEADER.unpack_from(raw)
         if magic != MAGIC:
             raise bad("wrong magic")
-        if zlib.crc32(raw[16:]) != crc:
+        if zlib.crc32(memoryview(raw)[16:]) != crc:
             raise bad("checksum mismatch")
-        body = raw[BODY_OFFSET:]
+        body = memoryview(raw)[BODY_OFFSET:]
         expected_kind = BITMAP if self._n is not None else IDS
         if kind != expected_kind:
             raise bad(f"kind {kind}, expected {expected_kind}")

@@ -232,6 +232,20 @@ def test_a_damaged_written_record_is_named_on_open(tmp_path, bounded, damage, wo
     assert any("written-id record" in f.message or words in f.message for f in findings)
 
 
+@pytest.mark.parametrize("bounded", [True, False])
+def test_a_written_record_grown_past_its_header_is_refused_before_it_is_read(tmp_path,
+                                                                           bounded):
+    # a record blown up to 20 GiB was read whole (and copied twice) before its checksum
+    # failed: the process was killed for its memory. A sparse 64 GiB file here costs nothing
+    # unless it is read.
+    path = _store(tmp_path / "s", bounded=bounded)
+    size = _record(path).stat().st_size
+    os.truncate(_record(path), 64 << 30)
+    with pytest.raises(CorruptStoreError, match=f"{64 << 30} bytes, more than the {size}"):
+        embstore.open(path)
+    assert any("more than the" in f.message for f in fsck.check(path))
+
+
 def test_a_bitmap_record_with_ids_outside_the_table_is_refused(tmp_path):
     path = _store(tmp_path / "s")
     with pytest.raises(CorruptStoreError, match="outside"):
