@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,23 @@ def test_locality_stats_reject_other_text(tmp_path: Path) -> None:
     bad = tmp_path / "stats.txt"
     bad.write_text("fbgemm_t2_bs4.pt\nnothing here\n")
     with pytest.raises(ConfigError, match="not a locality-stats block"):
+        traces.load_locality_stats(bad)
+
+
+@pytest.mark.parametrize("content", [
+    np.arange(10).tobytes() + b"\xff\xfe",  # binary: not UTF-8
+    None,  # a real block with one value misprinted
+])
+def test_locality_stats_reject_binary_files_and_malformed_numbers(tmp_path: Path,
+                                                                  content: bytes | None) -> None:
+    bad = tmp_path / "stats.txt"
+    if content is None:
+        block = stats_file("2022").read_text().strip().split("\n\n")[0]
+        content = re.sub(r"^\(0, 1\]: (\d)\.", r"(0, 1]: \1.3.", block, count=1,
+                         flags=re.M).encode()
+        assert content.decode() != block
+    bad.write_bytes(content)
+    with pytest.raises(ConfigError, match="not a locality-stats"):
         traces.load_locality_stats(bad)
 
 

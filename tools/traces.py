@@ -71,6 +71,10 @@ class LocalityStats:
     """float64[17]: share of lookups going to rows whose count is in each bin."""
 
 
+_NUMBER = r"\d+(?:\.\d+)?"
+"""A value of a locality-stats file: digits, perhaps a point and more digits."""
+
+
 def load_locality_stats(path: str | Path) -> list[LocalityStats]:
     """Parse a dlrm_datasets ``locality_stats.txt`` into one `LocalityStats` per block.
 
@@ -82,9 +86,12 @@ def load_locality_stats(path: str | Path) -> list[LocalityStats]:
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read locality stats {str(path)!r}: {exc}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"{str(path)!r} is not a locality-stats text file (it is not "
+                          "UTF-8 text)") from None
     if not text.strip():
         raise ConfigError(f"{str(path)!r} holds no locality-stats block")
     out = []
@@ -92,9 +99,10 @@ def load_locality_stats(path: str | Path) -> list[LocalityStats]:
         lines = block.strip().splitlines()
         name = lines[0].strip()
         m = re.search(r"_t(\d+)_bs(\d+)", name)
-        fields = {k: re.search(rf"{k}:\s*([\d.]+)", block) for k in
+        fields = {k: re.search(rf"{k}:\s*({_NUMBER})(?![\d.])", block) for k in
                   ("Avg # of indices", "Avg # of unique cols")}
-        bins = re.findall(r"^\((?:\d+, \d+\]|32768\+):\s*([\d.]+)\s*$", block, flags=re.M)
+        bins = re.findall(rf"^\((?:\d+, \d+\]|32768\+):\s*({_NUMBER})\s*$", block,
+                          flags=re.M)
         if m is None or None in fields.values() or len(bins) != 2 * N_BINS:
             raise ConfigError(f"{str(path)!r}: block {name!r} is not a locality-stats block "
                               f"(expected a name, averages and two {N_BINS}-bin histograms)")
