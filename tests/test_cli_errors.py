@@ -323,3 +323,27 @@ def test_an_os_error_is_printed_as_its_reason_and_file_without_the_errno():
     assert cli._one_line(StorageIOError(20, "cannot write out: Not a directory")) == \
         "cannot write out: Not a directory"
     assert cli._one_line(OSError("no errno here")) == "no errno here"
+
+
+def test_a_warning_is_one_line_of_the_command_without_file_line_or_source(tmp_path, capsys,
+                                                                          monkeypatch):
+    # the pmem fallback's warning printed "/.../embstore/backend.py:136: PmemFallbackWarning:"
+    # and then the source line that raised it
+    import warnings
+
+    from embstore import _libpmem
+
+    path = tmp_path / "s"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", _libpmem.PmemFallbackWarning)
+        embstore.open(path, tables=[embstore.TableSpec("t", dim=4)],
+                      tiers=[embstore.TierSpec("pmem")]).close()
+    monkeypatch.setattr(_libpmem, "LIBRARY_NAME", "libpmem-missing-for-this-test.so.1")
+    monkeypatch.setattr(_libpmem, "_lib", None)
+    monkeypatch.setattr(_libpmem, "_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", _libpmem.PmemFallbackWarning)
+        assert main(["info", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("embstore info: warning: libpmem cannot be loaded"), err
+    assert len(err.strip().splitlines()) == 1 and ".py:" not in err, err

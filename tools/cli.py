@@ -19,7 +19,9 @@ import os
 import pkgutil
 import select
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TextIO
 
 from embstore.errors import EmbstoreError
 from embstore.tools._args import Parser
@@ -93,6 +95,21 @@ def _run(argv: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     # the innermost subcommand: `embstore bench lookup`, not `embstore bench`
     where = parser.subcommand_parser(args).prog
+    with warnings.catch_warnings():
+        warnings.showwarning = _warning_printer(where)
+        return _call(args, where)
+
+
+def _warning_printer(where: str) -> Callable[..., None]:
+    """A `warnings.showwarning` that prints one line, as errors are: no file, line or source."""
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        text = " ".join(str(message).split()) or category.__name__
+        print(f"{where}: warning: {text}", file=sys.stderr if file is None else file)
+    return show
+
+
+def _call(args: argparse.Namespace, where: str) -> int:
     try:
         code = int(args.func(args))
         # what is still buffered goes now, so a closed pipe is seen here and not at exit
