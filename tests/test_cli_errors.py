@@ -347,3 +347,16 @@ def test_a_warning_is_one_line_of_the_command_without_file_line_or_source(tmp_pa
     err = capsys.readouterr().err
     assert err.startswith("embstore info: warning: libpmem cannot be loaded"), err
     assert len(err.strip().splitlines()) == 1 and ".py:" not in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--rows", "99999999999999999999"], ["demo", "--batch-size", "99999999999"],
+    ["demo", "--eval-samples", "99999999999"], ["demo", "--nproc", "100000"],
+    ["bench", "shard", "--nproc", "1", "100000"],
+])
+def test_a_size_that_could_never_run_is_refused_before_anything_is_allocated(argv, capsys):
+    # these reached numpy as allocations of terabytes ("internal error: MemoryError") or,
+    # for --nproc, would have started that many torch processes
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "is more than" in err, err

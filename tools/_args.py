@@ -131,6 +131,25 @@ def positive_int(text: str) -> int:
     return _whole(text, 1)
 
 
+MAX_PROCESSES = 64
+PROCESSES_WHY = "each process is a torch trainer on this host"
+"""The most local processes a distributed run starts, and why."""
+
+
+def whole_up_to(most: int, why: str, *, least: int = 1) -> Callable[[str], int]:
+    """An argument type: an int from `least` to `most`; `why` says what the bound protects.
+
+    The bound keeps a size that could never run (memory, processes) from reaching numpy or
+    the OS as an allocation of terabytes.
+    """
+    def parse(text: str) -> int:
+        value = _whole(text, least)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"{text!r} is more than {most:,}: {why}")
+        return value
+    return parse
+
+
 def non_negative_int(text: str) -> int:
     """An int >= 0.
 

@@ -22,7 +22,7 @@ import torch
 
 import embstore
 from embstore.tools import _dlrm
-from embstore.tools._args import positive_int
+from embstore.tools._args import MAX_PROCESSES, PROCESSES_WHY, positive_int, whole_up_to
 from embstore.tools._demo_distributed import train_distributed
 
 
@@ -78,7 +78,8 @@ def dlrm_job() -> DLRMJob:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench shard`."""
-    parser.add_argument("--nproc", type=positive_int, nargs="+", default=[1, 2, 4],
+    parser.add_argument("--nproc", type=whole_up_to(MAX_PROCESSES, PROCESSES_WHY), nargs="+",
+                        default=[1, 2, 4],
                         help="process counts to run (1 2 4)")
     parser.add_argument("--steps", type=positive_int, default=30,
                         help="timed steps per run (30)")

@@ -31,7 +31,14 @@ import numpy as np
 
 from embstore.layout import store_above
 
-from ._args import check_output, non_negative_int, positive_int
+from ._args import (
+    MAX_PROCESSES,
+    PROCESSES_WHY,
+    check_output,
+    non_negative_int,
+    positive_int,
+    whole_up_to,
+)
 from ._dlrm import (
     ROCKSDB_OPTIONS,
     ClickStream,
@@ -51,6 +58,13 @@ STORE_DIR = "store"
 TORCH_THREADS = 1
 
 
+MAX_ROWS = 100_000_000
+_ROWS_WHY = ("the click stream holds a sampling table of 72 bytes per id (7.2 GB at the "
+             "limit) beside the tables' rows")
+MAX_SAMPLES = 1 << 20
+_SAMPLES_WHY = "a step's samples are drawn and pooled in memory at once"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `demo` subcommand."""
     p = sub.add_parser("demo", help="train a small DLRM through the store and report",
@@ -58,8 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "store, on a synthetic click stream, and report.")
     p.add_argument("--steps", type=non_negative_int, default=1000,
                    help="training steps of this run (default 1000)")
-    p.add_argument("--batch-size", type=positive_int, default=2048, help="samples per step (2048)")
-    p.add_argument("--rows", type=positive_int, default=1_000_000,
+    p.add_argument("--batch-size", type=whole_up_to(MAX_SAMPLES, _SAMPLES_WHY), default=2048,
+                   help="samples per step (2048)")
+    p.add_argument("--rows", type=whole_up_to(MAX_ROWS, _ROWS_WHY), default=1_000_000,
                    help="ids per sparse feature, i.e. rows of each of the 8 tables (1,000,000)")
     p.add_argument("--path", metavar="DIR",
                    help="keep the run in DIR (store and dense part); run again to resume")
@@ -70,12 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="FILE",
                    help="draw the loss and AUC curves into FILE, in the format its extension "
                         "names (FILE.png where it has none)")
-    p.add_argument("--eval-samples", type=positive_int, default=8192,
+    p.add_argument("--eval-samples", type=whole_up_to(MAX_SAMPLES, _SAMPLES_WHY), default=8192,
                    help="held-out samples (8192)")
     p.add_argument("--evals", type=positive_int, default=10,
                    help="held-out evaluations during the run (10)")
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--nproc", type=positive_int, default=1,
+    p.add_argument("--nproc", type=whole_up_to(MAX_PROCESSES, PROCESSES_WHY), default=1,
                    help="train over N processes (torch.distributed, gloo on loopback): tables "
                    "sharded row-wise over the ranks, the dense part data-parallel (1)")
     p.add_argument("--json", action="store_true", help="print the final figures as JSON")
