@@ -116,6 +116,38 @@ def test_a_kept_run_that_lost_its_store_or_dense_part_is_refused(
     assert "cannot read" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_dense_part_damaged_or_written_by_something_else_is_refused_by_name(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    # each of these ended in "internal error" (AttributeError, KeyError, ValueError, torch's
+    # RuntimeError) halfway through opening the run, or in wrong advice (a layout "xyz")
+    import torch
+
+    path = tmp_path / "run"
+    assert _demo(capsys, "--steps", "1", "--path", str(path))[0] == 0
+    good = torch.load(path / "dense.pt", weights_only=True)
+    store_files = {p: p.read_bytes() for p in (path / "store").rglob("*") if p.is_file()}
+    damages = {
+        "config is not a dict": lambda d: d.update(config=5),
+        "step -7": lambda d: d.update(step=-7),
+        "no history": lambda d: d.pop("history"),
+        "history is not": lambda d: d.update(history={"train": 5, "eval": "x"}),
+        "layout 'xyz'": lambda d: d.update(layout="xyz"),
+        "do not fit this model": lambda d: d["model"].update(
+            {next(iter(d["model"])): torch.zeros(2, 2)}),
+        "holds a list": lambda d: d.clear(),
+    }
+    for words, damage in damages.items():
+        saved = {**good, "model": dict(good["model"]), "history": dict(good["history"])}
+        damage(saved)
+        torch.save(saved if words != "holds a list" else [1, 2], path / "dense.pt")
+        assert main(["demo", *SMALL, "--steps", "1", "--path", str(path)]) == 2, words
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert "is not a dense part of this demo" in err and words in err, err
+    assert {p: p.read_bytes() for p in (path / "store").rglob("*") if p.is_file()} \
+        == store_files
+
+
 def test_a_path_that_is_or_lies_in_a_store_is_refused_before_training(
         tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     import embstore

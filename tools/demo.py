@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -311,6 +312,43 @@ def _run_distributed(args: argparse.Namespace) -> int:
     return 0
 
 
+_LAYOUTS = ("all-dram", "dram+rocksdb")
+
+
+def _saved_run_problem(saved: Any, cfg: DemoConfig, torch: Any) -> str:
+    """What keeps `saved` (a loaded dense.pt) from resuming a run of `cfg`, or "".
+
+    Each field is checked, and the weights and optimizer state are loaded into a model of
+    `cfg`'s shape, before the store opens: a file damaged or written by something else is
+    refused by name, not met halfway through a resume.
+    """
+    if not isinstance(saved, dict):
+        return f"it holds a {type(saved).__name__}, not a dict"
+    missing = [k for k in ("config", "layout", "step", "model", "optimizer", "history")
+               if k not in saved]
+    if missing:
+        return f"no {', '.join(missing)}"
+    step, history = saved["step"], saved["history"]
+    if not isinstance(saved["config"], dict):
+        return "its config is not a dict"
+    if saved["layout"] not in _LAYOUTS:
+        return f"layout {saved['layout']!r}, not one of {', '.join(_LAYOUTS)}"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"step {step!r} is not a whole number >= 0"
+    if not (isinstance(history, dict) and set(history) == {"train", "eval"}
+            and all(isinstance(v, list) for v in history.values())):
+        return "its history is not {'train': [...], 'eval': [...]}"
+    model = build_model(cfg, None)
+    try:
+        model.load_state_dict(saved["model"])
+        torch.optim.Adam(model.parameters(), lr=cfg.dense_lr).load_state_dict(
+            saved["optimizer"])
+    except Exception as exc:  # torch's own errors: wrong keys, shapes or groups
+        return (f"its weights or optimizer state do not fit this model: "
+                f"{' '.join(str(exc).split())[:200]}")
+    return ""
+
+
 def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
     cfg = DemoConfig(rows=args.rows, seed=args.seed)
     layout = "all-dram" if args.all_dram else "dram+rocksdb"
@@ -331,18 +369,26 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
     if dense_path.exists():
         try:
             saved = torch.load(dense_path, weights_only=True)  # tensors and plain data: no pickle
-            saved_cfg, saved_layout = saved["config"], saved["layout"]
         except Exception as exc:  # a damaged or foreign file: say so, no traceback
-            # torch's message runs to many lines of advice about pickles: its first says it
-            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            # torch's message runs to many lines about pickles, and its advice (load with
+            # weights_only=False) would run whatever the file holds: its first clause only
+            why = re.split(r"[\n.]", str(exc).strip())[0] or type(exc).__name__
             return _fail(f"cannot read {dense_path} ({why}); remove {run_dir} to start over")
+        wrong = _saved_run_problem(saved, cfg, torch)
+        if wrong:
+            return _fail(f"{dense_path} is not a dense part of this demo ({wrong}); remove "
+                         f"{run_dir} to start over")
+        saved_cfg, saved_layout = saved["config"], saved["layout"]
         if not (store_path / "MANIFEST.json").exists():
             return _fail(f"{dense_path} holds a run at step {saved.get('step')} but its store "
                          f"{store_path} is gone; resuming would train new tables under the "
                          f"old dense part: remove {run_dir} to start over")
         if saved_cfg != cfg.to_json():
-            diff = ", ".join(f"{k} {saved_cfg.get(k)} (now {v})"
-                             for k, v in cfg.to_json().items() if saved_cfg.get(k) != v)
+            now = cfg.to_json()
+            diff = ", ".join([f"{k} {saved_cfg.get(k)} (now {v})"
+                              for k, v in now.items() if saved_cfg.get(k) != v]
+                             + [f"{k} {v} (now none)" for k, v in saved_cfg.items()
+                                if k not in now])
             return _fail(f"{run_dir} holds a run made with other settings: {diff}; "
                          "use the same --rows and --seed, or another --path")
         if saved_layout != layout:
