@@ -467,6 +467,12 @@ def _check_page(root: Path, spec: TableSpec, codec: RowCodec | None, ids: np.nda
         if not finite.all():
             bad = int(ids[~finite.all(axis=1)][0])
             what = f"NaN or infinity in the row of id {bad}, which the table forbids"
+    if what is None and len(ids) and spec.row_width > spec.dim:
+        values = rows if codec is None else codec.decode(rows)
+        unreachable = spec.optimizer.unreachable_state(values[:, spec.dim:], spec.dim)
+        if unreachable.any():
+            what = (f"the row of id {int(ids[unreachable][0])} holds a {spec.optimizer.name} "
+                    "state no step reaches (a negative sum of squares or step count)")
     if what is not None:
         raise CorruptStoreError(f"export table {spec.name!r} in {root} holds {what}; nothing "
                                 "was imported (fix the source store, e.g. `embstore fsck "

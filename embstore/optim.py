@@ -56,6 +56,15 @@ class Optimizer(Named):
         """State of `n` rows that were never updated: array[n, state_width(dim)]."""
         return np.zeros((n, self.state_width(dim)), dtype=dtype)
 
+    def unreachable_state(self, state: np.ndarray, dim: int) -> np.ndarray:
+        """bool[N]: rows of `state` [N, state_width(dim)] that no sequence of steps reaches.
+
+        A state from outside (a bulk load, an import) is checked with it: a negative sum of
+        squares would make the row's next step NaN, which the store then refuses, so the
+        row could never be trained again. None by default.
+        """
+        return np.zeros(len(state), dtype=bool)
+
     @abstractmethod
     def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
         """Update `weights` [N, dim] and `state` [N, state_width] in place from `grads` [N, dim].
@@ -142,6 +151,10 @@ class Adagrad(Optimizer):
         # docstring inherited
         return np.full((n, dim), self.initial_accumulator_value, dtype=dtype)
 
+    def unreachable_state(self, state: np.ndarray, dim: int) -> np.ndarray:
+        # docstring inherited
+        return np.asarray((state < 0).any(axis=1))
+
     def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
         # docstring inherited
         rules.adagrad(weights, state, grads, lr=self.lr, eps=self.eps,
@@ -186,6 +199,10 @@ class RowWiseAdagrad(Optimizer):
     def state_width(self, dim: int) -> int:
         # docstring inherited
         return 1
+
+    def unreachable_state(self, state: np.ndarray, dim: int) -> np.ndarray:
+        # docstring inherited
+        return np.asarray(state[:, 0] < 0)
 
     def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
         # docstring inherited
@@ -243,6 +260,12 @@ class Adam(Optimizer):
     def state_width(self, dim: int) -> int:
         # docstring inherited
         return (3 if self.amsgrad else 2) * dim + 1
+
+    def unreachable_state(self, state: np.ndarray, dim: int) -> np.ndarray:
+        # docstring inherited: second moments (and their maxima) >= 0, a whole step count
+        steps = state[:, -1]
+        return np.asarray((state[:, dim:-1] < 0).any(axis=1) | (steps < 0)
+                          | (steps != np.floor(steps)))
 
     def _too_narrow(self, dtype: np.dtype) -> str | None:
         if dtype.itemsize >= 4:

@@ -774,6 +774,12 @@ class EmbeddingStore:
                         f"{spec.dtype}, got {state.dtype} {state.shape}")
                 if not spec.allow_nonfinite and not np.isfinite(state).all():
                     raise NonFiniteValueError(f"table {table!r}: state holds NaN or infinity")
+                unreachable = spec.optimizer.unreachable_state(state, spec.dim)
+                if unreachable.any():
+                    raise InvalidValuesError(
+                        f"table {table!r}: the state of id {int(ids[unreachable][0])} is one "
+                        f"{spec.optimizer.name} never reaches (a negative sum of squares or "
+                        "step count); its next step would be NaN")
             self._check_writable()
             bottom = t.chain.tiers[-1]
             if bottom.eviction is not None or bottom.admission is not None:

@@ -71,6 +71,9 @@ def test_bulk_load_with_state_and_in_chunks(tmp_path):
                            np.full((2, 1), np.nan, np.float32)), InvalidValuesError),
     (lambda s: s.bulk_load("t", np.array([1.5]), np.ones((1, 4), np.float32)),
      embstore.errors.InvalidIdsError),
+    # a negative sum of squares: the row's next step would be NaN
+    (lambda s: s.bulk_load("t", np.array([1, 2]), np.ones((2, 4), np.float32),
+                           np.array([[0.5], [-1.0]], np.float32)), InvalidValuesError),
 ])
 def test_bad_bulk_load_changes_nothing(tmp_path, bad, error):
     with _open(tmp_path / "s", "rocksdb") as store:

@@ -129,12 +129,12 @@ def test_a_header_that_is_not_json_is_refused_in_our_words(
     assert not (tmp_path / "new").exists()
 
 
-def _damage_rows(src: Path, name: str, value: float, *, row: int = 3) -> int:
-    """Put `value` in the first weight of row `row` of table `name`, fixing its CRC-32."""
+def _damage_rows(src: Path, name: str, value: float, *, row: int = 3, column: int = 0) -> int:
+    """Put `value` in column `column` of row `row` of table `name`, fixing its CRC-32."""
     header = json.loads((src / "header.json").read_text())
     t = _table(header, name)
     rows = np.fromfile(src / t["rows_file"], dtype=t["dtype"]).reshape(t["rows"], -1)
-    rows[row, 0] = value
+    rows[row, column] = value
     rows.tofile(src / t["rows_file"])
     t["rows_crc32"] = zlib.crc32(rows.tobytes())
     (src / "header.json").write_text(json.dumps(header))
@@ -153,6 +153,17 @@ def test_rows_a_table_forbids_are_not_imported_even_with_matching_checksums(
     assert "'user'" in err and f"id {bad_id}" in err
     assert not (tmp_path / "new").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".new")]
+
+
+def test_an_optimizer_state_no_step_reaches_is_not_imported(
+        exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a negative row-wise Adagrad sum imported, and fsck called the store clean: the row's
+    # next step would be NaN, which the store refuses, so it could never be trained again
+    src = _copy(exported, tmp_path)
+    bad_id = _damage_rows(src, "user", -5.0, column=8)  # the state after 8 weights
+    with pytest.raises(CorruptStoreError, match=rf"'user'.*id {bad_id} holds a rowwise"):
+        import_store(src, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
 
 
 def _set_id(src: Path, name: str, at: int, value: int) -> None:

@@ -353,3 +353,21 @@ def test_state_widths() -> None:
     assert optim.Adam(amsgrad=True).state_width(DIM) == 3 * DIM + 1
     init = optim.Adagrad(initial_accumulator_value=0.5).initial_state(3, DIM, np.float32)
     assert init.shape == (3, DIM) and (init == 0.5).all()
+
+
+@pytest.mark.parametrize("opt, column, value", [
+    (optim.Adagrad(lr=0.1), 3, -1e-6),  # a sum of squares below 0
+    (optim.RowWiseAdagrad(lr=0.1), 0, -5.0),
+    (optim.Adam(lr=0.1), 4 + 1, -1e-3),  # a second moment below 0
+    (optim.Adam(lr=0.1), -1, 2.5),  # a step count that is not whole
+    (optim.Adam(lr=0.1, amsgrad=True), 8 + 2, -1.0),  # a running maximum below 0
+])
+def test_a_state_no_step_reaches_is_told_from_every_state_steps_reach(opt, column, value):
+    dim, rng = 4, np.random.default_rng(0)
+    weights = rng.standard_normal((64, dim)).astype(np.float32)
+    state = opt.initial_state(64, dim, np.dtype(np.float32))
+    for _ in range(5):  # signed gradients: momentum goes negative, second moments do not
+        opt.step(weights, state, rng.standard_normal((64, dim)).astype(np.float32))
+    assert not opt.unreachable_state(state, dim).any()
+    state[7, column] = value
+    assert opt.unreachable_state(state, dim).tolist() == [i == 7 for i in range(64)]
