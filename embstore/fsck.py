@@ -127,7 +127,8 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
     writer: StoreLockedError | None = None
     try:
         if not root.is_dir():
-            raise FileNotFoundError(f"{root} is not a directory")
+            raise FileNotFoundError(f"{root} is not a directory" if os.path.lexists(root)
+                                    else f"{root} does not exist")
         if not os.path.lexists(root / MANIFEST_NAME):
             raise FileNotFoundError(f"{root} holds no embstore store (no {MANIFEST_NAME})")
         if repair:

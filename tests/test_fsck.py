@@ -485,3 +485,11 @@ def test_a_store_of_record_admitting_always_keeps_its_record_through_a_copy(tmp_
     replace_store(path)
     with embstore.open(path) as store:  # the record is there, and holds the rows
         assert store.num_rows("t") == 10 and store.lost_rows("t").tolist() == []
+
+
+def test_a_path_that_does_not_exist_is_told_from_one_that_is_a_file(tmp_path):
+    # both said "is not a directory", which sends the reader looking for a file
+    (tmp_path / "file").write_text("x")
+    [missing] = fsck.check(tmp_path / "nothing")
+    [file] = fsck.check(tmp_path / "file")
+    assert "does not exist" in missing.message and "is not a directory" in file.message
