@@ -45,6 +45,7 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any, ClassVar, final
@@ -167,7 +168,18 @@ class PmemBackend(Backend):
             self._file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             created = self._create()
         flags = os.O_RDONLY if self.spec.read_only else os.O_RDWR
-        self._fd = os.open(self._file, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
+        not_a_file = CorruptStoreError(
+            f"{self._file} is not a regular file (a directory or a device was put in its "
+            "place); restore the table's file from a checkpoint (`embstore fsck` lists "
+            "what is damaged)")
+        try:
+            self._fd = os.open(self._file, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except IsADirectoryError:
+            raise not_a_file from None
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+            os.close(self._fd)
+            self._fd = -1
+            raise not_a_file
         if not self.spec.read_only:
             # one writer per table file; readers take no lock and read beside it
             try:

@@ -642,3 +642,12 @@ def test_sigkill_never_loses_a_flushed_row_nor_tears_one(tmp_path, mapping):
             version = int(round(float(got[i, 0]) - i * 1000))
             assert version in allowed, f"id {i}: version {version} not in {allowed}"
             np.testing.assert_array_equal(got[i], _crash_row(i, version))  # never torn
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_directory_in_place_of_the_table_file_is_named_as_such(tmp_path, read_only):
+    # it was a StorageIOError "No such device; check the device (dmesg)" (mmap's ENODEV on
+    # a directory opened read-only, EISDIR opened for writing)
+    (tmp_path / "t.pmem").mkdir()
+    with pytest.raises(CorruptStoreError, match="t.pmem is not a regular file"):
+        _open(tmp_path, read_only=read_only)
