@@ -104,7 +104,7 @@ class WrittenIds:
         """The file does not exist yet (`defer_write`): `write_missing` writes it."""
         stats = self._stats() if read_only else b""  # before the read, for `held_still`
         try:
-            raw: bytes | None = read_bytes_nofollow(file, self._size_said(file))
+            raw: bytes | None = read_bytes_nofollow(file, self._size_said)
         except FileNotFoundError:
             raw = None
         except NotADirectoryError:
@@ -182,34 +182,28 @@ class WrittenIds:
             f"written-id record {self.file} is damaged ({why}); run `embstore fsck "
             "--repair` to rebuild it from the table's rows, or restore from a checkpoint")
 
-    def _size_said(self, file: Path) -> int:
-        """The size of `file` that its header and the table allow, checked before the read.
+    def _size_said(self, head: bytes, size: int) -> int:
+        """The size that the record's first bytes `head` and the table allow it.
 
-        A file grown past it (a damaged length, a stray write far out) would otherwise be
-        read whole: a record blown up to 20 GiB got the process killed for its memory.
+        Checked before the rest is read: a file grown past it (a damaged length, a stray write
+        far out) would otherwise be read whole, and a record blown up to 20 GiB got the
+        process killed for its memory.
         """
-        try:
-            fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            return BODY_OFFSET  # the read reports what is wrong
-        try:
-            size = os.fstat(fd).st_size
-            head = os.read(fd, BODY_OFFSET)
-        except OSError:  # a directory, a FIFO: the read reports it
-            return BODY_OFFSET
-        finally:
-            os.close(fd)
         if len(head) < BODY_OFFSET:
-            return BODY_OFFSET
-        _, kind, _, n = HEADER.unpack(head)
-        if self._n is not None:  # a bitmap of the table's ids, whatever the header says
-            said = BODY_OFFSET + (self._n + 7) // 8
-        else:
-            said = BODY_OFFSET + 8 * n if kind == IDS else BODY_OFFSET
-        if size > said:
-            raise self._damaged(f"{size} bytes, more than the {said} its header and the "
-                                "table allow")
-        return said
+            return BODY_OFFSET  # the parse names a header cut short
+        magic, kind, _, n = HEADER.unpack_from(head)
+        expected_kind = BITMAP if self._n is not None else IDS
+        if magic != MAGIC:
+            raise self._damaged("wrong magic")
+        if kind != expected_kind:
+            raise self._damaged(f"kind {kind}, expected {expected_kind}")
+        # a bitmap of the table's ids whatever its header says, or the ids its header counts
+        said = BODY_OFFSET + ((self._n + 7) // 8 if self._n is not None else 8 * n)
+        if size > said:  # in the parse's words
+            body = size - BODY_OFFSET
+            raise self._damaged(f"a bitmap of {self._n} bits in {body} bytes" if self._n
+                                is not None else f"{n} ids in {body} bytes")
+        return int(said)
 
     def _parse(self, raw: bytes) -> np.ndarray:
         bad = self._damaged

@@ -14,7 +14,7 @@ import json
 import math
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -123,8 +123,13 @@ def _checksum(doc: dict[str, Any]) -> str:
     return f"crc32:{zlib.crc32(text):08x}"
 
 
-def read_bytes_nofollow(file: Path, limit: int) -> bytes:
+def read_bytes_nofollow(file: Path, limit: int | Callable[[bytes, int], int]) -> bytes:
     """The content of `file`, opened without following a symbolic link; at most `limit` bytes.
+
+    `limit` may be a function of the file's first 64 bytes and its size, called (and free to
+    raise) before the rest is read: a file whose header says how long it is can be refused
+    before a damaged one is read whole, from the same open file (a writer beside the reader
+    renames new files in).
 
     Raises:
         FileNotFoundError: no such file.
@@ -143,10 +148,13 @@ def read_bytes_nofollow(file: Path, limit: int) -> bytes:
         if not (st.st_mode & 0o170000) == 0o100000:
             raise CorruptStoreError(f"{file} is not a regular file; replace it with the store's "
                                     "own file or restore the store from a checkpoint")
+        chunks = []
+        if callable(limit):
+            chunks.append(os.read(fd, 64))
+            limit = limit(chunks[0], st.st_size)
         if st.st_size > limit:
             raise CorruptStoreError(f"{file} has {st.st_size} bytes, more than the {limit} "
                                     "it may have: it is damaged or not embstore's")
-        chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
         return b"".join(chunks)
