@@ -175,25 +175,27 @@ def _refuse_damaged_lmdb(root: Path, table: str, file: Path, walked: set[Path]) 
     LMDB trusts the page numbers in its file: a damaged tree read through its memory map
     kills the process with SIGBUS, before any error could be raised, and leaves the copy
     half made. fsck's walk (pure Python, one page at a time, every bound checked; about a
-    third of a copy's time) finds that damage first, from the newest meta page LMDB would
-    use. A file that cannot be read or has no sound meta page is left to the open to report.
+    third of a copy's time) finds that damage first, from the meta page LMDB uses, the one
+    of the newest transaction, as fsck does; a fault of that meta page is damage too. A file
+    that cannot be opened is left to the open to report.
     """
     if file in walked:
         return
     try:
-        metas = [m for m in lmdb_metas(file, os.stat(file, follow_symlinks=False).st_size)
-                 if not m.problems]
+        current = max(lmdb_metas(file, os.stat(file, follow_symlinks=False).st_size),
+                      key=lambda m: m.txnid)
     except OSError:
         return
-    if metas:
-        problems = walk_lmdb(file, max(metas, key=lambda m: m.txnid))
-        if problems:
-            offset, problem = problems[0]
-            more = f" and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
-            raise CorruptStoreError(
-                f"table {table!r}: its LMDB file {file} is damaged (at byte {offset}: "
-                f"{problem}{more}); nothing was changed. Run `embstore fsck {root}`, then "
-                "repair it (`embstore fsck --repair`) or restore it from a checkpoint")
+    problems = [(current.page * current.page_size, p) for p in current.problems]
+    if not problems:
+        problems = walk_lmdb(file, current)
+    if problems:
+        offset, problem = problems[0]
+        more = f" and {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
+        raise CorruptStoreError(
+            f"table {table!r}: its LMDB file {file} is damaged (at byte {offset}: "
+            f"{problem}{more}); nothing was changed. Run `embstore fsck {root}`, then "
+            "repair it (`embstore fsck --repair`) or restore it from a checkpoint")
     walked.add(file)
 
 
