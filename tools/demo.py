@@ -372,7 +372,7 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
         except Exception as exc:  # a damaged or foreign file: say so, no traceback
             # torch's message runs to many lines about pickles, and its advice (load with
             # weights_only=False) would run whatever the file holds: its first clause only
-            why = re.split(r"[\n.]", str(exc).strip())[0] or type(exc).__name__
+            why = re.split(r"\n|\.\s", str(exc).strip())[0] or type(exc).__name__
             return _fail(f"cannot read {dense_path} ({why}); remove {run_dir} to start over")
         wrong = _saved_run_problem(saved, cfg, torch)
         if wrong:
