@@ -461,14 +461,13 @@ def _check_page(root: Path, spec: TableSpec, codec: RowCodec | None, ids: np.nda
         what = f"id {bad}, outside [0, {n}) (its num_embeddings)"
     elif len(repeated):  # an export holds each stored row once
         what = f"id {int(repeated[0])} twice"
-    elif not spec.allow_nonfinite and len(ids):
-        values = rows if codec is None else codec.decode(rows)  # half weights: their values
+    values = rows if codec is None else codec.decode(rows)  # half weights: their values
+    if what is None and not spec.allow_nonfinite and len(ids):
         finite = np.isfinite(values)
         if not finite.all():
             bad = int(ids[~finite.all(axis=1)][0])
             what = f"NaN or infinity in the row of id {bad}, which the table forbids"
     if what is None and len(ids) and spec.row_width > spec.dim:
-        values = rows if codec is None else codec.decode(rows)
         unreachable = spec.optimizer.unreachable_state(values[:, spec.dim:], spec.dim)
         if unreachable.any():
             what = (f"the row of id {int(ids[unreachable][0])} holds a {spec.optimizer.name} "

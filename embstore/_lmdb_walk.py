@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ._fileinfo import LMDBMeta, read_at
+from ._fileinfo import LMDBMeta, lmdb_metas, read_at
 
-__all__ = ["walk"]
+__all__ = ["newest_meta", "walk"]
 
 P_BRANCH, P_LEAF, P_OVERFLOW, P_META, P_DIRTY, P_LEAF2 = 1, 2, 4, 8, 0x10, 0x20
 F_BIGDATA, F_SUBDATA, F_DUPDATA = 1, 2, 4
@@ -142,6 +142,16 @@ class _Walker:
         for extra in range(pgno + 1, pgno + pages):
             self.claim(extra, f"an overflow value of database {name}")
         return pages
+
+
+def newest_meta(file: Path) -> LMDBMeta:
+    """The meta page LMDB opens `file` with: the newest transaction's, faults and all.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+    return max(lmdb_metas(file, os.stat(file, follow_symlinks=False).st_size),
+               key=lambda m: m.txnid)
 
 
 def walk(file: Path, meta: LMDBMeta, raw_meta: bytes | None = None) -> list[tuple[int, str]]:

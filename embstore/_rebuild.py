@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import _counters, _crash, registry
-from ._fileinfo import lmdb_metas
+from ._lmdb_walk import newest_meta
 from ._lmdb_walk import walk as walk_lmdb
 from ._written import WrittenIds, write_record
 from .backend import Backend, BackendSpec, SupportsBulkLoad
@@ -182,8 +182,7 @@ def _refuse_damaged_lmdb(root: Path, table: str, file: Path, walked: set[Path]) 
     if file in walked:
         return
     try:
-        current = max(lmdb_metas(file, os.stat(file, follow_symlinks=False).st_size),
-                      key=lambda m: m.txnid)
+        current = newest_meta(file)
     except OSError:
         return
     problems = [(current.page * current.page_size, p) for p in current.problems]

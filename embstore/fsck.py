@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 
 from . import _counters, registry
-from ._fileinfo import lmdb_metas
 from ._fsck_common import Finding, RowDump, TableScan
 from ._fsck_pmem import SPEC_MISMATCH, scan_pmem
 from ._fsck_repair import closed_cleanly, dropped_finding, record_ids
+from ._lmdb_walk import newest_meta
 from ._lmdb_walk import walk as walk_lmdb
 from ._rebuild import (
     check_chains,
@@ -402,11 +402,10 @@ def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], Non
 def _lmdb_structure(file: Path) -> list[Finding]:
     """LMDB's B-trees walked by hand in this process (pure Python, every bound checked)."""
     try:
-        metas = lmdb_metas(file, os.stat(file, follow_symlinks=False).st_size)
+        current = newest_meta(file)
     except OSError as exc:
         return [Finding(None, f"cannot read the LMDB data file: {exc.strerror}",
                         file=str(file))]
-    current = max(metas, key=lambda m: m.txnid)
     if current.problems:
         return []  # the child reports the meta pages
     return [Finding(None, f"LMDB structure: {problem}", file=str(file), offset=offset)
