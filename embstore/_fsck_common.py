@@ -86,7 +86,7 @@ class TableScan:
 
 def check_rows(spec: TableSpec, ids: np.ndarray, rows: np.ndarray, file: str,
                counts: dict[str, int], findings: list[Finding]) -> np.ndarray:
-    """bool[N]: which decoded rows break the table's spec (id range, finiteness).
+    """bool[N]: which decoded rows break the table's spec (id range, finiteness, state).
 
     Adds a finding per bad row, up to MAX_DETAILED per kind (`counts` keeps the tally).
     """
@@ -112,6 +112,20 @@ def check_rows(spec: TableSpec, ids: np.ndarray, rows: np.ndarray, file: str,
                                         id=int(ids[i]), expected="finite values",
                                         found="NaN or infinity"))
         bad |= nonfinite
+    width = spec.row_width - spec.dim
+    if width and len(ids) and rows.dtype.kind == "f" and rows.shape[1:] == (spec.row_width,):
+        # a state no step reaches (a negative sum of squares): the row's next step is NaN,
+        # so the row can never be trained again, though it passes its checksum
+        unreachable = spec.optimizer.unreachable_state(rows[:, spec.dim:], spec.dim)
+        for i in np.flatnonzero(unreachable):
+            counts["state"] = counts.get("state", 0) + 1
+            if counts["state"] <= MAX_DETAILED:
+                findings.append(Finding(spec.name, f"row of id {int(ids[i])} holds an "
+                                        f"optimizer state {spec.optimizer.name} never reaches",
+                                        file=file, id=int(ids[i]),
+                                        expected="a state some steps reach",
+                                        found="a negative sum of squares or step count"))
+        bad |= unreachable
     return bad
 
 

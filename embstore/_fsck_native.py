@@ -10,11 +10,11 @@ writer has the tier open) and writes one JSON answer on stdout (`findings`, and 
 LMDB: both meta pages by hand (`_fileinfo`), the main database's names, each table's metadata
 record, then every row in key order: key length and order, value length, CRC-32C (which
 covers the id, so a row under a key that is not its own fails it; the id it belongs to is
-searched one byte away), id range and finiteness, that a lookup by key finds the same row,
-and the entry count LMDB records. RocksDB: every write-ahead log and MANIFEST record's
-checksum (read by hand: RocksDB's own recovery stops silently at the first bad record), then
-the database opened read-only with paranoid checks, every row read with block checksums
-verified, and read again by multi-get (index and bloom filter blocks).
+searched one byte away), id range, finiteness and optimizer state, that a lookup by key finds
+the same row, and the entry count LMDB records. RocksDB: every write-ahead log and MANIFEST
+record's checksum (read by hand: RocksDB's own recovery stops silently at the first bad
+record), then the database opened read-only with paranoid checks, every row read with block
+checksums verified, and read again by multi-get (index and bloom filter blocks).
 """
 
 from __future__ import annotations

@@ -196,7 +196,10 @@ def _records(fd: int, fmt: Any, spec: TableSpec, rec: int, row_bytes: int, slots
         live_slots.append(live + lo)
         live_ids.append(ids[live])
         live_seq.append(seq[live])
-    for kind_name, what in (("crc", "damaged records"), ("pad", "records with dirty padding")):
+    for kind_name, what in (("crc", "damaged records"), ("pad", "records with dirty padding"),
+                            ("range", "rows with ids out of range"),
+                            ("finite", "rows holding NaN or infinity"),
+                            ("state", "rows holding a state no step reaches")):
         if counts.get(kind_name, 0) > MAX_DETAILED:
             findings.append(Finding(t, f"{counts[kind_name] - MAX_DETAILED} more {what}",
                                     file=where))

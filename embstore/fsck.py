@@ -7,7 +7,8 @@ What is checked, from the top:
       (`_fsck_pmem`); LMDB's meta pages and structure, RocksDB's log and block checksums
       (`_fsck_native`, in a child process, so a crash of a native reader is a finding);
     - every row: its checksum (which covers the id, so a row under a key that is not its own
-      is caught), length, id range and finiteness against the table spec;
+      is caught), length, id range and finiteness against the table spec, and an optimizer
+      state that some sequence of steps reaches (`Optimizer.unreachable_state`);
     - row counts against what the store recorded at its last clean close (STATS.json), when
       no writer touched the store since.
 
@@ -254,6 +255,12 @@ def _check_open_table(store: EmbeddingStore, name: str) -> list[Finding]:
                                                   "NaN or infinity, e.g. id "
                                                   f"{int(ids[bad_rows][0])}",
                                             id=int(ids[bad_rows][0])))
+            unreachable = spec.optimizer.unreachable_state(state, spec.dim)
+            if len(ids) and unreachable.any():
+                findings.append(Finding(name, f"{int(unreachable.sum())} stored row(s) hold an "
+                                              f"optimizer state {spec.optimizer.name} never "
+                                              f"reaches, e.g. id {int(ids[unreachable][0])}",
+                                        id=int(ids[unreachable][0])))
     except EmbstoreError as exc:
         findings.append(Finding(name, f"scan stopped after {seen} rows: {exc}"))
         return findings

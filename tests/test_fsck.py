@@ -519,3 +519,42 @@ def test_the_lmdb_walk_finds_a_sound_file_clean_and_names_a_node_past_its_page(t
              if any(f"page {leaf}: node 0 at offset 65535 lies outside" in p for p in problems)]
     assert len(named) >= 20, found  # 2,000 rows of 8 floats fill a few dozen leaves
     assert all(problems == [] for leaf, problems in found.items() if leaf not in named)
+
+
+def _store_with_an_unreachable_state(path, bottom, bad_id=7):
+    """A store whose row `bad_id` holds a negative row-wise Adagrad sum, as no step leaves it.
+
+    The row is written under the optimizer (straight into the backend), with a valid checksum:
+    only a check of the state itself can tell.
+    """
+    spec = TableSpec("t", dim=4, optimizer=embstore.optim.RowWiseAdagrad(lr=0.1))
+    tiers = [TierSpec(bottom)] if bottom == "dram" else [TierSpec("dram", capacity=4),
+                                                        TierSpec(bottom)]
+    store = embstore.open(path, tables=[spec], tiers=tiers)
+    store.apply_gradients("t", np.arange(10), np.ones((10, 4), np.float32))
+    store.flush()
+    backend = store._table("t").chain.tiers[-1].backend
+    row = np.zeros((1, backend.spec.dim), np.float32)
+    row[0, :4], row[0, 4] = 0.5, -5.0
+    backend.put(np.array([bad_id]), row)
+    return store
+
+
+def test_fsck_of_an_open_store_finds_a_state_no_step_reaches(tmp_path):
+    with _store_with_an_unreachable_state(None, "dram") as store:
+        (finding,) = fsck.check(store)
+    assert finding.id == 7 and "never reaches" in finding.message, finding
+
+
+@pytest.mark.parametrize("bottom", PERSISTENT)
+def test_a_state_no_step_reaches_is_found_on_disk_and_repair_drops_its_row(tmp_path, bottom):
+    path = tmp_path / "s"
+    _store_with_an_unreachable_state(path, bottom).close()
+    findings = fsck.check(path)
+    assert [f.id for f in findings] == [7] and "never reaches" in findings[0].message, findings
+    assert fsck.exit_code(findings) == 4
+    assert main(["fsck", "--repair", str(path)]) == 1
+    assert fsck.check(path) == []
+    with embstore.open(path, read_only=True) as store:
+        assert store.num_rows("t") == 9
+        assert (store.lookup("t", np.array([7])) == 0).all()  # back to its initial value
