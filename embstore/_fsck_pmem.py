@@ -196,13 +196,8 @@ def _records(fd: int, fmt: Any, spec: TableSpec, rec: int, row_bytes: int, slots
         live_slots.append(live + lo)
         live_ids.append(ids[live])
         live_seq.append(seq[live])
-    for kind_name, what in (("crc", "damaged records"), ("pad", "records with dirty padding"),
-                            ("range", "rows with ids out of range"),
-                            ("finite", "rows holding NaN or infinity"),
-                            ("state", "rows holding a state no step reaches")):
-        if counts.get(kind_name, 0) > MAX_DETAILED:
-            findings.append(Finding(t, f"{counts[kind_name] - MAX_DETAILED} more {what}",
-                                    file=where))
+    _sum_up(counts, (("crc", "damaged records"), ("pad", "records with dirty padding")), t,
+            where, findings)
     all_slots = np.concatenate(live_slots) if live_slots else np.zeros(0, np.int64)
     all_ids = np.concatenate(live_ids) if live_ids else np.zeros(0, np.int64)
     all_seq = np.concatenate(live_seq) if live_seq else np.zeros(0, np.uint64)
@@ -240,4 +235,17 @@ def _rows(fd: int, fmt: Any, spec: TableSpec, rec: int, row_bytes: int, slots: n
         scan.rows += int(len(i) - np.count_nonzero(bad))
         if dump is not None:
             dump.append(spec.name, i[~bad], rows[~bad])
+    _sum_up(counts, (("range", "rows with ids out of range"),
+                     ("finite", "rows holding NaN or infinity"),
+                     ("state", "rows holding a state no step reaches")), spec.name, where,
+            findings)
+
+
+def _sum_up(counts: dict[str, int], kinds: tuple[tuple[str, str], ...], table: str, where: str,
+            findings: list[Finding]) -> None:
+    """One finding for the rows of each kind past the MAX_DETAILED listed one by one."""
+    for kind, what in kinds:
+        if counts.get(kind, 0) > MAX_DETAILED:
+            findings.append(Finding(table, f"{counts[kind] - MAX_DETAILED} more {what}",
+                                    file=where))
 

@@ -521,22 +521,22 @@ def test_the_lmdb_walk_finds_a_sound_file_clean_and_names_a_node_past_its_page(t
     assert all(problems == [] for leaf, problems in found.items() if leaf not in named)
 
 
-def _store_with_an_unreachable_state(path, bottom, bad_id=7):
-    """A store whose row `bad_id` holds a negative row-wise Adagrad sum, as no step leaves it.
+def _store_with_an_unreachable_state(path, bottom, bad_ids=(7,)):
+    """A store whose rows `bad_ids` hold a negative row-wise Adagrad sum, as no step leaves.
 
-    The row is written under the optimizer (straight into the backend), with a valid checksum:
-    only a check of the state itself can tell.
+    The rows are written under the optimizer (straight into the backend), with valid
+    checksums: only a check of the state itself can tell.
     """
     spec = TableSpec("t", dim=4, optimizer=embstore.optim.RowWiseAdagrad(lr=0.1))
     tiers = [TierSpec(bottom)] if bottom == "dram" else [TierSpec("dram", capacity=4),
                                                         TierSpec(bottom)]
     store = embstore.open(path, tables=[spec], tiers=tiers)
-    store.apply_gradients("t", np.arange(10), np.ones((10, 4), np.float32))
+    store.apply_gradients("t", np.arange(100), np.ones((100, 4), np.float32))
     store.flush()
     backend = store._table("t").chain.tiers[-1].backend
-    row = np.zeros((1, backend.spec.dim), np.float32)
-    row[0, :4], row[0, 4] = 0.5, -5.0
-    backend.put(np.array([bad_id]), row)
+    rows = np.zeros((len(bad_ids), backend.spec.dim), np.float32)
+    rows[:, :4], rows[:, 4] = 0.5, -5.0
+    backend.put(np.array(bad_ids), rows)
     return store
 
 
@@ -556,5 +556,15 @@ def test_a_state_no_step_reaches_is_found_on_disk_and_repair_drops_its_row(tmp_p
     assert main(["fsck", "--repair", str(path)]) == 1
     assert fsck.check(path) == []
     with embstore.open(path, read_only=True) as store:
-        assert store.num_rows("t") == 9
+        assert store.num_rows("t") == 99
         assert (store.lookup("t", np.array([7])) == 0).all()  # back to its initial value
+
+
+@pytest.mark.parametrize("bottom", PERSISTENT)
+def test_states_no_step_reaches_past_the_detailed_ones_are_summed_up(tmp_path, bottom):
+    path = tmp_path / "s"
+    _store_with_an_unreachable_state(path, bottom, bad_ids=tuple(range(50, 80))).close()
+    findings = fsck.check(path)
+    assert sorted(f.id for f in findings if f.id is not None) == list(range(50, 70))
+    (summed,) = [f for f in findings if f.id is None]
+    assert "10 more" in summed.message and "state" in summed.message, summed
