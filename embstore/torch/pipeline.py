@@ -325,6 +325,9 @@ class TrainPipeline(Generic[B]):
             self._holding = False  # first: an interrupt must not let the slot go twice
             self._slots.release()  # the previous batch is done: one more may be read ahead
         if self._serving is not None:  # its staged rows are used or dropped now
+            # first: a plan its step did not use must not serve a later step, whose writes
+            # it would miss once the log is cut below
+            _unstage(self._touched)
             mark, self._serving = self._serving, None
             self._settled(mark)
         item = self._queue.get()
