@@ -90,9 +90,13 @@ def _check_in_range(name: str, t: _Table, ids: np.ndarray, rounded: np.ndarray) 
         NonFiniteValueError: a weight rounded to infinity and the table forbids it.
     """
     assert t.codec is not None
-    if t.spec.allow_nonfinite:
-        return
-    out = t.codec.overflowed(rounded)
+    if not t.spec.allow_nonfinite:
+        _refuse_overflow(name, t, ids, t.codec.overflowed(rounded))
+
+
+def _refuse_overflow(name: str, t: _Table, ids: np.ndarray, out: np.ndarray) -> None:
+    """Raise NonFiniteValueError naming the first of `ids` whose row overflowed (`out`)."""
+    assert t.codec is not None
     if out.any():
         fmt, limit = (("float16", "65504") if t.codec.precision == "fp16"
                       else ("bfloat16", "3.39e38"))
@@ -100,6 +104,23 @@ def _check_in_range(name: str, t: _Table, ids: np.ndarray, rounded: np.ndarray) 
             f"table {name!r}: row {int(ids[np.flatnonzero(out)[0]])} overflows {fmt} "
             f"(|w| > {limit}); nothing was written: scale it down"
             + (" or use precision='bf16'" if fmt == "float16" else ""))
+
+
+def _check_update_in_range(t: _Table, ids: np.ndarray, rows: np.ndarray) -> None:
+    """Refuse an update of a half-precision table whose rows `rows` [N, dim] would overflow.
+
+    Checked before anything is read or written, so a refused update moves no row between
+    tiers, and `update_many` changes no table. Where an id repeats only its last row, the
+    one written, counts.
+    """
+    if t.codec is None or t.spec.allow_nonfinite or not len(ids):
+        return
+    out = t.codec.overflowed(t.codec.round_nearest(rows))
+    if out.any():
+        groups = IdGroups(ids)
+        if groups.has_duplicates:
+            ids, out = groups.unique, out[groups.last]
+        _refuse_overflow(t.spec.name, t, ids, out)
 
 
 class EmbeddingStore:
@@ -541,6 +562,7 @@ class EmbeddingStore:
             ids = as_ids(ids, t.spec)
             rows = as_rows(rows, len(ids), t.spec)
             self._check_writable()
+            _check_update_in_range(t, ids, rows)
             if self._recorder is not None:
                 self._recorder.write(table, ids)
             self._update(t, ids, rows)
@@ -665,7 +687,7 @@ class EmbeddingStore:
             mapping of pairs), DtypeMismatchError, DimensionMismatchError, NonFiniteValueError,
             ReadOnlyError, StoreClosedError.
         """
-        self._write_many(requests, "rows", self._update)
+        self._write_many(requests, "rows", self._update, _check_update_in_range)
 
     def apply_gradients_many(self, requests: Mapping[str, tuple[Any, Any]]) -> None:
         """`apply_gradients` of several tables in one call: ``{table: (ids, grads)}``.
@@ -701,10 +723,19 @@ class EmbeddingStore:
                 self._apply_gradients(t, ids, values, distinct=True)
 
     def _write_many(self, requests: Mapping[str, tuple[Any, Any]], what: str,
-                    write: Callable[[_Table, np.ndarray, np.ndarray], None]) -> None:
-        """Check every ``{table: (ids, values)}`` first, then `write` each table in order."""
+                    write: Callable[[_Table, np.ndarray, np.ndarray], None],
+                    precheck: Callable[[_Table, np.ndarray, np.ndarray], None] | None = None
+                    ) -> None:
+        """Check every ``{table: (ids, values)}``, then `write` each table in order.
+
+        `precheck(table, ids, values)` runs on every table before the first is written.
+        """
         with self._mutex:
-            for t, ids, values in self._pairs(requests, what):
+            pairs = self._pairs(requests, what)
+            if precheck is not None:
+                for t, ids, values in pairs:
+                    precheck(t, ids, values)
+            for t, ids, values in pairs:
                 if self._recorder is not None:
                     self._recorder.write(t.spec.name, ids)
                 write(t, ids, values)

@@ -157,6 +157,32 @@ def test_half_precision_overflow_is_refused_and_changes_nothing(precision, big, 
     assert store.num_rows("t") == 1
 
 
+def test_an_update_many_with_one_overflowing_table_changes_no_table():
+    tables = [embstore.TableSpec("a", dim=DIM), _spec("fp16")]
+    with embstore.open(None, tables=tables) as store:
+        with pytest.raises(NonFiniteValueError, match="'t'.*float16"):
+            store.update_many({"a": ([1], np.full((1, DIM), 7, np.float32)),
+                               "t": ([1], np.full((1, DIM), 1e5, np.float32))})
+        assert store.num_rows("a") == store.num_rows("t") == 0
+
+
+def test_a_refused_half_precision_update_moves_no_row_between_tiers(tmp_path):
+    with _open(tmp_path / "s", "fp16", "rocksdb", cache=50) as store:
+        store.update("t", np.arange(200), np.ones((200, DIM), np.float32))
+        before = [(s.lookups, s.hits, s.rows) for s in store.tier_statistics("t")]
+        with pytest.raises(NonFiniteValueError, match="row 1 overflows"):
+            store.update("t", np.array([1, 150]), np.full((2, DIM), 1e5, np.float32))
+        assert [(s.lookups, s.hits, s.rows) for s in store.tier_statistics("t")] == before
+
+
+def test_an_overflowing_row_an_update_overwrites_in_the_same_call_is_not_refused():
+    with embstore.open(None, tables=[_spec("fp16")]) as store:
+        rows = np.full((3, DIM), 2.0, np.float32)
+        rows[0] = 1e5  # id 4's first row; its last (2.0) is the one written
+        store.update("t", np.array([4, 5, 4]), rows)
+        np.testing.assert_array_equal(store.lookup("t", np.array([4, 5])), 2.0)
+
+
 def test_half_precision_halves_the_bytes_per_row(tmp_path):
     sizes = {}
     for precision in ("fp32", "fp16"):
