@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,7 @@ def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
             )
         try:
             ids = np.asarray(ids)
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:  # anything an object's __array__ raises (torch: RuntimeError)
             raise InvalidIdsError(f"table {spec.name!r}: ids are not an array: {exc}") from exc
         if ids.size == 0 and ids.dtype == np.float64:  # a bare [] has no dtype of its own
             ids = ids.astype(np.int64)
@@ -60,6 +61,8 @@ def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
             f"table {spec.name!r}: ids must be 1-D, got shape {ids.shape}; flatten them first"
         )
     kind = ids.dtype.kind
+    if kind in "Of" and not isinstance(original, np.ndarray):
+        _refuse_ints_past_int64(original, spec)
     if kind == "b" or kind not in "iu":
         raise InvalidIdsError(
             f"table {spec.name!r}: ids must be integers, got dtype {ids.dtype}; "
@@ -81,6 +84,21 @@ def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
                 "fix the ids or declare a larger table"
             )
     return out
+
+
+def _refuse_ints_past_int64(ids: Any, spec: TableSpec) -> None:
+    """Name a Python int of `ids` (a sequence numpy read as floats or objects) past int64.
+
+    numpy reads [-1, 2**63] as float64 and [2**70] as objects: converting them with
+    astype(np.int64), as the dtype error advises, would wrap or round the id.
+    """
+    with contextlib.suppress(TypeError):  # not a sequence: the dtype error says enough
+        for v in ids:
+            if isinstance(v, int) and not isinstance(v, bool) and not (
+                    -_INT64_MAX - 1 <= v <= _INT64_MAX):
+                raise InvalidIdsError(
+                    f"table {spec.name!r}: id {v} does not fit in int64; hash or remap ids "
+                    "into the int64 range")
 
 
 def as_rows(rows: Any, n: int, spec: TableSpec, what: str = "rows", *,

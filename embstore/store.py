@@ -796,7 +796,7 @@ class EmbeddingStore:
             if state is not None:
                 try:
                     state = np.asarray(state)
-                except (ValueError, TypeError) as exc:
+                except Exception as exc:  # what an object's __array__ raises (torch's too)
                     raise InvalidValuesError(f"table {table!r}: state is not an array: "
                                              f"{exc}") from exc
                 if state.dtype != spec.dtype or state.shape != (len(ids), width):

@@ -24,6 +24,15 @@ def _snapshot(store: embstore.EmbeddingStore) -> dict[int, list[float]]:
 
 
 ROWS = np.ones((2, 3), np.float32)
+
+
+class _NoArray:
+    """An array-like whose conversion raises, as a torch tensor that requires grad does."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad")
+
+
 BAD_IDS = [
     (np.array([1.0, 2.0]), "integers"),
     (np.array([True, False]), "integers"),
@@ -36,6 +45,9 @@ BAD_IDS = [
     (None, "NoneType"),
     ({1, 2}, "set"),
     ((i for i in (1, 2)), "generator"),
+    ([-1, 2**63], "9223372036854775808 does not fit"),  # numpy reads floats: astype wraps
+    ([1, 2**70], "does not fit in int64"),  # numpy reads objects
+    (_NoArray(), "requires grad"),
 ]
 
 
@@ -180,10 +192,12 @@ def test_items_refuses_a_page_size_that_is_no_whole_number():
     assert sum(len(ids) for ids, _, _ in store.items("t", batch_rows=np.int64(1))) == 2
 
 
-def test_bulk_load_refuses_a_ragged_state():
+@pytest.mark.parametrize("state", [[[1.0, 1.0, 1.0], [1.0]], _NoArray()],
+                         ids=["ragged", "no-array"])
+def test_bulk_load_refuses_a_state_that_is_no_array(state):
     store = _store(optimizer=embstore.optim.Adagrad())
     with pytest.raises(E.InvalidValuesError, match="state"):
-        store.bulk_load("t", [1, 2], ROWS, state=[[1.0, 1.0, 1.0], [1.0]])
+        store.bulk_load("t", [1, 2], ROWS, state=state)
     assert store.num_rows("t") == 0
 
 
