@@ -13,7 +13,13 @@ from ._access_log import AccessRecorder, check_rates
 from ._build import check_ignored_settings
 from ._private_dir import io_error
 from ._rebuild import check_path
-from .errors import ConfigError, CorruptStoreError, ReadOnlyError, StoreNotFoundError
+from .errors import (
+    ConfigError,
+    CorruptStoreError,
+    EmbstoreError,
+    ReadOnlyError,
+    StoreNotFoundError,
+)
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
 from .manifest import make_dirs, read_bytes_nofollow
 from .placement import apply_placement
@@ -160,6 +166,8 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
         raise ConfigError(f"path must be a str, an os.PathLike or None (in memory), got "
                           f"{type(path).__name__}" + ("; decode it first" if isinstance(
                               path, bytes) else ""))
+    if not isinstance(read_only, bool):  # "no" is truthy: it would open read-only
+        raise ConfigError(f"read_only must be True or False, got {read_only!r}")
     specs = _specs_list(tables, TableSpec, "tables")
     if not all(isinstance(s, TableSpec) for s in specs):
         raise ConfigError("tables must be a list of embstore.TableSpec")
@@ -187,7 +195,32 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
             raise
         return memory
 
-    directory = Path(path)
+    directory = _store_path(path)
+    try:
+        return _open_directory(directory, specs, tier_specs, read_only, attach)
+    except OSError as exc:
+        if isinstance(exc, EmbstoreError):
+            raise
+        # the OS's own refusal of the path (a file above it, a name too long, a read-only
+        # file system): a StorageIOError naming it
+        raise io_error(exc, directory, "open the store at") from exc
+
+
+def _store_path(path: str | os.PathLike[str]) -> Path:
+    """`path` as a Path, or ConfigError where no file system could hold it."""
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise ConfigError(f"path must name a str path, got {type(text).__name__}; decode it "
+                          "first")
+    if "\0" in text:
+        raise ConfigError(f"path {text!r} holds a NUL byte, which no file name can")
+    return Path(text)
+
+
+def _open_directory(directory: Path, specs: list[TableSpec],
+                    tier_specs: tuple[TierSpec, ...] | None, read_only: bool,
+                    attach: Callable[[EmbeddingStore], None] | None) -> EmbeddingStore:
+    """`_open` of the store in `directory` (created where it holds none and specs are given)."""
     if not read_only:  # a compact or migrate killed between its two renames; readers write nothing
         layout.recover_swap(directory)
     if directory.exists() and not directory.is_dir():

@@ -232,6 +232,9 @@ def _as_path(value: object, what: str) -> Path:
     if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str) \
             or not os.fspath(value):
         raise ConfigError(f"{what} must be a path (str or os.PathLike), got {value!r}")
+    if "\0" in os.fspath(value):
+        raise ConfigError(f"{what} {os.fspath(value)!r} holds a NUL byte, which no file name "
+                          "can")
     return Path(value)
 
 
@@ -250,9 +253,13 @@ def _check_new(dest: Path, what: str) -> None:
         ConfigError: a directory above `dest` holds a store or checkpoint, whose rewrites
             would drop it and whose checks would find it foreign.
     """
-    if dest.exists() or dest.is_symlink():
+    try:
+        there = dest.exists() or dest.is_symlink()
+        above = store_above(dest)
+    except OSError as exc:  # a name too long, a file above it: the OS refuses the path
+        raise io_error(exc, dest, "make") from exc
+    if there:
         raise StoreExistsError(f"{dest} exists; {what} never overwrites: choose a new path")
-    above = store_above(dest)
     if above is not None:
         raise ConfigError(f"{dest} lies inside the store or checkpoint {above}; {what} goes to "
                           "a directory of its own beside it, e.g. ckpt/100")
@@ -406,7 +413,12 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
     src = _as_path(src, "the checkpoint to restore")
     dest = _as_path(dest, "the restored store's path")
     _check_new(dest, "a restore")
-    chain = checkpoint_chain(src)
+    try:
+        chain = checkpoint_chain(src)
+    except OSError as exc:
+        if isinstance(exc, EmbstoreError):
+            raise
+        raise io_error(exc, src, "read the checkpoint") from exc  # the OS refused the path
     base = chain[-1][0]
     tmp, made = make_private(dest, StorageIOError)
     try:

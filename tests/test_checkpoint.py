@@ -235,6 +235,10 @@ def test_bad_destinations_and_steps_are_refused_and_leave_nothing(tmp_path):
             store.checkpoint(tmp_path / "s" / "ck")
         with pytest.raises(E.StorageIOError, match="is not a directory"):
             store.checkpoint(tmp_path / "file" / "a" / "ck")
+        with pytest.raises(E.ConfigError, match="NUL byte"):
+            store.checkpoint(f"{tmp_path}/c\0k")
+        with pytest.raises(E.StorageIOError, match="too long"):
+            store.checkpoint(tmp_path / ("x" * 300))
         assert sorted(p.name for p in tmp_path.iterdir()) == before
         assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [
             "LOCK", "MANIFEST.json", "tier0-dram", "written"]
@@ -245,6 +249,12 @@ def test_bad_destinations_and_steps_are_refused_and_leave_nothing(tmp_path):
         embstore.restore(tmp_path / "c", tmp_path / "file" / "r")
     with pytest.raises(E.ConfigError, match="path"):
         embstore.restore(None, tmp_path / "r")
+    with pytest.raises(E.ConfigError, match="NUL byte"):
+        embstore.restore(tmp_path / "c", f"{tmp_path}/r\0")
+    for src, dest in ((tmp_path / "c", tmp_path / ("y" * 300)),
+                      (tmp_path / ("z" * 300), tmp_path / "r")):
+        with pytest.raises(E.StorageIOError, match="too long"):
+            embstore.restore(src, dest)
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
         "MANIFEST.json", "tier0-dram", "written"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "file", "s"]

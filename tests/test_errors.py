@@ -210,10 +210,28 @@ def test_bulk_load_refuses_a_state_that_is_no_array(state):
     ((None, [TableSpec("t", dim=2)], TierSpec("dram")), "wrap one"),
     ((None, [TableSpec("t", dim=2, dtype=np.float16, optimizer=embstore.optim.Adam())]),
      "Adam needs a float32 or float64 table"),
+    (("/tmp/a\0b", [TableSpec("t", dim=2)]), "NUL byte"),
 ])
 def test_open_refuses_arguments_of_the_wrong_kind(tmp_path, args, words):
     with pytest.raises(E.ConfigError, match=words):
         embstore.open(*args)
+
+
+@pytest.mark.parametrize("read_only", ["no", 1, None])
+def test_read_only_must_be_a_bool(tmp_path, read_only):
+    embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=2)]).close()
+    with pytest.raises(E.ConfigError, match="read_only must be True or False"):
+        embstore.open(tmp_path / "s", read_only=read_only)
+
+
+@pytest.mark.parametrize(("where", "words"), [("file/s", "is not a directory"),
+                                               ("x" * 300, "too long")])
+def test_a_path_the_os_refuses_is_a_storage_io_error_and_leaves_nothing(tmp_path, where,
+                                                                         words):
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(E.StorageIOError, match=words):
+        embstore.open(tmp_path / where, tables=[TableSpec("t", dim=2)])
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
 
 
 @pytest.mark.parametrize("make", [
