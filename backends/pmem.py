@@ -192,6 +192,13 @@ class PmemBackend(Backend):
         size = os.fstat(self._fd).st_size
         if size < DATA_OFFSET:
             raise CorruptStoreError(f"{self._file}: truncated header ({size} bytes)")
+        if (size - DATA_OFFSET) // self._rec > MAX_SLOTS:
+            # never written so (the slot index is 32-bit): grown by damage (a truncate out
+            # to a terabyte, say), refused before a scan of it would read it all
+            raise CorruptStoreError(
+                f"{self._file}: {size} bytes hold more than the {MAX_SLOTS} slots a table file "
+                "has at most; the file is damaged or not embstore's: restore the table from "
+                "a checkpoint (`embstore fsck` lists what is damaged)")
         self._map_file(size)
         self._check_header()
         if self.spec.read_only:
@@ -208,6 +215,12 @@ class PmemBackend(Backend):
         hint = self.spec.capacity_bytes
         if hint is not None:
             slots = max(64, (hint - DATA_OFFSET) // self._rec)
+            if slots > MAX_SLOTS:
+                raise CapacityError(
+                    f"table {self.spec.table!r}: a pmem file holds at most {MAX_SLOTS} rows, "
+                    f"and the tier's capacity asks for {slots}",
+                    "give the pmem tier a smaller capacity, or split the table across shards "
+                    "or tiers")
         else:
             # 64 KiB; it grows geometrically. Small, so that a store of many tables does not
             # hold a megabyte of file per table it has not written yet

@@ -303,6 +303,23 @@ def test_full_file_system_is_a_capacity_error_not_a_crash(tmp_path, mapping):
         assert sorted(p.name for p in small.iterdir()) == ["t.pmem"]
 
 
+@pytest.mark.parametrize("capacity_bytes", [DATA_OFFSET + (2**31) * REC, 2**80])
+def test_a_capacity_past_the_slots_a_file_holds_is_a_capacity_error(tmp_path, mapping,
+                                                                    capacity_bytes):
+    # refused before the file is preallocated: 2**31 records are 100 GiB here
+    with pytest.raises(CapacityError, match="at most 2147483647 rows"):
+        _open(tmp_path, capacity_bytes=capacity_bytes)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_grown_past_the_slots_it_can_hold_is_refused_before_a_scan(tmp_path, mapping):
+    with _open(tmp_path) as b:
+        b.put(_ids(1, 2), _rows(2))
+    os.truncate(tmp_path / "t.pmem", 1 << 40)  # sparse: a scan would read 1 TiB of zeros
+    with pytest.raises(CorruptStoreError, match="more than the 2147483647 slots"):
+        _open(tmp_path)
+
+
 # --- integrity ---------------------------------------------------------------------------------
 
 def test_every_byte_of_a_stored_record_is_checked_on_open(tmp_path, mapping):
