@@ -215,10 +215,11 @@ class PmemBackend(Backend):
         hint = self.spec.capacity_bytes
         if hint is not None:
             slots = max(64, (hint - DATA_OFFSET) // self._rec)
-            if slots > MAX_SLOTS:
+            asked = hint // self.spec.row_bytes  # the tier's capacity in rows
+            if asked > MAX_SLOTS:
                 raise CapacityError(
                     f"table {self.spec.table!r}: a pmem file holds at most {MAX_SLOTS} rows, "
-                    f"and the tier's capacity asks for {slots}",
+                    f"and the tier's capacity asks for {asked}",
                     "give the pmem tier a smaller capacity, or split the table across shards "
                     "or tiers")
         else:
