@@ -281,6 +281,8 @@ def test_a_path_the_os_refuses_is_a_storage_io_error_and_leaves_nothing(tmp_path
     lambda: embstore.optim.from_config("sgd", {"learning_rate": 0.1}),
     lambda: embstore.init.Uniform(low="a"),
     lambda: embstore.init.Uniform(seed=1.5),  # was cut to 1
+    lambda: embstore.init.Uniform(seed=2**64),  # gave the rows of seed 0
+    lambda: embstore.init.Normal(seed=-(2**63) - 1),
     lambda: embstore.init.Normal(std=None),
     lambda: embstore.init.Constant("x"),
     lambda: embstore.init.from_config("uniform", None),
