@@ -123,6 +123,21 @@ def _check_update_in_range(t: _Table, ids: np.ndarray, rows: np.ndarray) -> None
         _refuse_overflow(t.spec.name, t, ids, out)
 
 
+def _check_accessed(accessed: Any, requests: Mapping[str, Any]) -> None:
+    """Refuse a `lookup_many(accessed=...)` that is no mapping or names a table not looked up.
+
+    Raises:
+        InvalidValuesError.
+    """
+    if not isinstance(accessed, Mapping):
+        raise InvalidValuesError(f"accessed must be a mapping {{table: ids}}, got "
+                                 f"{type(accessed).__name__}")
+    extra = [name for name in accessed if name not in requests]
+    if extra:
+        raise InvalidValuesError(f"accessed names tables the call does not look up: "
+                                 f"{sorted(map(repr, extra))}")
+
+
 class EmbeddingStore:
     """Embedding tables in a hierarchy of tiers. Create it with `embstore.open`.
 
@@ -668,10 +683,13 @@ class EmbeddingStore:
 
         Raises:
             UnknownTableError, InvalidIdsError, StoreClosedError, CorruptStoreError.
-            InvalidValuesError: `requests` is not a mapping.
+            InvalidValuesError: `requests` or `accessed` is not a mapping, or `accessed`
+                names a table `requests` does not.
         """
         with self._mutex:
             checked = [(t, as_ids(ids, t.spec)) for t, ids in self._requests(requests)]
+            if accessed is not None:
+                _check_accessed(accessed, requests)
             if self._recorder is not None and not state:
                 self._recorder.lookup_many([(t.spec, ids) for t, ids in checked], accessed)
             read = self._lookup_state if state else self._lookup

@@ -15,7 +15,7 @@ import pytest
 import embstore
 from embstore import _crash
 from embstore._access_log import read_access_log, sample_mask
-from embstore.errors import ConfigError, CorruptStoreError, StoreLockedError
+from embstore.errors import ConfigError, CorruptStoreError, InvalidValuesError, StoreLockedError
 from embstore.tools._mrc import (
     MIN_SAMPLED_IDS,
     SHARDS_ERROR_BOUND,
@@ -134,6 +134,20 @@ def test_a_batch_is_a_lookup_and_its_steps_writes_are_not_logged_again(tmp_path:
         log = read_access_log(tmp_path / "log")
         assert [list(x) for x in log.batches("t")] == [[1, 2, 3], [4, 5, 6], [7, 8, 9],
                                                        [1, 2, 3], [4, 5, 6]]
+
+
+@pytest.mark.parametrize(("accessed", "words"), [([1, 2], "must be a mapping"),
+                                                  ({"zz": [1]}, "does not look up")])
+def test_a_bad_accessed_mapping_is_refused_and_logs_nothing(tmp_path: Path, accessed,
+                                                            words) -> None:
+    with embstore.open(None, tables=[embstore.TableSpec("t", dim=2)],
+                       record_accesses=tmp_path / "log") as store:
+        store.lookup("t", np.array([1, 2]))
+        with pytest.raises(InvalidValuesError, match=words):
+            store.lookup_many({"t": np.array([3])}, accessed=accessed)
+        store.flush()
+        assert [list(x) for x in read_access_log(tmp_path / "log").batches("t")] == [[1, 2]]
+        assert store.tier_statistics("t")[0].lookups == 2
 
 
 def test_the_log_is_private_and_a_reopened_store_appends_to_it(tmp_path: Path) -> None:
