@@ -15,9 +15,10 @@ File `<store>/written/<table>.ids` (offsets imported by the corruption tests):
     24      ...   body: ceil(n / 8) bytes of bitmap (numpy.packbits, little bit order), or n
                   distinct int64 little-endian ids in ascending order
 
-Cost: a bounded table (num_embeddings set) keeps 1 bit per id of its range on disk and 1 byte
-per id in memory; an unbounded one 8 bytes per stored row on disk and its hash index in memory
-(about 16 bytes per row). Lookups pay only for ids no tier found (one vectorised probe).
+Cost: a bounded table (num_embeddings set) keeps 1 bit per id of its range on disk and in
+memory (the file's body, which a flush writes as it is); an unbounded one 8 bytes per stored
+row on disk and its hash index in memory (about 16 bytes per row). Lookups pay only for ids
+no tier found (one vectorised probe).
 
 Deletes: `<store>/written/<table>.del`, a journal of deleted ids appended (and fsynced)
 before the medium deletes them, entries of
@@ -96,7 +97,7 @@ class WrittenIds:
         self.file = file
         self._n = num_embeddings
         self._read_only = read_only
-        self._bits: np.ndarray | None = None
+        self._packed: np.ndarray | None = None  # a bounded table's bitmap, as in the file
         self._index: IdIndex | None = None
         self.journal = file.with_suffix(".del")
         self._changed = False  # ids added or removed since the last flush
@@ -129,7 +130,11 @@ class WrittenIds:
                 if not defer_write:
                     write_missing([self])
         else:
-            self._load(self._parse(raw))
+            parsed = self._parse(raw)
+            if self._n is not None:
+                self._packed = parsed
+            else:
+                self._load(parsed)
             deleted = self._read_journal()
             if len(deleted):
                 self._forget(deleted)
@@ -222,8 +227,10 @@ class WrittenIds:
             if n != self._n or len(body) != (n + 7) // 8:
                 raise bad(f"a bitmap of {n} bits in {len(body)} bytes, the table has "
                           f"{self._n} ids")
-            bits = np.unpackbits(np.frombuffer(body, np.uint8), count=n, bitorder="little")
-            return np.flatnonzero(bits).astype(np.int64)
+            packed = np.frombuffer(body, np.uint8).copy()
+            if n % 8:  # bits past the table's last id stand for no id
+                packed[-1] &= (1 << (n % 8)) - 1
+            return packed
         if len(body) != 8 * n:
             raise bad(f"{n} ids in {len(body)} bytes")
         return np.frombuffer(body, "<i8").astype(np.int64)
@@ -275,12 +282,11 @@ class WrittenIds:
 
     def _load(self, ids: np.ndarray) -> None:
         if self._n is not None:
-            self._bits = np.zeros(self._n, dtype=bool)
             if len(ids) and (ids.min() < 0 or ids.max() >= self._n):
                 raise CorruptStoreError(
                     f"written-id record {self.file}: ids outside [0, {self._n}); restore the "
                     "table from a checkpoint")
-            self._bits[ids] = True
+            self._packed = _bitmap(self._n, ids)
         else:
             self._index = IdIndex(max(1024, 2 * len(ids)))
             if len(ids):
@@ -288,24 +294,23 @@ class WrittenIds:
 
     def ids(self) -> np.ndarray:
         """Every id the record holds, sorted int64."""
-        if self._bits is not None:
-            return np.flatnonzero(self._bits).astype(np.int64)
+        if self._packed is not None:
+            return _bitmap_ids(self._packed)
         assert self._index is not None
         ids: np.ndarray = np.sort(self._index.items()[0])
         return ids
 
     def count(self) -> int:
         """How many ids the record holds (without listing them)."""
-        if self._bits is not None:
-            return int(np.count_nonzero(self._bits))
+        if self._packed is not None:
+            return int(np.bitwise_count(self._packed).sum(dtype=np.int64))
         assert self._index is not None
         return len(self._index)
 
     def holds(self, ids: np.ndarray) -> np.ndarray:
         """bool[N]: whether each of `ids` (valid for the table) was written and not deleted."""
-        if self._bits is not None:
-            held: np.ndarray = self._bits[ids]
-            return held
+        if self._packed is not None:
+            return _bits_set(self._packed, ids)
         assert self._index is not None
         return self._index.find(np.ascontiguousarray(ids)) >= 0
 
@@ -318,12 +323,12 @@ class WrittenIds:
         they are appended to `into` too, before the record changes (so a caller whose
         guard is already in place withdraws them whatever interrupts this call).
         """
-        if self._bits is not None:
-            new = ids if absent else np.asarray(ids[~self._bits[ids]])
+        if self._packed is not None:
+            new = ids if absent else np.asarray(ids[~_bits_set(self._packed, ids)])
             if into is not None:
                 into.append(new)
             if len(new):  # none: the common case in training, rows written before
-                self._bits[new] = True
+                _set_bits(self._packed, new)
                 self._changed = True
             return new
         assert self._index is not None
@@ -360,8 +365,10 @@ class WrittenIds:
         self._changed = True
 
     def _forget(self, ids: np.ndarray) -> None:
-        if self._bits is not None:
-            self._bits[ids[(ids >= 0) & (ids < len(self._bits))]] = False
+        if self._packed is not None:
+            assert self._n is not None
+            ids = ids[(ids >= 0) & (ids < self._n)]
+            np.bitwise_and.at(self._packed, ids >> 3, ~_bit_masks(ids))
         else:
             assert self._index is not None
             self._index.remove(np.ascontiguousarray(ids))
@@ -379,7 +386,13 @@ class WrittenIds:
         _crash.point("flush.after_sync")
         if self._read_only or not (self._changed or self.missing):
             return None
-        return self.file, _record_bytes(self.file, self._n, self.ids())
+        return self.file, self._file_bytes()
+
+    def _file_bytes(self) -> bytes:
+        """The record file of the ids held now (a bitmap is written as it is kept)."""
+        if self._packed is not None:
+            return _record_bytes(self.file, self._n, packed=self._packed)
+        return _record_bytes(self.file, self._n, self.ids())
 
     def _written(self) -> None:
         self._empty_journal()
@@ -389,7 +402,7 @@ class WrittenIds:
 def write_missing(records: Sequence[WrittenIds]) -> None:
     """Write the files of `records` that do not exist yet (`defer_write`), together."""
     todo = [r for r in records if r.missing]
-    write_atomic_many([(r.file, _record_bytes(r.file, r._n, r.ids())) for r in todo])
+    write_atomic_many([(r.file, r._file_bytes()) for r in todo])
     for r in todo:
         r._written()
 
@@ -412,21 +425,56 @@ def _write_file(file: Path, num_embeddings: int | None, ids: np.ndarray) -> None
     write_atomic(file, _record_bytes(file, num_embeddings, ids))
 
 
-def _record_bytes(file: Path, num_embeddings: int | None, ids: np.ndarray) -> bytes:
-    """The record file of sorted distinct `ids`; makes `file`'s directory if it is missing."""
+def _bit_masks(ids: np.ndarray) -> np.ndarray:
+    """uint8[N]: each id's bit within its byte of a bitmap (little bit order, as packbits)."""
+    return np.left_shift(np.uint8(1), (ids & 7).astype(np.uint8))
+
+
+def _bitmap(n: int, ids: np.ndarray) -> np.ndarray:
+    """The bitmap over [0, n) of `ids` (valid ids of it): ceil(n / 8) bytes."""
+    packed = np.zeros((n + 7) // 8, dtype=np.uint8)
+    _set_bits(packed, ids)
+    return packed
+
+
+def _set_bits(packed: np.ndarray, ids: np.ndarray) -> None:
+    np.bitwise_or.at(packed, ids >> 3, _bit_masks(ids))
+
+
+def _bits_set(packed: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """bool[N]: whether the bitmap `packed` holds each of `ids` (valid ids of it)."""
+    return (packed[ids >> 3] & _bit_masks(ids)) != 0  # type: ignore[no-any-return]
+
+
+def _bitmap_ids(packed: np.ndarray) -> np.ndarray:
+    """The ids the bitmap `packed` holds, sorted int64: its bytes in use unpacked alone."""
+    used = np.flatnonzero(packed)
+    bits = np.unpackbits(packed[used, None], axis=1, bitorder="little")
+    row, col = np.nonzero(bits)
+    return used[row].astype(np.int64) * 8 + col
+
+
+def _record_bytes(file: Path, num_embeddings: int | None, ids: np.ndarray | None = None, *,
+                  packed: np.ndarray | None = None) -> bytes:
+    """The record file of sorted distinct `ids`, or of the bitmap `packed` of a bounded table.
+
+    Makes `file`'s directory if it is missing.
+    """
     if num_embeddings is not None:
-        bits = np.zeros(num_embeddings, dtype=np.uint8)
-        bits[ids] = 1
-        body = np.packbits(bits, bitorder="little").tobytes()
+        if packed is None:
+            assert ids is not None
+            packed = _bitmap(num_embeddings, ids)
+        body = packed.data  # no copy but the file's own: a bitmap may be large
         kind, n = BITMAP, num_embeddings
     else:
-        body = np.ascontiguousarray(ids, dtype="<i8").tobytes()
+        assert ids is not None
+        body = np.ascontiguousarray(ids, dtype="<i8").data
         kind, n = IDS, len(ids)
-    rest = struct.pack("<Q", n) + body
+    crc = zlib.crc32(body, zlib.crc32(struct.pack("<Q", n)))
     if not file.parent.exists():
         file.parent.mkdir(mode=0o700)
         fsync_dir(file.parent.parent)
-    return HEADER.pack(MAGIC, kind, zlib.crc32(rest), n) + body
+    return b"".join([HEADER.pack(MAGIC, kind, crc, n), body])
 
 
 def write_record(file: Path, num_embeddings: int | None, ids: np.ndarray) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import shutil
 import struct
+import tracemalloc
 import zlib
 from pathlib import Path
 
@@ -249,6 +250,28 @@ def test_the_record_costs_one_bit_per_id_of_a_bounded_table_and_8_bytes_per_row_
     unbounded = written_file(tmp_path / "u", "t").stat().st_size
     assert bounded == _written.BODY_OFFSET + (ROWS + NEVER + 7) // 8
     assert unbounded == _written.BODY_OFFSET + 8 * ROWS
+
+
+def test_a_bounded_tables_record_takes_one_bit_per_id_in_memory_too(tmp_path):
+    # 2**28 ids: a 32 MiB bitmap, where a byte per id took 256 MiB (and as much again to
+    # pack it at each flush: 609 MiB at the peak); a few copies of the bitmap at a time now
+    spec = embstore.TableSpec("t", dim=2, num_embeddings=2**28)
+    tracemalloc.start()
+    try:
+        with embstore.open(tmp_path / "s", tables=[spec], tiers=[embstore.TierSpec("lmdb")]) \
+                as store:
+            ids = np.array([0, 5, 2**20 + 3, 2**28 - 1])
+            store.update("t", ids, np.ones((4, 2), np.float32))
+            store.flush()
+            store.delete("t", ids[1:2])
+            store.flush()
+            assert store._table("t").written.count() == 3
+        with embstore.open(tmp_path / "s", read_only=True) as store:
+            np.testing.assert_array_equal(store._table("t").written.ids(), ids[[0, 2, 3]])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**27, f"peak {peak / 2**20:.0f} MiB"
 
 
 @pytest.mark.parametrize("offset", [0, _written.CRC_OFFSET, 16, _written.BODY_OFFSET + 3, -1])
