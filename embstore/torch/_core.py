@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import InvalidValuesError
 from ..index import IdGroups
 from ..store import EmbeddingStore
 from ._bags import pool_rows_in_store, summed_bag_grads
@@ -316,6 +317,41 @@ def _graph_token() -> torch.Tensor:
     return torch.empty(0)
 
 
+class _NoSecondOrder(torch.autograd.Function):
+    """The per-sample weights' gradients as given, on a node whose backward refuses.
+
+    They depend on the table's rows, which live in the store where autograd does not see
+    them: differentiated again (``create_graph=True``, as for a gradient penalty), they would
+    silently lose that dependence. torch.nn.EmbeddingBag refuses the same when it is reached.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, trigger: torch.Tensor, *grads: torch.Tensor) -> Any:
+        return grads
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        raise InvalidValuesError(
+            "the gradient of per_sample_weights cannot be differentiated again (a backward "
+            "through a gradient taken with create_graph=True): it depends on the table's rows, "
+            "which live in the store, outside autograd; take it without create_graph"
+        )
+
+
+def _first_order(weight_grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """`weight_grads`, made to refuse a second differentiation when a graph of them is built.
+
+    Autograd builds one when the backward runs with ``create_graph=True``, which enables grad
+    mode inside it.
+    """
+    given = [g for g in weight_grads if g is not None]
+    if not given or not torch.is_grad_enabled():
+        return weight_grads
+    # _TRIGGER requires grad: the outputs get this node even when `given` has no graph
+    wrapped = iter(_NoSecondOrder.apply(_TRIGGER, *given))  # type: ignore[no-untyped-call]
+    return [None if g is None else next(wrapped) for g in weight_grads]
+
+
 class _TableFunction(torch.autograd.Function):
     """Forward: pooled outputs of one table's features. Backward: the store's update."""
 
@@ -334,7 +370,7 @@ class _TableFunction(torch.autograd.Function):
         unique, distinct, weight_grads, finite = _table_update(ctx.tp, ctx.mode, grads,
                                                                ctx.saved)
         _apply(ctx.store, {ctx.tp.table: (unique, distinct)}, finite)
-        return (None, None, None, None, *weight_grads)
+        return (None, None, None, None, *_first_order(weight_grads))
 
 
 class _TablesFunction(torch.autograd.Function):
@@ -385,7 +421,7 @@ class _TablesFunction(torch.autograd.Function):
             finite = finite and seen_finite
         if updates:
             _apply(ctx.store, updates, finite)
-        return (None, None, None, None, *weight_grads)
+        return (None, None, None, None, *_first_order(weight_grads))
 
 
 def run(store: EmbeddingStore, plan: ForwardPlan, mode: str, *, train: bool

@@ -12,9 +12,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import DeviceMismatchError, InvalidIdsError, InvalidValuesError
+from ..errors import DeviceMismatchError, EmbstoreError, InvalidIdsError, InvalidValuesError
 
-__all__ = ["BagInput", "bag_input", "flat_ids", "jagged_input"]
+__all__ = ["BagInput", "bag_input", "check_tensor", "flat_ids", "integer_tensor",
+           "jagged_input"]
+
+# the dtypes whose elements are whole numbers; quantized dtypes (quint8, ...) and bit
+# containers (bits8, ...) are neither floating nor complex, yet hold no plain integers
+_INTEGER_DTYPES = frozenset(
+    d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                getattr(torch, "uint16", None), getattr(torch, "uint32", None),
+                getattr(torch, "uint64", None))  # torch >= 2.3 has unsigned 16 to 64-bit
+    if d is not None)
 
 
 @dataclass(frozen=True)
@@ -38,12 +47,37 @@ class BagInput:
         return len(self.offsets) - 1
 
 
-def _check_device(what: str, tensor: torch.Tensor, device: torch.device) -> None:
-    if tensor.device != device:
-        raise DeviceMismatchError(
-            f"{what} is on {tensor.device} but the module is on {device}; move it with "
-            f".to({str(device)!r}) or move the module"
-        )
+def check_tensor(what: str, tensor: torch.Tensor, device: torch.device,
+                 error: type[EmbstoreError] = InvalidIdsError) -> None:
+    """Refuse a tensor the store cannot read as a plain array, or one not on `device`.
+
+    Every tensor a module is given passes here before anything reads it: sparse, quantized
+    and nested tensors, and meta ones (which hold no data), would otherwise fail further on
+    in torch's own reshape or .numpy(), with torch's errors.
+
+    Raises:
+        `error`: a tensor that is sparse (any layout but torch.strided), quantized, nested or
+            on the meta device.
+        DeviceMismatchError: a tensor on another device than `device` (the module's).
+    """
+    if tensor.is_nested:
+        kind, fix = "a nested tensor", "give it flat, with offsets or lengths marking the bags"
+    elif tensor.layout != torch.strided:
+        kind, fix = f"a tensor of layout {tensor.layout}", "convert it with .to_dense()"
+    elif tensor.is_quantized:
+        kind, fix = (f"a quantized tensor (dtype {tensor.dtype})",
+                     "convert it with .int_repr() (ids) or .dequantize() (weights)")
+    elif tensor.is_meta:
+        kind, fix = "on the meta device (it holds no data)", "give one on a real device"
+    else:
+        if tensor.device != device:
+            raise DeviceMismatchError(
+                f"{what} is on {tensor.device} but the module is on {device}; move it with "
+                f".to({str(device)!r}) or move the module"
+            )
+        return
+    raise error(f"{what} is {kind}; the module reads dense (torch.strided) tensors with "
+                f"data: {fix}")
 
 
 def flat_ids(what: str, tensor: object, device: torch.device) -> np.ndarray:
@@ -51,8 +85,8 @@ def flat_ids(what: str, tensor: object, device: torch.device) -> np.ndarray:
     if not isinstance(tensor, torch.Tensor):
         raise InvalidIdsError(f"{what} must be a torch.Tensor of integer ids, got "
                               f"{type(tensor).__name__}")
-    _check_device(what, tensor, device)
-    if not _integer_tensor(tensor):
+    check_tensor(what, tensor, device)
+    if not integer_tensor(tensor):
         raise InvalidIdsError(
             f"{what} must hold integer ids, got dtype {tensor.dtype}; convert whole-number "
             "ids with .long()"
@@ -71,9 +105,9 @@ def flat_ids(what: str, tensor: object, device: torch.device) -> np.ndarray:
     return np.ascontiguousarray(ids.numpy())
 
 
-def _integer_tensor(tensor: torch.Tensor) -> bool:
-    return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex
-                or tensor.dtype == torch.bool)
+def integer_tensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` holds plain integers (bool, quantized and bit dtypes do not)."""
+    return tensor.dtype in _INTEGER_DTYPES
 
 
 def _offsets(offsets: object, n: int, include_last_offset: bool,
@@ -81,8 +115,8 @@ def _offsets(offsets: object, n: int, include_last_offset: bool,
     if not isinstance(offsets, torch.Tensor):
         raise InvalidIdsError(f"offsets must be a 1-D integer torch.Tensor, got "
                               f"{type(offsets).__name__}")
-    _check_device("offsets", offsets, device)
-    if offsets.dim() != 1 or not _integer_tensor(offsets):
+    check_tensor("offsets", offsets, device)
+    if offsets.dim() != 1 or not integer_tensor(offsets):
         raise InvalidIdsError(
             f"offsets must be a 1-D integer tensor, got dtype {offsets.dtype} and shape "
             f"{tuple(offsets.shape)}"
@@ -118,19 +152,16 @@ def _offsets(offsets: object, n: int, include_last_offset: bool,
 
 
 def _weights(per_sample_weights: object, shape: tuple[int, ...], device: torch.device,
-             dtype: torch.dtype) -> torch.Tensor:
+             dtype: torch.dtype, what: str = "per_sample_weights") -> torch.Tensor:
     w = per_sample_weights
     if not isinstance(w, torch.Tensor):
-        raise InvalidValuesError(f"per_sample_weights must be a torch.Tensor, got "
-                                 f"{type(w).__name__}")
-    _check_device("per_sample_weights", w, device)
+        raise InvalidValuesError(f"{what} must be a torch.Tensor, got {type(w).__name__}")
+    check_tensor(what, w, device, InvalidValuesError)
     if w.dtype != dtype:
-        raise InvalidValuesError(
-            f"per_sample_weights must have the table's dtype {dtype}, got {w.dtype}"
-        )
+        raise InvalidValuesError(f"{what} must have the table's dtype {dtype}, got {w.dtype}")
     if tuple(w.shape) != shape:
         raise InvalidValuesError(
-            f"per_sample_weights must have the shape of the ids, {shape} (one weight per id), "
+            f"{what} must have the shape of the ids, {shape} (one weight per id), "
             f"got {tuple(w.shape)}"
         )
     return w.reshape(-1)
@@ -151,13 +182,15 @@ def bag_input(input: object, offsets: object, per_sample_weights: object, *, mod
         dtype: the table's dtype, which per_sample_weights must have.
 
     Raises:
-        InvalidIdsError: float ids, a wrong shape, bad offsets.
-        InvalidValuesError: per_sample_weights of the wrong shape or dtype, or with a mode
-            other than "sum".
+        InvalidIdsError: float ids, a wrong shape, bad offsets, ids or offsets that are not a
+            dense tensor with data (sparse, quantized, nested, on the meta device).
+        InvalidValuesError: per_sample_weights of the wrong shape, dtype or kind, or with a
+            mode other than "sum".
         DeviceMismatchError: an argument on another device than the module.
     """
     if not isinstance(input, torch.Tensor):
         raise InvalidIdsError(f"input must be a torch.Tensor of ids, got {type(input).__name__}")
+    check_tensor("input", input, device)  # before its shape is read: a nested one has none
     if input.dim() == 2:
         if offsets is not None:
             raise InvalidIdsError("a 2-D input is a batch of fixed-length bags; offsets must be "
@@ -193,10 +226,13 @@ def jagged_input(feature: str, values: object, lengths: object, device: torch.de
     if values.dim() != 1:
         raise InvalidIdsError(f"feature {feature!r}: values must be a 1-D tensor of ids, got "
                               f"shape {tuple(values.shape)}")
-    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 \
-            or not _integer_tensor(lengths):
-        raise InvalidIdsError(f"feature {feature!r}: lengths must be a 1-D integer tensor")
-    _check_device(f"feature {feature!r} lengths", lengths, device)
+    if not isinstance(lengths, torch.Tensor):
+        raise InvalidIdsError(f"feature {feature!r}: lengths must be a 1-D integer tensor, got "
+                              f"{type(lengths).__name__}")
+    check_tensor(f"feature {feature!r} lengths", lengths, device)
+    if lengths.dim() != 1 or not integer_tensor(lengths):
+        raise InvalidIdsError(f"feature {feature!r}: lengths must be a 1-D integer tensor, got "
+                              f"dtype {lengths.dtype} and shape {tuple(lengths.shape)}")
     lens = lengths.detach().cpu().to(torch.int64).numpy()
     if len(lens) and lens.min() < 0:
         raise InvalidIdsError(f"feature {feature!r}: lengths must be >= 0, got "
@@ -206,5 +242,6 @@ def jagged_input(feature: str, values: object, lengths: object, device: torch.de
     if off[-1] != len(ids):
         raise InvalidIdsError(f"feature {feature!r}: lengths add up to {int(off[-1])} but "
                               f"there are {len(ids)} values")
-    w = None if weights is None else _weights(weights, (len(ids),), device, dtype)
+    w = None if weights is None else _weights(weights, (len(ids),), device, dtype,
+                                              f"feature {feature!r} weights")
     return BagInput(ids, off, w)

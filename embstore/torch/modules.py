@@ -10,19 +10,23 @@ them saves its dense part with ``torch.save(model.state_dict())`` as usual and i
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn, SupportsIndex
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ConfigError, InvalidIdsError, InvalidValuesError
+from ..errors import ConfigError, EmbstoreError, InvalidIdsError, InvalidValuesError, brief
 from ..store import EmbeddingStore
 from ._core import MODES, ForwardPlan, fetch, pool_in_store, prepare, run
-from ._inputs import BagInput, bag_input, flat_ids, jagged_input
+from ._inputs import BagInput, bag_input, check_tensor, flat_ids, integer_tensor, jagged_input
 
 __all__ = ["Embedding", "EmbeddingBag", "EmbeddingBagCollection", "KeyedEmbeddings"]
+
+
+_INT64 = np.iinfo(np.int64)
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -52,6 +56,19 @@ def _check_flag(name: str, value: object, *, or_none: bool = False) -> None:
         return
     accepted = "True, False or None" if or_none else "True or False"
     raise ConfigError(f"{name} must be {accepted}, got {value!r}")
+
+
+def _as_index(value: Any) -> int | None:
+    """`value` as a plain int where it is an integer of any kind (np.int64 too), else None.
+
+    As torch takes: ``operator.index``, but a bool is a switch, never an id.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -127,7 +144,7 @@ def _version(t: torch.Tensor) -> Any:
 class _StoreModule(nn.Module):
     """Common base: the store, the device, and the plan staged by a pipeline."""
 
-    def __init__(self, store: Any, tables: list[str], padding_idx: int | None,
+    def __init__(self, store: Any, tables: list[str], padding_idx: SupportsIndex | None,
                  mode: str) -> None:
         super().__init__()
         if not isinstance(store, EmbeddingStore) and not all(
@@ -153,11 +170,29 @@ class _StoreModule(nn.Module):
         self.register_buffer("_anchor", torch.empty(0), persistent=False)
         self._staged: ForwardPlan | None = None
 
-    def _padding(self, padding_idx: int | None) -> int | None:
-        if padding_idx is None:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # pickle, copy.deepcopy and torch.save(model) all come here; the store (its locks,
+        # files, threads) cannot travel, and pickle's own TypeError names only an RLock
+        raise ConfigError(
+            f"{type(self).__name__} holds an open store, which cannot be pickled or copied "
+            "(pickle, copy.deepcopy, torch.save of the model): save the dense part with "
+            "torch.save(model.state_dict()) and the tables with store.checkpoint(...), and "
+            "build the model anew over the restored store to load them"
+        )
+
+    def _padding(self, given: SupportsIndex | None) -> int | None:
+        """`given` as a plain int id of the tables (negative: counted from num_embeddings).
+
+        Raises:
+            ConfigError: not an integer (a bool neither), or no id the tables can hold.
+        """
+        if given is None:
             return None
-        if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
-            raise ConfigError(f"padding_idx must be an int or None, got {padding_idx!r}")
+        padding_idx = _as_index(given)
+        if padding_idx is None:
+            raise ConfigError(f"padding_idx must be an int or None, got {given!r}")
+        if not _INT64.min <= padding_idx <= _INT64.max:  # no id could ever match it
+            raise ConfigError(f"padding_idx {padding_idx} is outside int64, the range of ids")
         if padding_idx < 0:
             sizes = {s.num_embeddings for s in self._specs.values()}
             if len(sizes) != 1 or None in sizes:
@@ -238,7 +273,10 @@ class EmbeddingBag(_StoreModule):
 
     The backward pass applies the table's fused optimizer (its `TableSpec.optimizer`) in the
     store; no dense gradient exists and the module has no parameters for a torch optimizer.
-    Forward in ``eval()`` mode or under ``torch.no_grad()`` changes nothing in the store.
+    Every backward through an output is one optimizer step of the table, even a
+    ``torch.autograd.grad`` with respect to per_sample_weights alone; their gradient cannot be
+    differentiated again (``create_graph=True``). Forward in ``eval()`` mode or under
+    ``torch.no_grad()`` changes nothing in the store.
 
     Args:
         store: an open store.
@@ -262,7 +300,8 @@ class EmbeddingBag(_StoreModule):
     _arity = (1, 3)  # input, offsets, per_sample_weights
 
     def __init__(self, store: EmbeddingStore, table: str, mode: str = "mean",
-                 padding_idx: int | None = None, include_last_offset: bool = False) -> None:
+                 padding_idx: SupportsIndex | None = None,
+                 include_last_offset: bool = False) -> None:
         mode = _mode(mode)
         _check_flag("include_last_offset", include_last_offset)
         super().__init__(store, [table], padding_idx, mode)
@@ -317,7 +356,7 @@ class Embedding(_StoreModule):
     """
 
     def __init__(self, store: EmbeddingStore, table: str,
-                 padding_idx: int | None = None) -> None:
+                 padding_idx: SupportsIndex | None = None) -> None:
         super().__init__(store, [table], padding_idx, "none")
         self.table = table
         spec = self._specs[table]
@@ -378,8 +417,15 @@ class KeyedEmbeddings:
         return list(self._offsets)
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        """[B, dim] of one feature (a view of `values()`)."""
-        k = self._keys.index(key)
+        """[B, dim] of one feature (a view of `values()`).
+
+        Raises:
+            KeyError: no feature `key` (as torchrec's KeyedTensor raises).
+        """
+        try:
+            k = self._keys.index(key)
+        except ValueError:
+            raise KeyError(f"no feature {key!r} among {self._keys}") from None
         return self._values[:, self._offsets[k]: self._offsets[k + 1]]
 
     def to_dict(self) -> dict[str, torch.Tensor]:
@@ -393,23 +439,40 @@ class KeyedEmbeddings:
         return f"KeyedEmbeddings(keys={self._keys}, values={tuple(self._values.shape)})"
 
 
-def _keyed_jagged(features: Any) -> dict[str, tuple[Any, Any, Any]]:
+def _jagged_part(what: str, part: object, device: torch.device,
+                 error: type[EmbstoreError] = InvalidIdsError) -> torch.Tensor:
+    """A KeyedJaggedTensor's `what` ("values", ...), checked before it is cut per key."""
+    if not isinstance(part, torch.Tensor):
+        raise error(f"the KeyedJaggedTensor's {what}() must be a torch.Tensor, got "
+                    f"{type(part).__name__}")
+    check_tensor(f"the KeyedJaggedTensor's {what}()", part, device, error)
+    return part
+
+
+def _keyed_jagged(features: Any, device: torch.device) -> dict[str, tuple[Any, Any, Any]]:
     """{key: (values, lengths, weights or None)} of a torchrec KeyedJaggedTensor.
 
     Duck-typed: torchrec need not be installed. Checks what the dict form's checks cannot see
-    once the tensor is cut per key: one key once, lengths that split evenly over the keys,
-    and values exactly as many as the lengths add up to.
+    once the tensor is cut per key: str keys, one key once, lengths that split evenly over
+    the keys, and values exactly as many as the lengths add up to.
     """
     keys = list(features.keys())
-    values, lengths = features.values(), features.lengths()
+    if not all(isinstance(k, str) for k in keys):  # before a set of them: a list is unhashable
+        raise InvalidIdsError(f"the KeyedJaggedTensor's keys must be feature names (str), got "
+                              f"{brief(keys)}")
+    values = _jagged_part("values", features.values(), device)
+    lengths = _jagged_part("lengths", features.lengths(), device)
     weights = getattr(features, "weights_or_none", lambda: None)()
+    if weights is not None:
+        weights = _jagged_part("weights", weights, device, InvalidValuesError)
     if len(set(keys)) != len(keys):
         raise InvalidIdsError(f"the KeyedJaggedTensor names a key twice: {keys}")
     if not keys:
         return {}
-    if lengths.dim() != 1 or lengths.numel() % len(keys):
-        raise InvalidIdsError(f"the KeyedJaggedTensor's lengths (shape {tuple(lengths.shape)}) "
-                              f"do not split into one run per key over its {len(keys)} keys")
+    if lengths.dim() != 1 or not integer_tensor(lengths) or lengths.numel() % len(keys):
+        raise InvalidIdsError(f"the KeyedJaggedTensor's lengths (dtype {lengths.dtype}, shape "
+                              f"{tuple(lengths.shape)}) do not split into one run per key over "
+                              f"its {len(keys)} keys (1-D integers, as many per key)")
     per_key = lengths.reshape(len(keys), -1)
     starts = np.concatenate([[0], np.cumsum(per_key.sum(dim=1).cpu().numpy())])
     if values.dim() != 1 or values.numel() != int(starts[-1]):
@@ -425,7 +488,8 @@ class EmbeddingBagCollection(_StoreModule):
     """Pooled lookups of several features, each through a store table: TorchRec's shape.
 
     Features that share a table cost one store lookup of their distinct ids together, and one
-    fused update.
+    fused update. As with `EmbeddingBag`, every backward through the output is one optimizer
+    step of the tables, even a ``torch.autograd.grad`` with respect to per-sample weights alone.
 
     Args:
         store: an open store.
@@ -441,11 +505,15 @@ class EmbeddingBagCollection(_StoreModule):
     """
 
     def __init__(self, store: EmbeddingStore, tables: Mapping[str, str], mode: str = "sum",
-                 padding_idx: int | None = None) -> None:
+                 padding_idx: SupportsIndex | None = None) -> None:
         mode = _mode(mode)
         if not isinstance(tables, Mapping) or not tables \
                 or not all(isinstance(t, str) for t in tables.values()):
             raise ConfigError("tables must be a non-empty mapping {feature: table name}")
+        for feature in tables:  # as table names are: inputs and outputs are keyed by str
+            if not isinstance(feature, str):
+                raise ConfigError(f"feature names must be str, got {type(feature).__name__} "
+                                  f"{feature!r}")
         super().__init__(store, sorted(set(tables.values())), padding_idx, mode)
         self.feature_names = list(tables)
         self.tables = dict(tables)
@@ -455,7 +523,7 @@ class EmbeddingBagCollection(_StoreModule):
         features = args[0]
         if all(hasattr(features, m) for m in ("keys", "values", "lengths")) \
                 and not isinstance(features, Mapping):
-            given = _keyed_jagged(features)
+            given = _keyed_jagged(features, self.device)
         elif isinstance(features, Mapping):
             given = {}
             for k, v in features.items():
@@ -469,8 +537,10 @@ class EmbeddingBagCollection(_StoreModule):
         missing = [f for f in self.feature_names if f not in given]
         unknown = [f for f in given if f not in self.tables]
         if missing or unknown:
-            raise InvalidIdsError(f"features {sorted(given)} do not match the collection's "
-                                  f"{self.feature_names} (missing {missing}, unknown {unknown})")
+            # sorted by repr: a mapping may mix key types ("a" and 1), which do not compare
+            raise InvalidIdsError(f"features {sorted(given, key=repr)} do not match the "
+                                  f"collection's {self.feature_names} (missing {missing}, "
+                                  f"unknown {unknown})")
         out = []
         batch = None
         for f in self.feature_names:

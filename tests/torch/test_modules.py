@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+import re
+import types
 import warnings
 
 import numpy as np
@@ -300,6 +304,91 @@ def test_unsigned_ids_past_the_largest_id_are_named_as_given():
     assert torch.equal(out, bag(torch.tensor([1, 2]), torch.tensor([0])))
 
 
+def _sparse(values):
+    return torch.tensor(values).to_sparse()
+
+
+def _quantized(values):
+    with warnings.catch_warnings():  # torch deprecates its quantized tensors
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.tensor(values, dtype=torch.float32), 1.0, 0,
+                                         torch.quint8)
+
+
+def _nested(*parts):
+    with warnings.catch_warnings():  # torch calls its nested tensors a prototype
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.tensor(p) for p in parts])
+
+
+def _meta(values):
+    return torch.tensor(values, device="meta")
+
+
+IDS, LENGTHS = torch.tensor([1, 2]), torch.tensor([2])
+# tensors whose data torch's reshape or .numpy() cannot read: each reached the caller as
+# torch's own error (RuntimeError, TypeError, NotImplementedError, AttributeError)
+KIND_CALLS = [
+    ("sparse ids", lambda m: m.bag(_sparse([1, 2]), torch.tensor([0])), InvalidIdsError,
+     "sparse_coo"),
+    ("sparse offsets", lambda m: m.bag(IDS, _sparse([0])), InvalidIdsError, "sparse_coo"),
+    ("sparse weights", lambda m: m.bag(IDS, torch.tensor([0]), torch.ones(2).to_sparse()),
+     InvalidValuesError, "sparse_coo"),
+    ("sparse values", lambda m: m.ebc({"a": (_sparse([1, 2]), LENGTHS)}), InvalidIdsError,
+     "sparse_coo"),
+    ("sparse lengths", lambda m: m.ebc({"a": (IDS, _sparse([2]))}), InvalidIdsError,
+     "sparse_coo"),
+    ("sparse feature weights", lambda m: m.ebc({"a": (IDS, LENGTHS, torch.ones(2).to_sparse())}),
+     InvalidValuesError, "sparse_coo"),
+    ("quantized ids of embedding", lambda m: m.emb(_quantized([1, 2])), InvalidIdsError,
+     "quantized"),
+    ("quantized ids of bag", lambda m: m.bag(_quantized([1, 2]), torch.tensor([0])),
+     InvalidIdsError, "quantized"),
+    ("quantized offsets", lambda m: m.bag(IDS, _quantized([0])), InvalidIdsError, "quantized"),
+    ("nested ids of embedding", lambda m: m.emb(_nested([1, 2], [3])), InvalidIdsError,
+     "nested"),
+    ("nested ids of bag", lambda m: m.bag(_nested([1, 2], [3])), InvalidIdsError, "nested"),
+    ("meta ids of embedding", lambda m: m.emb.to("meta")(_meta([1])), InvalidIdsError, "meta"),
+    ("meta ids of bag", lambda m: m.bag.to("meta")(_meta([1]), _meta([0])), InvalidIdsError,
+     "meta"),
+    ("jagged lengths on meta", lambda m: m.ebc(_Jagged(["a"], IDS, _meta([2]))),
+     InvalidIdsError, "meta"),
+    ("jagged lengths a list", lambda m: m.ebc(_Jagged(["a"], IDS, [2])), InvalidIdsError,
+     "lengths.. must be a torch.Tensor, got list"),
+    ("jagged lengths an ndarray", lambda m: m.ebc(_Jagged(["a"], IDS, np.array([2]))),
+     InvalidIdsError, "got ndarray"),
+    ("jagged values a list", lambda m: m.ebc(_Jagged(["a"], [1, 2], LENGTHS)), InvalidIdsError,
+     "values.. must be a torch.Tensor, got list"),
+    ("jagged keys unhashable", lambda m: m.ebc(_Jagged([["a"]], IDS, LENGTHS)),
+     InvalidIdsError, "keys must be feature names"),
+]
+
+
+@pytest.mark.parametrize("what,call,error,words", KIND_CALLS, ids=[c[0] for c in KIND_CALLS])
+def test_tensors_the_store_cannot_read_are_refused_and_change_nothing(what, call, error, words):
+    store = _store(embstore.optim.SGD(lr=0.1))
+    m = types.SimpleNamespace(bag=et.EmbeddingBag(store, "t", mode="sum"),
+                              emb=et.Embedding(store, "t"),
+                              ebc=et.EmbeddingBagCollection(store, {"a": "t"}))
+    m.bag(torch.tensor([1, 2]), torch.tensor([0])).sum().backward()
+    before = _table(store)
+    with pytest.raises(error, match=words):
+        call(m)
+    assert store.num_rows("t") == 2
+    np.testing.assert_array_equal(_table(store)[0], before[0])
+
+
+def test_a_keyed_jagged_tensor_with_lengths_on_meta_is_refused():
+    torchrec = pytest.importorskip("torchrec", reason="torchrec not installed (the 'torchrec' "
+                                   "extra)")
+    store = _store(embstore.optim.SGD(lr=0.1))
+    ebc = et.EmbeddingBagCollection(store, {"a": "t"})
+    kjt = torchrec.KeyedJaggedTensor(keys=["a"], values=IDS, lengths=_meta([2]))
+    with pytest.raises(InvalidIdsError, match="lengths.. is on the meta device"):
+        ebc(kjt)
+    assert store.num_rows("t") == 0
+
+
 def _torch_bag(store, mode):
     """torch.nn.EmbeddingBag holding the table's weights now."""
     return torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(_table(store)[0].copy()),
@@ -341,6 +430,36 @@ def test_a_second_backward_through_a_freed_graph_is_refused_as_torch_refuses_it(
         np.testing.assert_array_equal(_table(store)[1], once[1])
 
 
+@pytest.mark.parametrize("module", ["bag", "ebc", "ebc of two tables"])
+def test_a_second_order_gradient_through_per_sample_weights_is_refused(module):
+    # the weights' gradient came back without a graph: a gradient penalty built on it lost
+    # its dependence on the table without a word (torch.nn.EmbeddingBag refuses it)
+    store = embstore.open(None, tables=[embstore.TableSpec(
+        name, dim=DIM, init=embstore.init.Uniform(-0.5, 0.5, seed=3),
+        optimizer=embstore.optim.SGD(lr=0.1)) for name in ("t", "u")])
+    weights = torch.tensor([0.5, 2.0], requires_grad=True)
+    if module == "bag":
+        out = et.EmbeddingBag(store, "t", mode="sum")(IDS, torch.tensor([0]), weights)
+    else:
+        tables = {"a": "t", "b": "u" if module == "ebc of two tables" else "t"}
+        out = et.EmbeddingBagCollection(store, tables)(
+            {"a": (IDS, LENGTHS, weights), "b": (torch.tensor([3]), torch.tensor([1]))}).values()
+    before = store.lookup("t", np.arange(4)).copy()
+    [grad] = torch.autograd.grad(out.sum(), weights, create_graph=True)
+    stepped = store.lookup("t", np.arange(4)).copy()
+    assert not np.array_equal(stepped, before)  # the backward was one step of the table
+    penalty = (grad ** 2).sum()
+    with pytest.raises(InvalidValuesError, match="cannot be differentiated again"):
+        penalty.backward()
+    np.testing.assert_array_equal(store.lookup("t", np.arange(4)), stepped)
+    # a first-order gradient, as before
+    rows = torch.from_numpy(store.lookup("t", IDS.numpy()).copy())
+    out = et.EmbeddingBag(store, "t", mode="sum")(IDS, torch.tensor([0]), weights)
+    [grad] = torch.autograd.grad(out.sum(), weights)
+    torch.testing.assert_close(grad, rows.sum(dim=1))
+    assert not grad.requires_grad
+
+
 @pytest.mark.parametrize("bad,error", [
     ({"a": (torch.tensor([[1]]), torch.tensor([1]))}, InvalidIdsError),  # 2-D values
     ({"a": (torch.tensor([1]), torch.tensor([True]))}, InvalidIdsError),  # bool lengths
@@ -352,6 +471,16 @@ def test_collection_refuses_malformed_features(bad, error):
     ebc = et.EmbeddingBagCollection(store, {"a": "t"})
     with pytest.raises(error):
         ebc(bad)
+    assert store.num_rows("t") == 0
+
+
+@pytest.mark.parametrize("other", [1, ("a",)])
+def test_collection_names_unknown_features_of_any_key_type(other):
+    # the message sorted the given keys, and "a" < 1 raised TypeError instead
+    store = _store(embstore.optim.SGD(lr=0.1))
+    ebc = et.EmbeddingBagCollection(store, {"a": "t"})
+    with pytest.raises(InvalidIdsError, match=re.escape(f"unknown [{other!r}]")):
+        ebc({"a": (IDS, LENGTHS), other: (IDS, LENGTHS)})
     assert store.num_rows("t") == 0
 
 
@@ -394,14 +523,49 @@ def test_bad_construction():
     # a table name that is no str (a sharded store's dict lookup of it raised TypeError)
     (lambda s: et.EmbeddingBag(s, ["t"]), "table must be a table name"),
     (lambda s: et.Embedding(s, ["t"]), "table must be a table name"),
+    # a feature name that is no str was taken, and no input could then name it
+    (lambda s: et.EmbeddingBagCollection(s, {1: "t"}), "feature names must be str"),
+    (lambda s: et.EmbeddingBagCollection(s, {("a",): "t"}), "feature names must be str"),
 ], ids=["bag-mode-ndarray", "bag-mode-list", "ebc-mode-ndarray",
         "ebc-mode-list", "last-offset-str", "last-offset-int", "last-offset-none",
-        "last-offset-np-bool", "bag-table-list", "embedding-table-list"])
+        "last-offset-np-bool", "bag-table-list", "embedding-table-list", "ebc-feature-int",
+        "ebc-feature-tuple"])
 def test_bad_construction_argument_types(make, match):
     store = _store(embstore.optim.SGD(lr=0.1))
     with pytest.raises(ConfigError, match=match):
         make(store)
     assert store.num_rows("t") == 0
+
+
+@pytest.mark.parametrize("module", ["bag", "embedding", "ebc"])
+def test_padding_idx_may_be_any_integer_like_torch_takes(module):
+    store = _store(embstore.optim.SGD(lr=0.1))
+    make = {"bag": lambda p: et.EmbeddingBag(store, "t", mode="sum", padding_idx=p),
+            "embedding": lambda p: et.Embedding(store, "t", padding_idx=p),
+            "ebc": lambda p: et.EmbeddingBagCollection(store, {"a": "t"}, padding_idx=p)}[module]
+    m = make(np.int64(3))
+    assert type(m.padding_idx) is int and m.padding_idx == 3
+    assert make(np.int32(-1)).padding_idx == ROWS - 1
+    torch.nn.EmbeddingBag(ROWS, DIM, padding_idx=np.int64(3))  # as torch does
+    for switch in (True, np.True_):  # integers to Python, but no id
+        with pytest.raises(ConfigError, match="padding_idx must be an int"):
+            make(switch)
+
+
+@pytest.mark.parametrize("padding_idx", [2**63, 2**64])
+def test_a_padding_idx_no_id_can_match_is_refused(padding_idx):
+    store = _store(embstore.optim.SGD(lr=0.1), num_embeddings=None)
+    with pytest.raises(ConfigError, match="padding_idx"):
+        et.EmbeddingBag(store, "t", padding_idx=padding_idx)
+
+
+def test_keyed_embeddings_lookup_of_a_missing_feature_raises_key_error():
+    # as torchrec's KeyedTensor does; list.index's ValueError came out instead
+    store = _store(embstore.optim.SGD(lr=0.1))
+    out = et.EmbeddingBagCollection(store, {"a": "t"})({"a": (IDS, LENGTHS)})
+    with pytest.raises(KeyError, match="no feature 'zz'"):
+        out["zz"]
+    assert torch.equal(out["a"], out.values())
 
 
 @pytest.mark.parametrize("module", ["bag", "ebc"])
@@ -428,6 +592,29 @@ def test_model_state_dict_holds_only_the_dense_part(tmp_path):
         np.testing.assert_array_equal(saved.lookup("t", np.arange(4)),
                                       store.lookup("t", np.arange(4)))
     store.close()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_model_holding_the_store_says_how_to_save_it_instead_of_pickling(tmp_path, how):
+    # the store's lock reached the caller as pickle's "cannot pickle '_thread.RLock' object"
+    store = _store(embstore.optim.SGD(lr=0.1))
+    model = torch.nn.ModuleDict({"bag": et.EmbeddingBag(store, "t", mode="sum"),
+                                 "ebc": et.EmbeddingBagCollection(store, {"a": "t"}),
+                                 "dense": torch.nn.Linear(DIM, 1)})
+    save = {"deepcopy": copy.deepcopy, "pickle": pickle.dumps,
+            "torch.save": lambda m: torch.save(m, tmp_path / "model.pt")}[how]
+    with pytest.raises(ConfigError, match=r"torch.save\(model.state_dict\(\)\).*checkpoint"):
+        save(model)
+    # what a model is saved and moved with still works
+    dense = model.state_dict()
+    model.load_state_dict(dense)
+    model.eval()
+    assert not model["bag"].training
+    model.train()
+    model.to("cpu")
+    assert "EmbeddingBag(table='t'" in repr(model)
+    model["dense"](model["bag"](torch.tensor([[1, 2]]))).sum().backward()
+    assert store.num_rows("t") == 2
 
 
 def test_same_training_gives_identical_tables_on_any_tier_chain(tmp_path):
