@@ -99,7 +99,10 @@ class TierSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError(f"TierSpec.backend must be a backend name, got {self.backend!r}")
-        cap = self.capacity
+        cap: Any = self.capacity
+        if isinstance(cap, np.integer):  # (np.bool_ is no np.integer)
+            cap = int(cap)  # as dim and num_embeddings take them; kept a plain int
+            object.__setattr__(self, "capacity", cap)
         if isinstance(cap, bool) or not (cap is None or isinstance(cap, (int, str))):
             raise ConfigError(f"TierSpec.capacity must be None, rows (int) or a size, got {cap!r}")
         if isinstance(cap, int) and not 1 <= cap <= _INT64_MAX:

@@ -1268,6 +1268,7 @@ class EmbeddingStore:
         return self._closed
 
     def __enter__(self) -> EmbeddingStore:
+        self._check_open()  # a closed store's with block would fail at its first call
         return self
 
     def __exit__(self, *exc: object) -> None:

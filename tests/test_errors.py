@@ -160,6 +160,20 @@ def test_an_optimizer_step_that_overflows_writes_nothing():
     np.testing.assert_array_equal(store.lookup("t", [1]), ROWS[:1])
 
 
+def test_a_tier_capacity_may_be_a_numpy_integer_and_is_kept_as_an_int():
+    tier = TierSpec("dram", capacity=np.int64(5))
+    assert tier.capacity == 5 and type(tier.capacity) is int
+    with pytest.raises(E.ConfigError, match="capacity"):
+        TierSpec("dram", capacity=np.bool_(True))
+
+
+def test_a_closed_store_cannot_enter_a_with_block():
+    store = _store()
+    store.close()
+    with pytest.raises(E.StoreClosedError), store:
+        pass
+
+
 def test_unknown_table_names_the_known_ones():
     store = _store()
     with pytest.raises(E.UnknownTableError, match=r"\['t'\]"):
