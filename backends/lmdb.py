@@ -169,10 +169,14 @@ class LMDBBackend(KeyValueBackend):
         """
         for opt, value, low, high in (
                 ("map_size_bytes", map_size_bytes, 1 << 16, _SIZE_T_MAX),
-                ("max_map_size_bytes", max_map_size_bytes, map_size_bytes, _SIZE_T_MAX),
+                ("max_map_size_bytes", max_map_size_bytes, 1 << 16, _SIZE_T_MAX),
                 ("max_tables", max_tables, 2, _MAX_TABLES),
                 ("max_readers", max_readers, 1, _MAX_READERS)):
             int_option("lmdb", opt, value, low, high)
+        if map_size_bytes > max_map_size_bytes:  # often only one of them was given
+            raise ConfigError(f"lmdb option map_size_bytes ({map_size_bytes}) is above "
+                              f"max_map_size_bytes ({max_map_size_bytes}), past which the map "
+                              "never grows: lower it, or raise max_map_size_bytes with it")
         return (("map_size_bytes", map_size_bytes),
                 ("max_map_size_bytes", max_map_size_bytes),
                 ("sync_commits", flag_option("lmdb", "sync_commits", sync_commits)),

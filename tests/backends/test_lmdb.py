@@ -62,6 +62,12 @@ def test_invalid_options_raise_config_error(tmp_path, bad):
     assert not (tmp_path / "tier").exists()
 
 
+def test_a_map_size_above_the_default_maximum_names_both_options(tmp_path):
+    with pytest.raises(ConfigError, match=r"map_size_bytes \(2199023255552\) is above "
+                                          r"max_map_size_bytes \(1099511627776\)"):
+        _open(tmp_path / "tier", map_size_bytes=2 << 40)
+
+
 @pytest.mark.parametrize("option", ["sync_commits", "readahead"])
 @pytest.mark.parametrize("value", [0, 1, np.bool_(True)])
 def test_flags_given_as_0_or_1_still_open_as_bools(tmp_path, option, value):
