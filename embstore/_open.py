@@ -18,6 +18,7 @@ from .errors import (
     CorruptStoreError,
     EmbstoreError,
     ReadOnlyError,
+    StorageIOError,
     StoreNotFoundError,
 )
 from .layout import LOCK_NAME, MANIFEST_NAME, read_manifest, write_manifest
@@ -202,8 +203,11 @@ def _open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None,
         if isinstance(exc, EmbstoreError):
             raise
         # the OS's own refusal of the path (a file above it, a name too long, a read-only
-        # file system): a StorageIOError naming it
-        raise io_error(exc, directory, "open the store at") from exc
+        # file system): a StorageIOError naming it, and the file within it that failed
+        error = io_error(exc, directory, "open the store at")
+        if exc.filename is not None and Path(os.fsdecode(exc.filename)) != directory:
+            error = StorageIOError(exc.errno, f"{error.strerror} ({os.fsdecode(exc.filename)})")
+        raise error from exc
 
 
 def _store_path(path: str | os.PathLike[str]) -> Path:

@@ -49,7 +49,7 @@ def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
             )
         try:
             ids = np.asarray(ids)
-        except Exception as exc:  # anything an object's __array__ raises (torch: RuntimeError)
+        except (ValueError, TypeError, RuntimeError) as exc:  # torch's: RuntimeError
             raise InvalidIdsError(f"table {spec.name!r}: ids are not an array: {exc}") from exc
         if ids.size == 0 and ids.dtype == np.float64:  # a bare [] has no dtype of its own
             ids = ids.astype(np.int64)

@@ -303,7 +303,7 @@ class WrittenIds:
     def count(self) -> int:
         """How many ids the record holds (without listing them)."""
         if self._packed is not None:
-            return int(np.bitwise_count(self._packed).sum(dtype=np.int64))
+            return _bitmap_count(self._packed)
         assert self._index is not None
         return len(self._index)
 
@@ -446,12 +446,23 @@ def _bits_set(packed: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return (packed[ids >> 3] & _bit_masks(ids)) != 0  # type: ignore[no-any-return]
 
 
+_CHUNK_BYTES: Final = 1 << 20
+"""Bytes of a bitmap unpacked at a time: 8 MiB of temporaries, whatever the table's range."""
+_ONES: Final = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).sum(axis=1)
+"""The bits set in each byte value (numpy < 2 has no bitwise_count)."""
+
+
+def _bitmap_count(packed: np.ndarray) -> int:
+    """How many bits the bitmap `packed` holds."""
+    return sum(int(_ONES[packed[lo:lo + _CHUNK_BYTES]].sum(dtype=np.int64))
+               for lo in range(0, len(packed), _CHUNK_BYTES))
+
+
 def _bitmap_ids(packed: np.ndarray) -> np.ndarray:
-    """The ids the bitmap `packed` holds, sorted int64: its bytes in use unpacked alone."""
-    used = np.flatnonzero(packed)
-    bits = np.unpackbits(packed[used, None], axis=1, bitorder="little")
-    row, col = np.nonzero(bits)
-    return used[row].astype(np.int64) * 8 + col
+    """The ids the bitmap `packed` holds, sorted int64: unpacked a chunk at a time."""
+    parts = [np.flatnonzero(np.unpackbits(packed[lo:lo + _CHUNK_BYTES], bitorder="little"))
+             + 8 * lo for lo in range(0, len(packed), _CHUNK_BYTES)]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
 def _record_bytes(file: Path, num_embeddings: int | None, ids: np.ndarray | None = None, *,

@@ -59,15 +59,16 @@ def _number(owner: str, name: str, value: Any) -> float:
 def _seed(owner: str, value: Any) -> int:
     """`value` as an int seed, or a ConfigError (a float or bool would be silently cut).
 
-    Seeds are int64: the key they make (`stream_key`) keeps 63 bits of a seed, so a larger
-    one (2**64, say) would give the very rows of a small one (0). Within int64, s and
-    s - 2**63 still share their rows: give tables small distinct seeds.
+    Seeds are int64 or uint64 (stores keep the seeds they were made with, any of those): the
+    key they make (`stream_key`) keeps 63 bits of a seed, so 2**64 or more would give the
+    very rows of a small seed (0). Within that range, s and s + 2**63 still share their rows:
+    give tables small distinct seeds.
     """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ConfigError(f"{owner} seed must be an int, got {value!r}")
-    if not -(2**63) <= int(value) < 2**63:
-        raise ConfigError(f"{owner} seed must fit in int64, got {value!r}: a larger seed "
-                          "would repeat the rows of a smaller one")
+    if not -(2**63) <= int(value) < 2**64:
+        raise ConfigError(f"{owner} seed must fit in int64 or uint64, got {value!r}: a larger "
+                          "seed would repeat the rows of a smaller one")
     return int(value)
 
 

@@ -814,7 +814,7 @@ class EmbeddingStore:
             if state is not None:
                 try:
                     state = np.asarray(state)
-                except Exception as exc:  # what an object's __array__ raises (torch's too)
+                except (ValueError, TypeError, RuntimeError) as exc:  # torch's: RuntimeError
                     raise InvalidValuesError(f"table {table!r}: state is not an array: "
                                              f"{exc}") from exc
                 if state.dtype != spec.dtype or state.shape != (len(ids), width):

@@ -160,6 +160,24 @@ def test_an_optimizer_step_that_overflows_writes_nothing():
     np.testing.assert_array_equal(store.lookup("t", [1]), ROWS[:1])
 
 
+def test_a_seed_up_to_uint64_stays_valid_for_stores_made_with_one(tmp_path):
+    spec = TableSpec("t", dim=2, init=embstore.init.Uniform(seed=2**63 + 5))
+    embstore.open(tmp_path / "s", tables=[spec]).close()
+    with embstore.open(tmp_path / "s") as store:
+        assert store.table_spec("t").init.seed == 2**63 + 5
+
+
+def test_an_os_error_inside_a_store_names_the_file(tmp_path, monkeypatch):
+    embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=2)]).close()
+    manifest = tmp_path / "s" / "MANIFEST.json"
+
+    def refuse(directory):
+        raise PermissionError(13, "Permission denied", str(manifest))
+    monkeypatch.setattr(embstore._open, "read_manifest", refuse)
+    with pytest.raises(E.StorageIOError, match=r"Permission denied \(.*MANIFEST\.json\)"):
+        embstore.open(tmp_path / "s")
+
+
 def test_a_tier_capacity_may_be_a_numpy_integer_and_is_kept_as_an_int():
     tier = TierSpec("dram", capacity=np.int64(5))
     assert tier.capacity == 5 and type(tier.capacity) is int

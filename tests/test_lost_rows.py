@@ -274,6 +274,20 @@ def test_a_bounded_tables_record_takes_one_bit_per_id_in_memory_too(tmp_path):
     assert peak < 2**27, f"peak {peak / 2**20:.0f} MiB"
 
 
+@pytest.mark.parametrize("n", [1, 7, 9, 8 * _written._CHUNK_BYTES + 3])
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.5, 1.0])
+def test_a_packed_bitmap_holds_exactly_its_ids_across_chunks(n, density):
+    rng = np.random.default_rng(n)
+    ids = np.flatnonzero(rng.random(n) < density)
+    packed = _written._bitmap(n, ids)
+    assert len(packed) == (n + 7) // 8
+    np.testing.assert_array_equal(_written._bitmap_ids(packed), ids)
+    assert _written._bitmap_count(packed) == len(ids)
+    probe = np.arange(n)
+    np.testing.assert_array_equal(_written._bits_set(packed, probe), np.isin(probe, ids))
+    assert np.array_equal(packed, np.packbits(np.isin(probe, ids), bitorder="little"))
+
+
 @pytest.mark.parametrize("offset", [0, _written.CRC_OFFSET, 16, _written.BODY_OFFSET + 3, -1])
 def test_a_damaged_record_is_reported_as_such(tmp_path, offset):
     _make(tmp_path / "s", "lmdb", bounded=False)
