@@ -11,8 +11,8 @@ them saves its dense part with ``torch.save(model.state_dict())`` as usual and i
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Mapping
-from typing import Any, NoReturn, SupportsIndex
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NoReturn, SupportsIndex, TypeVar, cast
 
 import numpy as np
 import torch
@@ -22,6 +22,11 @@ from ..errors import ConfigError, EmbstoreError, InvalidIdsError, InvalidValuesE
 from ..store import EmbeddingStore
 from ._core import MODES, ForwardPlan, fetch, pool_in_store, prepare, run
 from ._inputs import BagInput, bag_input, check_tensor, flat_ids, integer_tensor, jagged_input
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_run_eagerly = cast(Callable[[_F], _F], torch.compiler.disable)
+"""Under torch.compile, run the decorated method eagerly (a graph break) and compile what is
+around it: dynamo cannot trace the store's locks, files and cffi kernels (it failed on them)."""
 
 __all__ = ["Embedding", "EmbeddingBag", "EmbeddingBagCollection", "KeyedEmbeddings"]
 
@@ -253,6 +258,7 @@ class _StoreModule(nn.Module):
         """Serve the next forward with exactly `plan.args` from `plan` (used by pipelines)."""
         self._staged = plan
 
+    @_run_eagerly
     def _outputs(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
         plan = self._staged
         if plan is not None and _same(plan.args, args) and _unchanged(plan.snapshot, args):
