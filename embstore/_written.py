@@ -58,9 +58,10 @@ from typing import Final
 import numpy as np
 
 from . import _crash
+from ._kernels._dram_index import lib
 from ._unique import unique_sorted
 from .errors import CorruptStoreError
-from .index import IdIndex
+from .index import IdIndex, c_pointer
 from .manifest import fsync_dir, read_bytes_nofollow, write_atomic, write_atomic_many
 
 __all__ = ["BITMAP", "HEADER", "IDS", "MAGIC", "WrittenIds", "after_sync", "write_missing",
@@ -366,9 +367,9 @@ class WrittenIds:
 
     def _forget(self, ids: np.ndarray) -> None:
         if self._packed is not None:
-            assert self._n is not None
-            ids = ids[(ids >= 0) & (ids < self._n)]
-            np.bitwise_and.at(self._packed, ids >> 3, ~_bit_masks(ids))
+            # ids past the table's range (a journal's) are skipped: the bits past its last
+            # id, in the last byte, are never set
+            _change_bits(self._packed, ids, clear=True)
         else:
             assert self._index is not None
             self._index.remove(np.ascontiguousarray(ids))
@@ -437,8 +438,19 @@ def _bitmap(n: int, ids: np.ndarray) -> np.ndarray:
     return packed
 
 
+def _change_bits(packed: np.ndarray, ids: np.ndarray, *, clear: bool = False) -> int:
+    """Set (or clear) the bits of `ids` in the bitmap `packed`.
+
+    Returns how many ids fell outside the bitmap (left alone).
+    """
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    return int(lib.bitmap_set(c_pointer("uint8_t *", packed), 8 * len(packed),
+                              c_pointer("int64_t *", ids), len(ids), int(clear)))
+
+
 def _set_bits(packed: np.ndarray, ids: np.ndarray) -> None:
-    np.bitwise_or.at(packed, ids >> 3, _bit_masks(ids))
+    outside = _change_bits(packed, ids)
+    assert not outside, f"{outside} ids outside a bitmap of {8 * len(packed)} bits"
 
 
 def _bits_set(packed: np.ndarray, ids: np.ndarray) -> np.ndarray:

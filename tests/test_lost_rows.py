@@ -288,6 +288,21 @@ def test_a_packed_bitmap_holds_exactly_its_ids_across_chunks(n, density):
     assert np.array_equal(packed, np.packbits(np.isin(probe, ids), bitorder="little"))
 
 
+def test_bitmap_bits_repeated_ids_and_ids_outside_it():
+    n = 100
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, n, 300)  # many ids twice or more, bits of one byte together
+    packed = _written._bitmap(n, ids)
+    model = np.isin(np.arange(n), ids)
+    assert np.array_equal(packed, np.packbits(model, bitorder="little"))
+    gone = np.concatenate([ids[:40], ids[:10], [-1, 8 * len(packed), 2**40]])  # repeats, strays
+    assert _written._change_bits(packed, gone, clear=True) == 3
+    model[ids[:40]] = False
+    assert np.array_equal(packed, np.packbits(model, bitorder="little"))
+    with pytest.raises(AssertionError, match="outside a bitmap"):
+        _written._set_bits(packed, np.array([5, 8 * len(packed)]))
+
+
 @pytest.mark.parametrize("offset", [0, _written.CRC_OFFSET, 16, _written.BODY_OFFSET + 3, -1])
 def test_a_damaged_record_is_reported_as_such(tmp_path, offset):
     _make(tmp_path / "s", "lmdb", bounded=False)
