@@ -99,6 +99,7 @@ class WrittenIds:
         self._n = num_embeddings
         self._read_only = read_only
         self._packed: np.ndarray | None = None  # a bounded table's bitmap, as in the file
+        self._bits_held = 0  # the bits set in `_packed`: `count` must not scan the bitmap
         self._index: IdIndex | None = None
         self.journal = file.with_suffix(".del")
         self._changed = False  # ids added or removed since the last flush
@@ -134,6 +135,7 @@ class WrittenIds:
             parsed = self._parse(raw)
             if self._n is not None:
                 self._packed = parsed
+                self._bits_held = _bitmap_count(parsed)
             else:
                 self._load(parsed)
             deleted = self._read_journal()
@@ -287,7 +289,8 @@ class WrittenIds:
                 raise CorruptStoreError(
                     f"written-id record {self.file}: ids outside [0, {self._n}); restore the "
                     "table from a checkpoint")
-            self._packed = _bitmap(self._n, ids)
+            self._packed = np.zeros((self._n + 7) // 8, dtype=np.uint8)
+            self._bits_held = _set_bits(self._packed, ids)
         else:
             self._index = IdIndex(max(1024, 2 * len(ids)))
             if len(ids):
@@ -304,7 +307,7 @@ class WrittenIds:
     def count(self) -> int:
         """How many ids the record holds (without listing them)."""
         if self._packed is not None:
-            return _bitmap_count(self._packed)
+            return self._bits_held
         assert self._index is not None
         return len(self._index)
 
@@ -329,7 +332,7 @@ class WrittenIds:
             if into is not None:
                 into.append(new)
             if len(new):  # none: the common case in training, rows written before
-                _set_bits(self._packed, new)
+                self._bits_held += _set_bits(self._packed, new)
                 self._changed = True
             return new
         assert self._index is not None
@@ -369,7 +372,7 @@ class WrittenIds:
         if self._packed is not None:
             # ids past the table's range (a journal's) are skipped: the bits past its last
             # id, in the last byte, are never set
-            _change_bits(self._packed, ids, clear=True)
+            self._bits_held -= _change_bits(self._packed, ids, clear=True)[0]
         else:
             assert self._index is not None
             self._index.remove(np.ascontiguousarray(ids))
@@ -438,19 +441,25 @@ def _bitmap(n: int, ids: np.ndarray) -> np.ndarray:
     return packed
 
 
-def _change_bits(packed: np.ndarray, ids: np.ndarray, *, clear: bool = False) -> int:
+def _change_bits(packed: np.ndarray, ids: np.ndarray, *, clear: bool = False
+                 ) -> tuple[int, int]:
     """Set (or clear) the bits of `ids` in the bitmap `packed`.
 
-    Returns how many ids fell outside the bitmap (left alone).
+    Returns (bits changed, ids outside the bitmap, left alone).
     """
     ids = np.ascontiguousarray(ids, dtype=np.int64)
-    return int(lib.bitmap_set(c_pointer("uint8_t *", packed), 8 * len(packed),
-                              c_pointer("int64_t *", ids), len(ids), int(clear)))
+    outside = np.zeros(1, dtype=np.int64)
+    changed = lib.bitmap_set(c_pointer("uint8_t *", packed), 8 * len(packed),
+                             c_pointer("int64_t *", ids), len(ids), int(clear),
+                             c_pointer("int64_t *", outside))
+    return int(changed), int(outside[0])
 
 
-def _set_bits(packed: np.ndarray, ids: np.ndarray) -> None:
-    outside = _change_bits(packed, ids)
+def _set_bits(packed: np.ndarray, ids: np.ndarray) -> int:
+    """Set the bits of `ids` (valid ids of the bitmap `packed`); returns how many were unset."""
+    changed, outside = _change_bits(packed, ids)
     assert not outside, f"{outside} ids outside a bitmap of {8 * len(packed)} bits"
+    return changed
 
 
 def _bits_set(packed: np.ndarray, ids: np.ndarray) -> np.ndarray:

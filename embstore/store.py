@@ -403,7 +403,7 @@ class EmbeddingStore:
     def _raise_lost(self, name: str, lost: np.ndarray) -> None:
         t = self._tables[name]
         record = t.written.file if t.written is not None else None
-        more = f" (and {len(lost) - 1} more in this batch)" if len(lost) > 1 else ""
+        more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
         raise CorruptStoreError(
             f"table {name!r}: id {int(lost[0])}{more} was written but its row is gone from "
             f"{t.chain.tiers[-1].backend.spec.path} (the written-id record {record} holds "
@@ -861,9 +861,17 @@ class EmbeddingStore:
             return int(np.count_nonzero(t.chain.delete(unique)))
 
     def num_rows(self, table: str) -> int:
-        """Number of stored (ever written, not deleted) rows of `table`."""
+        """Number of stored (ever written, not deleted) rows of `table`.
+
+        Raises:
+            UnknownTableError, StoreClosedError, CorruptStoreError: the medium lost rows the
+            written-id record holds (`lost_rows` lists them; fsck reports them).
+        """
         with self._mutex:
-            return len(self._table(table).chain)
+            t = self._table(table)
+            held = len(t.chain)
+            self._check_count(table, t, held)
+            return held
 
     def items(self, table: str, batch_rows: int = 65536
               ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -927,6 +935,8 @@ class EmbeddingStore:
                 inside a store or checkpoint; `step` not None or an int >= 0.
             StoreLockedError: (read-only handles) a writer holds the store.
             StorageIOError: `dest` cannot be made or written; nothing is left of it.
+            CorruptStoreError: the medium lost rows the checkpoint would hold (a copy would
+                take them for rows never written); nothing is left of `dest`.
         """
         # one checkpoint at a time: each keeps its own copy state from begin to end (two
         # threads checkpointing at once would share it); other calls go on meanwhile
@@ -946,6 +956,7 @@ class EmbeddingStore:
         Raises:
             StoreClosedError: the store is closed.
             ConfigError: `incremental` without an earlier checkpoint from this handle.
+            CorruptStoreError: a full checkpoint of a table whose medium lost rows.
         """
         with self._mutex:
             self._check_open()
@@ -964,6 +975,9 @@ class EmbeddingStore:
                 scope = self._changes if incremental else None
                 rows = {name: len(scope[name]) if scope is not None
                         else len(t.chain.tiers[-1].backend) for name, t in self._tables.items()}
+                if scope is None:  # a copy would take lost rows for rows never written
+                    for name, t in self._tables.items():
+                        self._check_count(name, t, rows[name], bottom=True)
             except BaseException:
                 self._release_reading_lock()  # no checkpoint began: no end_checkpoint comes
                 raise
@@ -1012,6 +1026,15 @@ class EmbeddingStore:
                 ids = scope[start:start + batch_rows]
                 ids = np.ascontiguousarray(ids[copy.take(table, ids)])
                 rows, found = bottom.get(ids)
+                written = self._tables[table].written
+                if written is not None and not found.all():
+                    # an id changed since the last checkpoint and not found was deleted
+                    # (the record forgot it first), unless the record still holds it: lost,
+                    # and the increment would restore it as deleted
+                    gone = ids[~found]
+                    lost = gone[written.holds(gone)]
+                    if len(lost):
+                        self._raise_lost(table, lost)
             yield len(ids), ids, rows, found
 
     def checkpoint_preimages(self, table: str
@@ -1175,16 +1198,40 @@ class EmbeddingStore:
             UnknownTableError, StoreClosedError, CorruptStoreError.
         """
         with self._mutex:
-            t = self._table(table)
-            if t.written is None:
-                return np.zeros(0, dtype=np.int64)
+            return self._lost(self._table(table))
 
-            def read() -> np.ndarray:
-                assert t.written is not None
-                ids = np.ascontiguousarray(t.written.ids())
-                return ids[~t.chain.contains(ids)] if len(ids) else ids
+    def _lost(self, t: _Table, *, bottom: bool = False) -> np.ndarray:
+        """`lost_rows` of `t` (the store's lock held).
 
-            return self._beside_writer(t, read, lambda lost: bool(len(lost)))
+        `bottom`: the ids its store of record lacks, though a cache tier may hold a copy.
+        """
+        if t.written is None:
+            return np.zeros(0, dtype=np.int64)
+
+        def read() -> np.ndarray:
+            assert t.written is not None
+            ids = np.ascontiguousarray(t.written.ids())
+            holds = t.chain.tiers[-1].backend.contains if bottom else t.chain.contains
+            return ids[~holds(ids)] if len(ids) else ids
+
+        return self._beside_writer(t, read, lambda lost: bool(len(lost)))
+
+    def _check_count(self, name: str, t: _Table, held: int, *, bottom: bool = False) -> None:
+        """Raise if `held`, the rows `t`'s tiers hold, is short of its written-id record.
+
+        Every id the record holds is stored, so a count below the record's means the medium
+        lost rows (a removed file, say): a count or a copy must not pass over them as rows
+        never written. The record's count costs nothing; the rows are listed only then.
+        `bottom`: `held` counts the store of record alone (flushed, it holds every row).
+
+        Raises:
+            CorruptStoreError: rows are lost (as `lost_rows` lists them).
+        """
+        if t.written is None or held >= t.written.count():
+            return
+        lost = self._lost(t, bottom=bottom)
+        if len(lost):
+            self._raise_lost(name, lost)
 
     def tier_statistics(self, table: str) -> list[TierStatistics]:
         """One `TierStatistics` per tier of `table`, top first."""

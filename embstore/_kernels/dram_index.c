@@ -280,18 +280,21 @@ void scatter_add_f64(const int64_t *inverse, int64_t n, int64_t dim, const doubl
 
 /* Set (or, with `clear`, clear) bit ids[j] of a little-endian bitmap of `nbits` bits, in one
  * pass: numpy's ufunc.at, its only way to combine repeated bytes, costs about 60 ns an id.
- * Ids outside [0, nbits) are skipped and counted: the caller checks they were none. */
-int64_t bitmap_set(uint8_t *bits, int64_t nbits, const int64_t *ids, int64_t n, int clear) {
-    int64_t outside = 0;
+ * Returns how many bits changed; ids outside [0, nbits) are skipped and counted in *outside. */
+int64_t bitmap_set(uint8_t *bits, int64_t nbits, const int64_t *ids, int64_t n, int clear,
+                   int64_t *outside) {
+    int64_t changed = 0, stray = 0;
     for (int64_t j = 0; j < n; j++) {
         int64_t id = ids[j];
         if (id < 0 || id >= nbits) {
-            outside++;
-        } else if (clear) {
-            bits[id >> 3] &= (uint8_t)~(1u << (id & 7));
-        } else {
-            bits[id >> 3] |= (uint8_t)(1u << (id & 7));
+            stray++;
+            continue;
         }
+        uint8_t mask = (uint8_t)(1u << (id & 7)), old = bits[id >> 3];
+        uint8_t now = clear ? (uint8_t)(old & ~mask) : (uint8_t)(old | mask);
+        changed += now != old;
+        bits[id >> 3] = now;
     }
-    return outside;
+    *outside = stray;
+    return changed;
 }
