@@ -888,24 +888,37 @@ class EmbeddingStore:
 
         Raises:
             UnknownTableError, StoreClosedError (also between pages), ConfigError (batch_rows
-            < 1), CorruptStoreError.
+            < 1), CorruptStoreError (also after the last page, where the medium lost rows
+            of the written-id record: the pages passed over them).
         """
+        return self._item_pages(table, batch_rows, check_lost=True)
+
+    def _item_pages(self, table: str, batch_rows: int, *, check_lost: bool
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """`items`; without `check_lost` (fsck's scan, which lists lost rows itself)."""
         with self._mutex:
             t = self._table(table)
             pages = t.chain.items(batch_rows)
-        return self._pages(pages, t.spec.dim, t.codec)
+        return self._pages(pages, t, check_lost)
 
-    def _pages(self, pages: Iterator[tuple[np.ndarray, np.ndarray]], dim: int,
-               codec: RowCodec | None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def _pages(self, pages: Iterator[tuple[np.ndarray, np.ndarray]], t: _Table,
+               check_lost: bool) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        dim, seen = t.spec.dim, 0
         while True:
             with self._mutex:
                 self._check_open()
                 page = next(pages, None)
-            if page is None:
-                return
+                if page is None:
+                    if check_lost and t.written is not None and seen < t.written.count():
+                        # rows written meanwhile may not have shown: down to the store of
+                        # record with them, which must then hold every id of the record
+                        t.chain.write_back_all()
+                        self._check_count(t.spec.name, t, seen, bottom=True)
+                    return
             ids, rows = page
-            if codec is not None:
-                rows = codec.decode(rows)
+            seen += len(ids)
+            if t.codec is not None:
+                rows = t.codec.decode(rows)
             yield ids, rows[:, :dim], rows[:, dim:]
 
     def checkpoint(self, dest: str | os.PathLike[str], *, step: int | None = None,
