@@ -504,8 +504,9 @@ class ShardedStore:
         with self._inputs("num_rows"):
             self._check_open()
             p = self.plan.tables[self.table_spec(table).name]
-        mine = self.local.num_rows(table) if self.rank in p.ranks and (
-            p.kind != "column" or p.counting_rank() == self.rank) else 0
+            # inside: a shard whose medium lost rows raises here, and the others at once
+            mine = self.local.num_rows(table) if self.rank in p.ranks and (
+                p.kind != "column" or p.counting_rank() == self.rank) else 0
         return self._comm.all_sum(mine, f"num_rows:{table}")
 
     # --- whole store -----------------------------------------------------------------------

@@ -253,3 +253,22 @@ def record_gone(rank: int, world: int, tmp: str) -> list[str]:
         out.append(outcome(lambda n=name: ed.open(f"{tmp}/{n}", tables=specs(),
                                                   timeout_s=20)))
     return out
+
+
+def lost_rows_on_one_rank(rank: int, world: int, tmp: str) -> list[Any]:
+    """Rank 0's medium loses rows its written-id record holds: num_rows raises
+    CorruptStoreError there and PeerFailedError on rank 1, at once.
+    """
+    plan = Plan(world, {"a": Placement("row", tuple(range(world))),
+                        "b": Placement("row", tuple(range(world)))})
+    with ed.open(f"{tmp}/s", tables=specs(), tiers=[embstore.TierSpec("lmdb")], plan=plan,
+                 timeout_s=20) as store:
+        store.update("a", np.arange(40), np.ones((40, 4), np.float32))
+        store.flush()
+        out: list[Any] = [store.num_rows("a")]
+        if rank == 0:  # behind the record, as a damaged medium would
+            bottom = store.local._table("a").chain.tiers[-1].backend
+            bottom.delete(bottom.ids()[:2])
+        out.append(outcome(lambda: store.num_rows("a")))
+        out.append(store.num_rows("b"))  # the group goes on
+    return out

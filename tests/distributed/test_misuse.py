@@ -136,3 +136,10 @@ def test_a_store_whose_record_is_gone_or_unreadable_is_refused_not_made_anew(tmp
     assert got[0] == got[1] == ["CorruptStoreError"] * 4
     assert not (tmp_path / "removed" / "sharded.json").exists()
     assert (tmp_path / "dangling" / "sharded.json").is_symlink()
+
+
+@pytest.mark.timeout(60)
+def test_a_count_of_rows_one_rank_lost_fails_every_rank_at_once(tmp_path) -> None:
+    got = launch.run(mu.lost_rows_on_one_rank, 2, str(tmp_path), timeout_s=50)
+    assert got[0] == [40, "CorruptStoreError", 0]
+    assert got[1] == [40, "PeerFailedError", 0]
