@@ -58,7 +58,7 @@ from typing import Final
 import numpy as np
 
 from . import _crash
-from ._kernels._dram_index import lib
+from ._kernels._dram_index import ffi, lib
 from ._unique import unique_sorted
 from .errors import CorruptStoreError
 from .index import IdIndex, c_pointer
@@ -99,10 +99,16 @@ class WrittenIds:
         self._n = num_embeddings
         self._read_only = read_only
         self._packed: np.ndarray | None = None  # a bounded table's bitmap, as in the file
-        self._bits_held = 0  # the bits set in `_packed`: `count` must not scan the bitmap
+        # the bits set in `_packed`, counted on the first `count` (an open must not scan the
+        # bitmap) and then moved with the bits by the kernel that changes them
+        self._bits_held = np.zeros(1, dtype=np.int64)
+        self._bits_counted = False
         self._index: IdIndex | None = None
         self.journal = file.with_suffix(".del")
         self._changed = False  # ids added or removed since the last flush
+        self.forgotten = 0
+        """Ids the record has forgotten since it was read (deleted, or withdrawn): a scan
+        that began when it held n ids must show at least n less those forgotten since."""
         self.missing = False
         """The file does not exist yet (`defer_write`): `write_missing` writes it."""
         stats = self._stats() if read_only else b""  # before the read, for `held_still`
@@ -135,7 +141,6 @@ class WrittenIds:
             parsed = self._parse(raw)
             if self._n is not None:
                 self._packed = parsed
-                self._bits_held = _bitmap_count(parsed)
             else:
                 self._load(parsed)
             deleted = self._read_journal()
@@ -290,7 +295,9 @@ class WrittenIds:
                     f"written-id record {self.file}: ids outside [0, {self._n}); restore the "
                     "table from a checkpoint")
             self._packed = np.zeros((self._n + 7) // 8, dtype=np.uint8)
-            self._bits_held = _set_bits(self._packed, ids)
+            self._bits_held[0] = 0
+            _set_bits(self._packed, ids, self._bits_held)
+            self._bits_counted = True
         else:
             self._index = IdIndex(max(1024, 2 * len(ids)))
             if len(ids):
@@ -307,7 +314,10 @@ class WrittenIds:
     def count(self) -> int:
         """How many ids the record holds (without listing them)."""
         if self._packed is not None:
-            return self._bits_held
+            if not self._bits_counted:
+                self._bits_held[0] = _bitmap_count(self._packed)
+                self._bits_counted = True
+            return int(self._bits_held[0])
         assert self._index is not None
         return len(self._index)
 
@@ -332,7 +342,7 @@ class WrittenIds:
             if into is not None:
                 into.append(new)
             if len(new):  # none: the common case in training, rows written before
-                self._bits_held += _set_bits(self._packed, new)
+                _set_bits(self._packed, new, self._bits_held)
                 self._changed = True
             return new
         assert self._index is not None
@@ -372,10 +382,13 @@ class WrittenIds:
         if self._packed is not None:
             # ids past the table's range (a journal's) are skipped: the bits past its last
             # id, in the last byte, are never set
-            self._bits_held -= _change_bits(self._packed, ids, clear=True)[0]
+            self.forgotten += _change_bits(self._packed, ids, clear=True,
+                                           held=self._bits_held)[0]
         else:
             assert self._index is not None
+            before = len(self._index)
             self._index.remove(np.ascontiguousarray(ids))
+            self.forgotten += before - len(self._index)
 
     def before_sync(self) -> None:
         """Called by a flush before the store of record is synced (a crash point only)."""
@@ -441,23 +454,25 @@ def _bitmap(n: int, ids: np.ndarray) -> np.ndarray:
     return packed
 
 
-def _change_bits(packed: np.ndarray, ids: np.ndarray, *, clear: bool = False
-                 ) -> tuple[int, int]:
+def _change_bits(packed: np.ndarray, ids: np.ndarray, *, clear: bool = False,
+                 held: np.ndarray | None = None) -> tuple[int, int]:
     """Set (or clear) the bits of `ids` in the bitmap `packed`.
 
-    Returns (bits changed, ids outside the bitmap, left alone).
+    Returns (bits changed, ids outside the bitmap, left alone). `held`, an int64[1] count of
+    the bits set, moves with the bits in the same C call.
     """
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     outside = np.zeros(1, dtype=np.int64)
     changed = lib.bitmap_set(c_pointer("uint8_t *", packed), 8 * len(packed),
                              c_pointer("int64_t *", ids), len(ids), int(clear),
-                             c_pointer("int64_t *", outside))
+                             c_pointer("int64_t *", outside),
+                             ffi.NULL if held is None else c_pointer("int64_t *", held))
     return int(changed), int(outside[0])
 
 
-def _set_bits(packed: np.ndarray, ids: np.ndarray) -> int:
+def _set_bits(packed: np.ndarray, ids: np.ndarray, held: np.ndarray | None = None) -> int:
     """Set the bits of `ids` (valid ids of the bitmap `packed`); returns how many were unset."""
-    changed, outside = _change_bits(packed, ids)
+    changed, outside = _change_bits(packed, ids, held=held)
     assert not outside, f"{outside} ids outside a bitmap of {8 * len(packed)} bits"
     return changed
 

@@ -265,10 +265,7 @@ def _check_open_table(store: EmbeddingStore, name: str) -> list[Finding]:
     except EmbstoreError as exc:
         findings.append(Finding(name, f"scan stopped after {seen} rows: {exc}"))
         return findings
-    try:
-        counted = store.num_rows(name)
-    except CorruptStoreError:  # short of the written-id record: lost rows, listed below
-        counted = seen
+    counted = store._stored_rows(name)  # lost rows are listed below, id by id
     if counted != seen:
         findings.append(Finding(name, "the backend's row count disagrees with a scan",
                                 expected=f"{counted} rows", found=f"{seen} rows"))

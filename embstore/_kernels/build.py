@@ -42,7 +42,7 @@ int64_t bk_gather(const bucket_t *t, uint64_t nb, char *const *slabs, int shift,
                   int64_t row_bytes, int64_t out_bytes, const int64_t *ids, int64_t n,
                   char *out, uint8_t *found, int32_t *out_slots);
 int64_t bitmap_set(uint8_t *bits, int64_t nbits, const int64_t *ids, int64_t n, int clear,
-                   int64_t *outside);
+                   int64_t *outside, int64_t *held);
 """
 
 

@@ -280,9 +280,11 @@ void scatter_add_f64(const int64_t *inverse, int64_t n, int64_t dim, const doubl
 
 /* Set (or, with `clear`, clear) bit ids[j] of a little-endian bitmap of `nbits` bits, in one
  * pass: numpy's ufunc.at, its only way to combine repeated bytes, costs about 60 ns an id.
- * Returns how many bits changed; ids outside [0, nbits) are skipped and counted in *outside. */
+ * Returns how many bits changed, and adds (or takes) them from *held where given: the count
+ * moves with the bits in this one call, so an interrupt between two Python statements
+ * cannot leave it behind them. Ids outside [0, nbits) are skipped and counted in *outside. */
 int64_t bitmap_set(uint8_t *bits, int64_t nbits, const int64_t *ids, int64_t n, int clear,
-                   int64_t *outside) {
+                   int64_t *outside, int64_t *held) {
     int64_t changed = 0, stray = 0;
     for (int64_t j = 0; j < n; j++) {
         int64_t id = ids[j];
@@ -296,5 +298,6 @@ int64_t bitmap_set(uint8_t *bits, int64_t nbits, const int64_t *ids, int64_t n, 
         bits[id >> 3] = now;
     }
     *outside = stray;
+    if (held) *held += clear ? -changed : changed;
     return changed;
 }

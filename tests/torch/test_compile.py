@@ -122,13 +122,20 @@ def test_compiled_model_through_a_pipeline_over_tiers_trains_as_in_line(tmp_path
     _assert_same(in_line, pipelined)
 
 
-def test_compiled_model_in_eval_changes_nothing():
+def test_a_backward_through_a_compiled_model_in_eval_changes_nothing():
+    # eval() must reach the store's modules through the compiled graph: a backward then
+    # steps the dense layers' gradients only, never a table
     with _store() as store:
         model = _Model(store).eval()
         run = torch.compile(model, backend="aot_eager")
-        before = store.lookup("a", np.arange(ROWS)).copy()
-        with torch.no_grad():
-            first = run(_batches(1)[0])
-        second = model(_batches(1)[0])
-        torch.testing.assert_close(first, second, rtol=0, atol=0)
-        np.testing.assert_array_equal(store.lookup("a", np.arange(ROWS)), before)
+        batch = _batches(1)[0]
+        before = {t: store.lookup(t, np.arange(ROWS)).copy() for t in ("a", "b")}
+        out = run(batch)
+        torch.testing.assert_close(out, model(batch), rtol=0, atol=0)
+        out.sum().backward()
+        assert model.dense.weight.grad is not None  # the backward ran
+        for t in ("a", "b"):
+            np.testing.assert_array_equal(store.lookup(t, np.arange(ROWS)), before[t])
+        model.train()  # the same backward in train mode does step the tables
+        run(batch).sum().backward()
+        assert not np.array_equal(store.lookup("a", np.arange(ROWS)), before["a"])
