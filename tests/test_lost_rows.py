@@ -67,6 +67,15 @@ def _drop_from_medium(path: Path, backend: str, ids: np.ndarray) -> Path:
     return where
 
 
+def _make_damaged(path: Path, backend: str, bounded: bool, how: str) -> None:
+    """A store whose medium lost ids 7 and 1234 (`how` "rows") or its whole file ("file")."""
+    _make(path, backend, bounded)
+    where = _drop_from_medium(path, backend, np.array([7, 1234]))
+    if how == "file":  # the table's whole file or directory is gone
+        shutil.rmtree(where)
+        where.mkdir()
+
+
 @pytest.mark.parametrize("bounded", [True, False], ids=["bitmap", "idlist"])
 @pytest.mark.parametrize("backend", PERSISTENT)
 def test_a_row_lost_by_the_medium_raises_naming_table_id_and_file(tmp_path, backend, bounded):
@@ -114,11 +123,7 @@ def test_compact_migrate_and_export_refuse_a_store_whose_medium_lost_rows(tmp_pa
     from embstore._export import export_store
     from embstore._rebuild import replace_store
 
-    _make(tmp_path / "s", backend, True)
-    where = _drop_from_medium(tmp_path / "s", backend, np.array([7, 1234]))
-    if how == "file":  # the table's whole file or directory is gone
-        shutil.rmtree(where)
-        where.mkdir()
+    _make_damaged(tmp_path / "s", backend, True, how)
     before = _tree(tmp_path / "s")
     for copy in (lambda: replace_store(tmp_path / "s"),  # compact
                  lambda: replace_store(tmp_path / "s", default_tiers=[  # migrate
@@ -366,11 +371,7 @@ def test_a_count_and_a_full_checkpoint_refuse_rows_the_medium_lost(tmp_path, bac
                                                                    how):
     # a checkpoint once copied what the medium still had and wrote a record of just that:
     # the lost rows read from it as rows never written
-    _make(tmp_path / "s", backend, bounded)
-    where = _drop_from_medium(tmp_path / "s", backend, np.array([7, 1234]))
-    if how == "file":  # the table's whole file or directory is gone
-        shutil.rmtree(where)
-        where.mkdir()
+    _make_damaged(tmp_path / "s", backend, bounded, how)
     with embstore.open(tmp_path / "s") as store:  # an empty medium opens: its rows read lost
         lost = "id 7 " if how == "rows" else "id 0 "
         with pytest.raises(CorruptStoreError, match=f"table .t.: {lost}.*was written but its "
@@ -391,8 +392,10 @@ def test_a_count_and_a_full_checkpoint_refuse_rows_the_medium_lost(tmp_path, bac
 
 
 class _InterruptAfterSet:
-    """The bitmap kernel, raising KeyboardInterrupt once right after a set returns: where a
-    Ctrl-C that came during the C loop is raised."""
+    """The bitmap kernel, raising KeyboardInterrupt once right after a set returns.
+
+    That is where a Ctrl-C that came during the C loop is raised.
+    """
 
     def __init__(self, real):
         self.real, self.armed = real, True
