@@ -294,10 +294,7 @@ class WrittenIds:
                 raise CorruptStoreError(
                     f"written-id record {self.file}: ids outside [0, {self._n}); restore the "
                     "table from a checkpoint")
-            self._packed = np.zeros((self._n + 7) // 8, dtype=np.uint8)
-            self._bits_held[0] = 0
-            _set_bits(self._packed, ids, self._bits_held)
-            self._bits_counted = True
+            self._packed = _bitmap(self._n, ids)  # counted on the first `count`
         else:
             self._index = IdIndex(max(1024, 2 * len(ids)))
             if len(ids):
