@@ -111,6 +111,27 @@ def test_in_place_step_gives_the_bits_of_other_chains(tmp_path, monkeypatch, opt
     assert tables["dram"] == tables["dram-over-rocksdb"] == tables["rocksdb"]
 
 
+@pytest.mark.parametrize("opt", KERNEL_OPTIMIZERS[::2], ids=repr)
+def test_long_shuffled_batches_step_in_slot_order_to_the_same_bits(opt) -> None:
+    # batches past the kernel's sorting threshold (2,048 rows a range) are stepped in slot
+    # order, not the batch's: each row must still get its own gradient
+    rng = np.random.default_rng(11)
+    ids = rng.permutation(30_000)[:12_000] * 7 + 3
+    weights = rng.standard_normal((len(ids), 16)).astype(np.float32)
+    with embstore.open(None, tables=[_spec(opt)]) as store:
+        store.update("t", ids, weights)
+        expected = np.hstack([weights, store.lookup_state("t", ids)])
+        for _ in range(3):
+            batch = rng.permutation(len(ids))
+            grads = rng.standard_normal((len(ids), 16)).astype(np.float32)
+            store.apply_gradients("t", ids[batch], grads)
+            stepped = expected[batch]
+            assert _fused.step_rows(opt, 16, stepped, grads) == -1
+            expected[batch] = stepped
+        got = np.hstack([store.lookup("t", ids), store.lookup_state("t", ids)])
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
 def test_in_place_step_counts_hits_and_marks_cache_rows_dirty(tmp_path) -> None:
     spec = _spec(optim.RowWiseAdagrad(0.05))
     tiers = [TierSpec("dram", capacity=100, eviction="lru"), TierSpec("rocksdb")]

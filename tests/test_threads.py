@@ -84,19 +84,26 @@ def test_tables_are_bit_identical_whatever_the_thread_count(threads, tiers):
     assert state1.tobytes() == state4.tobytes()
 
 
-@pytest.mark.parametrize("bad_row", [5, ROWS // 2, ROWS - 1])
-def test_an_overflow_in_any_range_undoes_every_range(threads, bad_row):
+@pytest.mark.parametrize("shuffled", [False, True], ids=["slot-order", "shuffled"])
+@pytest.mark.parametrize("bad_rows", [[5], [ROWS // 2], [ROWS - 1], [ROWS - 9, 40, 17, ROWS // 2]],
+                         ids=str)
+def test_an_overflow_in_any_range_undoes_every_range(threads, bad_rows, shuffled):
+    # Long ranges are stepped in slot order: in a shuffled batch that is not the batch's
+    # order, and the error must still name the batch's first bad row and every range undo.
     threads(3)
     spec = TableSpec("t", dim=4, optimizer=optim.SGD(1.0))
     with embstore.open(None, tables=[spec]) as store:
         ids = np.arange(ROWS) * 31 + 5
-        store.update("t", ids, np.ones((ROWS, 4), np.float32))
-        store.update("t", ids[bad_row:bad_row + 1], np.full((1, 4), -3e38, np.float32))
-        before = store.lookup("t", ids).copy()
+        rng = np.random.default_rng(3)
+        store.update("t", ids, rng.standard_normal((ROWS, 4)).astype(np.float32))
+        batch = rng.permutation(ids) if shuffled else ids
         grads = np.full((ROWS, 4), 0.25, np.float32)
-        grads[bad_row] = 3e38  # -3e38 - 3e38 overflows in this row alone
-        with pytest.raises(NonFiniteValueError, match=f"row {bad_row * 31 + 5} "):
-            store.apply_gradients("t", ids, grads)
+        for row in bad_rows:
+            store.update("t", batch[row:row + 1], np.full((1, 4), -3e38, np.float32))
+            grads[row] = 3e38  # -3e38 - 3e38 overflows in this row alone
+        before = store.lookup("t", ids).copy()
+        with pytest.raises(NonFiniteValueError, match=f"row {batch[min(bad_rows)]} "):
+            store.apply_gradients("t", batch, grads)
         assert store.lookup("t", ids).tobytes() == before.tobytes()
 
 

@@ -114,7 +114,7 @@ int64_t optim_step_f32(int rule, int decay, float lr, float eps, float wd, float
 int64_t optim_step_slots_f32(int rule, int decay, float lr, float eps, float wd,
                              char *const *slabs, int shift, const int32_t *slots,
                              int64_t width, const float *grads, int64_t n, int64_t dim,
-                             float *preimage, float *scratch);
+                             float *preimage, int64_t *order, float *scratch);
 int slots_distinct(const int32_t *slots, int64_t n, uint64_t *bits);
 int values_finite_f32(const float *x, int64_t n);
 """
