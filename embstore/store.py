@@ -472,6 +472,16 @@ class EmbeddingStore:
                                       else as_ids(accessed, t.spec))
             return self._lookup(t, ids, stored=stored)
 
+    def _lookup_again(self, table: str, ids: Any) -> np.ndarray:
+        """`lookup` of rows a caller read before, kept out of the access log.
+
+        For a pipeline refreshing rows it staged: the batch was logged when they were first
+        read, and a second entry would also cancel the log's record of a later write.
+        """
+        with self._mutex:
+            t = self._table(table)
+            return self._lookup(t, as_ids(ids, t.spec))
+
     def _lookup(self, t: _Table, ids: np.ndarray, *, stored: bool = False) -> np.ndarray:
         """`lookup` of checked `ids`."""
         if t.codec is not None:

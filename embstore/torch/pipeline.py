@@ -11,9 +11,10 @@ outstanding reads in about the time of one.
 
 On a GPU the thread also stages the rows themselves: looked up into pinned host memory, then
 copied onto the device on a side CUDA stream, so the forward finds them there. Staged rows
-were read before the updates of the steps before them had all been applied: every write to a
-store is logged (a count, the table and the ids: the modules' updates, and a trainer's own
-`update`, `apply_gradients`, `bulk_load` or `delete` alike), and when batch j's turn comes the
+were read before the updates of the steps before them had all been applied: while staged rows
+wait for their step, every write to a store is logged (a count, the table and the ids: the
+modules' updates, and a trainer's own `update`, `apply_gradients`, `bulk_load` or `delete`
+alike), and when batch j's turn comes the
 staged rows of every id written since they were read are read again, so batch j sees exactly
 what the loop without the pipeline would see, bit for bit. The count is read before each
 lookup and bumped by each write under the store's lock, so a write that raced a lookup is
@@ -25,6 +26,7 @@ not what they are.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import threading
 import weakref
@@ -47,6 +49,7 @@ __all__ = ["TrainPipeline"]
 
 B = TypeVar("B")
 _END = object()
+_CLOSED = object()  # queued by close(): wakes a step waiting for a batch
 
 
 def _collective(module: _StoreModule) -> bool:
@@ -166,9 +169,13 @@ class TrainPipeline(Generic[B]):
         self._lock = threading.Lock()
         self._count = 0  # updates applied so far
         self._log: list[tuple[int, EmbeddingStore, str, np.ndarray]] = []
-        self._outstanding: list[int] = []  # the count when each staged batch was read
+        # per batch read ahead and not yet trained (by a token of its own: two batches may
+        # be read at one count): the count its staged rows are current at. Batches that
+        # staged no rows are dropped from it once read: they need no refresh
+        self._outstanding: dict[int, int] = {}
+        self._tokens = itertools.count()
         self._holding = False
-        self._serving: int | None = None  # the count the trained batch's staged rows are at
+        self._serving: int | None = None  # the token of the batch in training
         self._done = False  # closed, or closing: no more batches
         self._closed = False  # close() finished
         self._ended = False  # every batch was handed out
@@ -211,32 +218,35 @@ class TrainPipeline(Generic[B]):
                 out.put(pipeline._read_ahead(batch))
                 del pipeline
         except BaseException as exc:  # handed to the training loop, never lost
-            out.put((None, [], None, exc))
+            out.put((None, [], None, None, exc))
             return
         out.put(_END)
 
     def _read_ahead(self, batch: Any) -> tuple[Any, list[tuple[_StoreModule, ForwardPlan]],
-                                                  int, None]:
+                                                  int, int, None]:
         """Check, group, prefetch (and stage) the inputs of `batch`: its queue item."""
         with self._lock:
             read_at = self._count
-            self._outstanding.append(read_at)
+            token = next(self._tokens)
+            self._outstanding[token] = read_at  # before the reads: a racing write is logged
         try:
-            return self._read_ahead_at(batch, read_at)
+            batch, staged = self._read_ahead_at(batch, read_at)
         except BaseException:
-            self._settled(read_at)  # no batch will refresh from it: updates need no log
+            self._settled(token)  # no batch will refresh from it: updates need no log
             raise
+        if not any(tp.rows is not None for _, plan in staged for tp in plan.tables):
+            self._settled(token)  # nothing staged, nothing to refresh
+        return batch, staged, read_at, token, None
 
-    def _settled(self, mark: int) -> None:
-        """Forget an update count that no staged rows wait to be refreshed from any more."""
+    def _settled(self, token: int) -> None:
+        """Forget a batch whose staged rows no longer wait to be refreshed."""
         with self._lock:
-            with contextlib.suppress(ValueError):
-                self._outstanding.remove(mark)
-            low = min(self._outstanding, default=self._count)
+            self._outstanding.pop(token, None)
+            low = min(self._outstanding.values(), default=self._count)
             self._log = [entry for entry in self._log if entry[0] > low]
 
     def _read_ahead_at(self, batch: Any, read_at: int
-                       ) -> tuple[Any, list[tuple[_StoreModule, ForwardPlan]], int, None]:
+                       ) -> tuple[Any, list[tuple[_StoreModule, ForwardPlan]]]:
         staged = []
         given = self._inputs(batch)
         if not isinstance(given, Mapping):
@@ -259,7 +269,7 @@ class TrainPipeline(Generic[B]):
         for module, plan in staged:
             if not _collective(module):
                 self._stage(module, plan, read_at)
-        return batch, staged, read_at, None
+        return batch, staged
 
     def _prefetch(self, requests: list[tuple[_StoreModule, str, np.ndarray]]
                   ) -> set[_StoreModule]:
@@ -298,8 +308,11 @@ class TrainPipeline(Generic[B]):
         else:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            # the staged lookup is the batch's: an access log records it as the model uses it
+            recording = getattr(module.store, "records_accesses", False)
             for tp in plan.tables:
-                rows = lookup_rows(module.store, tp.table, tp.groups.unique).pin_memory()
+                rows = lookup_rows(module.store, tp.table, tp.groups.unique,
+                                   tp.ids if recording else None).pin_memory()
                 inverse = torch.from_numpy(tp.groups.inverse).pin_memory()
                 with torch.cuda.stream(self._stream):
                     tp.rows = rows.to(device, non_blocking=True)
@@ -328,14 +341,17 @@ class TrainPipeline(Generic[B]):
             # first: a plan its step did not use must not serve a later step, whose writes
             # it would miss once the log is cut below
             _unstage(self._touched)
-            mark, self._serving = self._serving, None
-            self._settled(mark)
+            token, self._serving = self._serving, None
+            self._settled(token)
         item = self._queue.get()
+        if item is _CLOSED or self._done:  # close() ran (another thread, a signal handler)
+            raise ConfigError("this TrainPipeline was closed before its batches ended; make "
+                              "a new one to go on")
         if item is _END:
             self._ended = True
             self.close()
             raise StopIteration
-        batch, staged, read_at, exc = item
+        batch, staged, read_at, token, exc = item
         if exc is not None:
             self._ended = True  # what follows an error is no batch
             self.close()
@@ -344,16 +360,18 @@ class TrainPipeline(Generic[B]):
                                    "thread") from exc
             raise exc
         self._holding = True
+        self._serving = token  # settled by the next step, or below where this one fails
         try:
-            self._serve(staged, read_at)
+            self._serve(staged, read_at, token)
         except BaseException:
-            self._settled(read_at)  # the batch is lost with the error: nothing to refresh
+            self._settled(token)  # the batch is lost with the error: nothing to refresh
             raise
         return cast(B, batch)
 
-    def _serve(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int) -> None:
+    def _serve(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int,
+               token: int) -> None:
         """Refresh the batch's staged rows and hand its plans to their modules."""
-        self._refresh(staged, read_at)
+        self._refresh(staged, read_at, token)
         for module, plan in staged:
             if _collective(module):
                 # a sharded store's lookups are collective: every rank makes them on its
@@ -371,22 +389,23 @@ class TrainPipeline(Generic[B]):
             self._touched[module] = plan  # first: close() drops the plans it knows
             module.stage(plan)
 
-    def _refresh(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int) -> None:
+    def _refresh(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int,
+                 token: int) -> None:
         """Read again the staged rows that updates since `read_at` have changed.
 
-        The rows are then current as of the count kept in `_serving`, from which their
+        The rows are then current as of the count now kept for `token`, from which their
         forwards catch up (`_catch_up`).
         """
         with self._lock:
+            if token not in self._outstanding:
+                return  # the batch staged no rows
             log = [entry for entry in self._log if entry[0] > read_at]
-            self._serving = self._count
-            self._outstanding.remove(read_at)
-            self._outstanding.append(self._serving)
-            low = min(self._outstanding)
+            now = self._outstanding[token] = self._count
+            low = min(self._outstanding.values())
             self._log = [entry for entry in self._log if entry[0] > low]
         for _, plan in staged:
             for tp in plan.tables:
-                tp.fetched_at = self._serving
+                tp.fetched_at = now
         if not log or not self._exact:
             return
         for module, plan in staged:
@@ -419,7 +438,8 @@ class TrainPipeline(Generic[B]):
             pos = np.flatnonzero(index.find(tp.groups.unique) >= 0)
             if not len(pos):
                 continue
-            fresh = lookup_rows(module.store, tp.table, tp.groups.unique[pos])
+            fresh = torch.from_numpy(np.ascontiguousarray(module.store._lookup_again(
+                tp.table, tp.groups.unique[pos])))
             if tp.ready is not None:  # the staged copy must land before it is patched
                 stream = torch.cuda.current_stream(tp.rows.device)
                 stream.wait_event(tp.ready)
@@ -446,6 +466,10 @@ class TrainPipeline(Generic[B]):
             with contextlib.suppress(queue.Empty):  # unblock a thread waiting to queue
                 self._queue.get(timeout=0.05)
         self._thread.join()
+        self._queue.put(_CLOSED)  # a step waiting for a batch (close from another thread)
+        with self._lock:
+            self._log.clear()
+            self._outstanding.clear()
         if self._readers is not None:
             self._readers.shutdown(wait=True)
         self._closed = True

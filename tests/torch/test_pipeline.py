@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -709,3 +710,118 @@ def test_rows_staged_for_a_step_that_did_not_use_them_never_serve_a_later_step(d
     expected = first_lookup(False)
     assert (expected != 0).all()  # the write shows
     assert torch.equal(first_lookup(True), expected)
+
+
+def test_a_close_from_another_thread_wakes_a_step_waiting_for_its_batch():
+    store = _store()
+    model = Model(store)
+    release = threading.Event()
+
+    def slow_batches():  # a source slower than the step: the loop waits in next()
+        yield from _batches(1)
+        release.wait(10)
+        yield from _batches(1, seed=1)
+
+    pipe = et.TrainPipeline(slow_batches(), inputs=lambda b: {model.ebc: b.sparse})
+    next(pipe)
+    threading.Timer(0.2, pipe.close).start()  # a watchdog, or a signal handler
+    try:
+        with pytest.raises(embstore.errors.ConfigError, match="closed before"):
+            next(pipe)  # used to wait for ever
+    finally:
+        release.set()
+        pipe.close()
+    assert not _pipeline_threads()
+
+
+class _RefreshInterrupted(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_a_step_interrupted_while_it_refreshes_its_rows_loses_only_its_batch(monkeypatch,
+                                                                             depth):
+    # the batch whose refresh was cut short is lost; every later step still sees exactly
+    # what the plain loop that skips it sees (it used to raise a raw ValueError later)
+    batches = _batches(12, overlap=1.0)
+    again = embstore.EmbeddingStore._lookup_again
+    calls = []
+
+    def interrupted_once(self, table, ids):
+        calls.append(table)
+        if len(calls) == 1:
+            raise _RefreshInterrupted
+        return again(self, table, ids)
+
+    monkeypatch.setattr(embstore.EmbeddingStore, "_lookup_again", interrupted_once)
+    store = _store()
+    model = Model(store)
+    opt = torch.optim.SGD(model.top.parameters(), lr=0.1)
+    trained, lost = [], []
+    with et.TrainPipeline(batches, inputs=lambda b: {model.ebc: b.sparse}, depth=depth,
+                          stage_rows=True) as pipe:
+        for i in range(len(batches)):
+            try:
+                batch = next(pipe)
+            except _RefreshInterrupted:
+                lost.append(i)
+                continue
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(batch),
+                                                                        batch.label)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            trained.append(batch)
+        # the lost batch's mark is settled: only the batch in training waits on the log
+        assert set(pipe._outstanding) <= {pipe._serving}
+    assert len(lost) == 1 and len(trained) == len(batches) - 1
+    got = ({t: (store.lookup(t, np.arange(ROWS)), store.lookup_state(t, np.arange(ROWS)))
+            for t in ("t", "u")}, [p.detach().clone() for p in model.top.parameters()])
+    _assert_identical(got, _train(_store(), trained))
+
+
+@pytest.mark.parametrize("stage_rows", [False, True], ids=["prefetch", "staged"])
+def test_the_access_log_of_a_pipelined_loop_is_the_plain_loops(tmp_path, stage_rows):
+    from embstore._access_log_read import read_access_log
+
+    def logged(pipelined):
+        path = tmp_path / f"{pipelined}"
+        spec = embstore.TableSpec("t", dim=4, num_embeddings=8,
+                                  optimizer=embstore.optim.SGD(lr=0.1))
+        store = embstore.open(path / "s", tables=[spec], record_accesses=path / "log",
+                              record_sample=1.0)
+        bag = et.EmbeddingBag(store, "t", mode="sum")
+        batches = [torch.tensor([[1, 2], [2, 3]]) for _ in range(4)]
+        loop = (et.TrainPipeline(batches, inputs=lambda b: {bag: b}, stage_rows=stage_rows)
+                if pipelined else batches)
+        for b in loop:
+            bag(b).sum().backward()  # every step rewrites rows the next batch staged
+        store.close()
+        return [ids.tolist() for ids in read_access_log(path / "log").batches("t")]
+
+    plain = logged(False)
+    assert plain == [[1, 2, 2, 3]] * 4
+    assert logged(True) == plain
+
+
+def test_a_pipeline_with_nothing_staged_keeps_no_log_of_writes():
+    store = _store()
+    model = Model(store)
+    pipe = et.TrainPipeline(_batches(3), inputs=lambda b: {model.ebc: b.sparse})
+    try:
+        next(pipe)  # read ahead on the CPU: prefetched, nothing staged
+        deadline = time.monotonic() + 10
+        while pipe._queue.qsize() < 3 and time.monotonic() < deadline:  # 2 batches, the end
+            time.sleep(0.01)
+        for _ in range(20):  # training elsewhere, while the pipeline waits
+            store.apply_gradients("t", np.arange(ROWS), np.ones((ROWS, 8), np.float32))
+        assert not pipe._log
+    finally:
+        pipe.close()
+    staged = et.TrainPipeline(_batches(3), inputs=lambda b: {model.ebc: b.sparse},
+                              stage_rows=True)
+    next(staged)
+    store.apply_gradients("t", np.arange(ROWS), np.ones((ROWS, 8), np.float32))
+    assert staged._log  # rows staged ahead: the write is kept for their refresh
+    staged.close()
+    assert not staged._log  # and dropped with the pipeline
