@@ -17,7 +17,7 @@ CRC-32 (zlib's) of each file's bytes guards the copy; import also checks every f
 header and every page against its table's spec (ids in range, values finite where the spec
 forbids NaN and infinity), refusing the whole import at the first fault. Rows stream page by
 page both ways (about 4 MiB of rows at a time), so memory stays bounded whatever a table's
-size. Export writes `.OUT.tmp-<pid>` and renames it, import builds `.PATH.tmp-<pid>` and
+size. Export writes `.OUT.tmp-<pid>-<random>` and renames it, import builds `.PATH.tmp-*` and
 renames it: a crash leaves no half-written export or store behind (errors name OUT or PATH).
 """
 
@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ._precision import RowCodec
-from ._private_dir import discard, make_private
+from ._private_dir import discard, make_private, publish
 from ._rebuild import (
     ClosablePages,
     check_path,
@@ -45,7 +45,7 @@ from ._rebuild import (
 )
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
 from .layout import lock, store_above
-from .manifest import fsync_dir, is_json_int, optional_fields_problem, write_atomic
+from .manifest import is_json_int, optional_fields_problem, write_atomic
 from .spec import TableSpec, TierSpec
 
 __all__ = ["FORMAT", "export_store", "import_store", "read_header"]
@@ -81,7 +81,7 @@ def _fresh(dest: Path) -> tuple[Path, list[Path]]:
 def _public(exc: OSError, tmp: Path, dest: Path) -> OSError:
     """`exc` naming `dest` where it names the private `tmp` or a file in it, else `exc`.
 
-    The private name (`.out.tmp-<pid>`) means nothing to the user and is gone once raised.
+    The private name (`.out.tmp-<pid>-<random>`) means nothing to the user and is gone once raised.
     """
     def private(name: object) -> bool:
         if not isinstance(name, (str, bytes, os.PathLike)):
@@ -101,10 +101,7 @@ def _private(file: Path) -> BinaryIO:
 
 
 def _commit(tmp: Path, dest: Path) -> None:
-    if dest.exists():
-        dest.rmdir()  # an empty directory given as the destination
-    os.replace(tmp, dest)
-    fsync_dir(dest.parent)
+    publish(tmp, dest, "the export or import")
 
 
 def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,

@@ -1,7 +1,9 @@
 """The private directory a checkpoint, restore, export or import is built in before it appears.
 
-Each builds `dest` in `.<name>.tmp-<pid>` beside it (mode 0700: it holds every row) and
-renames it into place once complete, so a failure or a crash never leaves a half-made `dest`.
+Each builds `dest` in `.<name>.tmp-<pid>-<random>` beside it (mode 0700: it holds every row)
+and renames it into place once complete (`publish`), so a failure or a crash never leaves a
+half-made `dest`. Two builds of one `dest` at once (threads of one process, or processes) each
+have their own directory, and the second to finish is refused: exactly one is published.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .errors import EmbstoreError, StorageIOError
-from .manifest import make_dirs
+from .errors import EmbstoreError, StorageIOError, StoreExistsError
+from .manifest import fsync_dir, make_dirs
 
-__all__ = ["discard", "io_error", "make_private", "missing_dirs", "reason"]
+__all__ = ["discard", "io_error", "make_private", "missing_dirs", "publish", "reason"]
 
 
 def missing_dirs(directory: Path) -> list[Path]:
@@ -41,16 +44,36 @@ def make_private(dest: Path, error: Callable[[int, str], OSError] = OSError
             `dest`, not the private path, and nothing is left behind.
     """
     made = missing_dirs(dest.parent)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    # of this call alone: another thread's or process's build of `dest` has a name of its own
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     try:
         make_dirs(dest.parent)  # new parents: their entries must survive with what is published
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o700)
     except OSError as exc:
         discard(tmp, made)
         raise error(exc.errno or errno.EIO, f"cannot create {dest}: {reason(exc, dest)}"
                     ) from exc
     return tmp, made
+
+
+def publish(tmp: Path, dest: Path, what: str) -> None:
+    """Rename the complete build `tmp` to `dest` (absent or an empty directory), durably.
+
+    Raises:
+        StoreExistsError: `dest` was published by another build meanwhile (it is kept).
+        OSError: the rename failed otherwise.
+    """
+    try:
+        if dest.is_dir() and not dest.is_symlink():
+            dest.rmdir()  # an empty directory given as the destination
+        os.replace(tmp, dest)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise StoreExistsError(f"{dest} was made by another writer while {what} was being "
+                                   "written; it is kept, and nothing of this one is left: "
+                                   "choose a new path") from exc
+        raise
+    fsync_dir(dest.parent)
 
 
 def discard(tmp: Path, made: Sequence[Path]) -> None:

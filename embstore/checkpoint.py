@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _crash, registry
-from ._private_dir import discard, io_error, make_private
+from ._private_dir import discard, io_error, make_private, publish
 from ._written import write_record
 from .backend import Backend, BackendSpec
 from .checksum import crc32c, row_checksums
@@ -70,7 +70,7 @@ from .layout import (
     write_manifest,
     written_file,
 )
-from .manifest import fsync_dir, fsync_tree, write_atomic
+from .manifest import fsync_tree, write_atomic
 from .spec import TableSpec, TierSpec
 
 __all__ = ["CheckpointPlan", "CheckpointSource", "CopyState", "restore"]
@@ -336,8 +336,7 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
                                    "tables": seal}
         write_manifest(tmp, body)
         _crash.point("checkpoint.before_publish")
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
+        publish(tmp, dest, "the checkpoint")
         source.end_checkpoint(dest)
     except BaseException as exc:
         # also where begin_checkpoint failed or end_checkpoint(dest) was cut short: ending
@@ -456,8 +455,7 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
         doc.pop("checkpoint_seal", None)
         write_manifest(tmp, doc)
         fsync_tree(tmp)  # the copied files and their directory entries, before publishing
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
+        publish(tmp, dest, "the restore")
     except BaseException as exc:
         discard(tmp, made)
         if isinstance(exc, OSError) and not isinstance(exc, EmbstoreError):

@@ -485,3 +485,60 @@ def test_an_interrupted_checkpoint_leaves_every_change_to_the_next_incremental(
     embstore.restore(tmp_path / "c2", tmp_path / "restored")
     with embstore.open(tmp_path / "restored") as restored:
         assert _contents(restored) == live
+
+
+@pytest.mark.parametrize("operation", ["checkpoint", "restore", "export"])
+def test_two_threads_writing_one_destination_publish_exactly_one(tmp_path, monkeypatch,
+                                                                 operation):
+    # both builds complete before either is renamed into place: each has its own private
+    # directory (they used to share one per process and delete each other's), and the
+    # second rename is refused
+    from embstore import _export, checkpoint
+
+    stores = []
+    for k in range(2):
+        with embstore.open(tmp_path / f"s{k}", tables=[_spec()], tiers=[TierSpec("rocksdb")]
+                           ) as store:
+            store.update("t", np.arange(50), np.full((50, 4), float(k + 1), np.float32))
+            store.checkpoint(tmp_path / f"c{k}")
+        stores.append(tmp_path / f"s{k}")
+    both_built = threading.Barrier(2, timeout=30)
+    module = _export if operation == "export" else checkpoint
+    publish = module.publish
+
+    def publish_together(tmp, dest, what):
+        both_built.wait()
+        publish(tmp, dest, what)
+
+    monkeypatch.setattr(module, "publish", publish_together)
+    dest = tmp_path / "dest"
+    outcomes: dict[int, object] = {}
+
+    def run(k):
+        try:
+            if operation == "checkpoint":
+                with embstore.open(stores[k]) as store:
+                    store.checkpoint(dest)
+            elif operation == "restore":
+                embstore.restore(tmp_path / f"c{k}", dest)
+            else:
+                _export.export_store(stores[k], dest)
+            outcomes[k] = "published"
+        except E.StoreExistsError as exc:
+            outcomes[k] = exc
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    monkeypatch.undo()
+    winners = [k for k, got in outcomes.items() if got == "published"]
+    assert len(winners) == 1 and len(outcomes) == 2, outcomes
+    assert "made by another writer" in str(outcomes[1 - winners[0]])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".dest")) == []
+    if operation == "export":
+        _export.import_store(dest, tmp_path / "imported")
+        dest = tmp_path / "imported"
+    with embstore.open(dest) as store:
+        assert (store.lookup("t", np.arange(50)) == winners[0] + 1).all()
