@@ -330,6 +330,12 @@ class EmbeddingStore:
 
         return self._beside_writer(t, read, lost)
 
+    def _catch_up_reader(self, t: _Table) -> None:
+        """Show a read-only handle table `t` as a writer in another process left it."""
+        t.written = self._open_written(t.spec, t.chain)
+        t.chain.tiers[-1].backend.refresh()
+        t.chain.forget_absent()
+
     def _beside_writer(self, t: _Table, read: Callable[[], _T], lost: Callable[[_T], bool]
                        ) -> _T:
         """`read()`, repeated in a read-only store until it shows no lost row or a settled loss.
@@ -348,9 +354,7 @@ class EmbeddingStore:
         for attempt in range(_CATCH_UPS):
             if attempt:
                 time.sleep(min(0.001 * 2 ** attempt, 0.05))  # let a burst of flushes pass
-            t.written = self._open_written(t.spec, t.chain)
-            t.chain.tiers[-1].backend.refresh()
-            t.chain.forget_absent()
+            self._catch_up_reader(t)
             got = read()
             if not lost(got):
                 break
@@ -966,12 +970,14 @@ class EmbeddingStore:
                 Checkpoints asked for by several threads are taken one after the other.
 
         A read-only handle holds the store's shared lock while it copies (writers in other
-        processes cannot open it meanwhile): it sees no pre-images of their writes.
+        processes cannot open it meanwhile): it sees no pre-images of their writes. It copies
+        the store as the writers before it left it, and takes full checkpoints only.
 
         Raises:
             StoreExistsError: `dest` exists.
-            ConfigError: incremental without an earlier checkpoint from this handle; `dest`
-                inside a store or checkpoint; `step` not None or an int >= 0.
+            ConfigError: incremental without an earlier checkpoint from this handle, or from
+                a read-only handle; `dest` inside a store or checkpoint; `step` not None or
+                an int >= 0.
             StoreLockedError: (read-only handles) a writer holds the store.
             StorageIOError: `dest` cannot be made or written; nothing is left of it.
             CorruptStoreError: the medium lost rows the checkpoint would hold (a copy would
@@ -1000,6 +1006,12 @@ class EmbeddingStore:
         with self._mutex:
             self._check_open()
             parent = self._last_checkpoint
+            if incremental and self._read_only and self._path is not None:
+                raise ConfigError(
+                    "an incremental checkpoint needs the changes since the last one, and a "
+                    "read-only handle sees none of a writer's in another process; take a full "
+                    "checkpoint, or an incremental one through the writer"
+                )
             if incremental and (parent is None or self._changes is None):
                 raise ConfigError(
                     "an incremental checkpoint needs an earlier checkpoint taken by this handle "
@@ -1010,6 +1022,11 @@ class EmbeddingStore:
                 # must hold still while it is taken
                 self._reading_fd = layout.lock_for_reading(self._path)
             try:
+                if self._read_only and self._path is not None:
+                    # writers since the open (now gone: the lock is ours) changed the medium;
+                    # some media show this handle the rows as they were at its open
+                    for t in self._tables.values():
+                        self._catch_up_reader(t)
                 self.flush()  # every dirty row is in the store of record now: T0's rows
                 scope = self._changes if incremental else None
                 rows = {name: len(scope[name]) if scope is not None

@@ -542,3 +542,28 @@ def test_two_threads_writing_one_destination_publish_exactly_one(tmp_path, monke
         dest = tmp_path / "imported"
     with embstore.open(dest) as store:
         assert (store.lookup("t", np.arange(50)) == winners[0] + 1).all()
+
+
+_OTHER_WRITER = """
+import sys, numpy as np, embstore
+with embstore.open(sys.argv[1]) as store:
+    store.update("t", np.arange(5), np.full((5, 4), 7.0, np.float32))
+    store.delete("t", [50])
+"""
+
+
+@pytest.mark.parametrize("bottom", ["rocksdb", "lmdb", "pmem"])
+def test_a_read_only_handle_checkpoints_what_writers_since_its_open_left(tmp_path, bottom):
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=[TierSpec(bottom)]) as store:
+        store.update("t", np.arange(100), np.ones((100, 4), np.float32))
+    with embstore.open(tmp_path / "s", read_only=True) as reader:
+        reader.checkpoint(tmp_path / "c0")
+        subprocess.run([sys.executable, "-c", _OTHER_WRITER, str(tmp_path / "s")], check=True)
+        with pytest.raises(E.ConfigError, match="read-only handle"):
+            reader.checkpoint(tmp_path / "c1", incremental=True)
+        assert not (tmp_path / "c1").exists()
+        reader.checkpoint(tmp_path / "full")
+    with embstore.open(tmp_path / "s", read_only=True) as now, \
+            embstore.open(tmp_path / "full", read_only=True) as full:
+        assert _contents(full) == _contents(now)
+        assert 50 not in _contents(full)["t"] and len(_contents(full)["t"]) == 99
