@@ -303,8 +303,11 @@ def write_store(dest: Path, default_tiers: Sequence[TierSpec], specs: Sequence[T
             write_record(file, spec.num_embeddings,
                          np.concatenate(written) if written else np.zeros(0, np.int64))
     body = manifest_body(default_tiers, list(specs))
+    # a full checkpoint rewritten (compact, migrate, import) stays one, with its step and
+    # seal: the seal's digests are of ids and rows, whatever the layout, so incremental
+    # checkpoints made from it still restore
     body.update({k: v for k, v in (extras or {}).items()
-                 if k not in ("format", "version", "tiers", "tables", "checkpoint")})
+                 if k not in ("format", "version", "tiers", "tables")})
     write_manifest(dest, body)
     old = history or {}
     tables = {s.name: {"rows": counts[s.name], "updates_dropped": 0,

@@ -317,3 +317,24 @@ def test_a_copy_into_a_store_of_record_too_small_for_its_rows_is_refused(tmp_pat
     replace_store(path, default_tiers=[small[0], embstore.TierSpec("lmdb", capacity=300)])
     with embstore.open(path) as store:
         assert store.num_rows("t") == 300
+
+
+@pytest.mark.parametrize("command", [["compact"], ["migrate", "--tiers", "lmdb"],
+                                     ["migrate", "--tiers", "dram:100:lru,rocksdb"]],
+                         ids=["compact", "migrate-lmdb", "migrate-tiered"])
+def test_a_full_checkpoint_rewritten_in_place_still_roots_its_incremental_chain(tmp_path,
+                                                                               command):
+    spec = TableSpec("t", dim=4, optimizer=optim.RowWiseAdagrad(0.1))
+    rng = np.random.default_rng(0)
+    with embstore.open(tmp_path / "s", tables=[spec], tiers=[TierSpec("rocksdb")]) as store:
+        for k in range(3):
+            ids = rng.integers(0, 500, 200)
+            store.apply_gradients("t", ids, rng.standard_normal((200, 4)).astype(np.float32))
+            store.delete("t", rng.integers(0, 500, 5))
+            store.checkpoint(tmp_path / f"c{k}", step=k, incremental=k > 0)
+    embstore.restore(tmp_path / "c2", tmp_path / "before")
+    assert main([command[0], str(tmp_path / "c0"), *command[1:]]) == 0
+    doc = json.loads((tmp_path / "c0" / "MANIFEST.json").read_text())
+    assert doc["checkpoint"] == {"step": 0, "kind": "full", "parent": None}
+    embstore.restore(tmp_path / "c2", tmp_path / "after")  # used to call c0 "a store"
+    assert _contents(tmp_path / "after") == _contents(tmp_path / "before")
