@@ -40,7 +40,7 @@ import shutil
 import struct
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -331,7 +331,13 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
                                                    dest.parent.resolve())}
         parent_id = None
         if incremental and plan.parent is not None:
-            parent_id = (read_manifest(plan.parent).get("checkpoint_seal") or {}).get("id")
+            try:
+                parent_doc = read_manifest(plan.parent)
+            except StoreNotFoundError:
+                raise ConfigError(
+                    f"the checkpoint {plan.parent} this incremental one would follow is gone "
+                    "(moved or removed); take a full checkpoint") from None
+            parent_id = (parent_doc.get("checkpoint_seal") or {}).get("id")
         body["checkpoint_seal"] = {"id": uuid.uuid4().hex, "parent_id": parent_id,
                                    "tables": seal}
         write_manifest(tmp, body)
@@ -378,6 +384,7 @@ def checkpoint_chain(src: Path) -> list[tuple[Path, dict[str, Any]]]:
         info = doc.get("checkpoint")
         if info is None:
             raise ConfigError(f"{path} is a store, not a checkpoint")
+        _check_link(path, doc, info)
         if chain:
             want = (chain[-1][1].get("checkpoint_seal") or {}).get("parent_id")
             have = (doc.get("checkpoint_seal") or {}).get("id")
@@ -394,6 +401,30 @@ def checkpoint_chain(src: Path) -> list[tuple[Path, dict[str, Any]]]:
             raise CorruptStoreError(f"{path}: its parent checkpoint {parent} is missing")
         seen.add(parent)
         path = parent
+
+
+def _check_link(path: Path, doc: dict[str, Any], info: Any) -> None:
+    """Refuse a checkpoint whose manifest's checkpoint fields do not hold together.
+
+    Raises:
+        CorruptStoreError: an incremental with no parent's path, no tiers, or a seal whose
+            tables are not the manifest's.
+    """
+    problem = None  # (`read_manifest` checked the kind and step)
+    if info["kind"] == "incremental" and not (isinstance(info.get("parent"), str)
+                                              and info["parent"]):
+        problem = "an incremental checkpoint names no parent"
+    elif not doc.get("tiers"):
+        problem = "it names no tiers"
+    else:
+        seal = doc.get("checkpoint_seal")
+        sealed = (seal.get("tables") if isinstance(seal, dict) else None)
+        names = {str(t.get("name")) for t in doc.get("tables") or [] if isinstance(t, dict)}
+        if seal is not None and (not isinstance(sealed, dict) or set(sealed) != names):
+            problem = "its tables are not those its seal lists"
+    if problem is not None:
+        raise CorruptStoreError(f"{path}: {problem}; the manifest is damaged: restore "
+                                "another checkpoint")
 
 
 def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
@@ -517,13 +548,15 @@ def _checkpoint_rows(where: Path, root: Path, spec: TableSpec, tiers: tuple[Tier
 
 def _apply_increment(root: Path, inc_path: Path, inc: dict[str, Any],
                      tables: dict[str, TableSpec], tiers: tuple[TierSpec, ...]) -> None:
+    # the increment's rows lie in its own layout: its base may have been migrated since
+    inc_tiers = tuple(TierSpec.from_json(t) for t in inc["tiers"])
     for data in inc["tables"]:
         spec = TableSpec.from_json(data)
-        if spec.name in tables and tables[spec.name] != spec:
+        known = tables.setdefault(spec.name, spec)
+        if replace(known, tiers=None) != replace(spec, tiers=None):
             raise CorruptStoreError(f"{inc_path}: table {spec.name!r} differs from its parent's")
-        tables[spec.name] = spec
-        with _bottom_backend(root, spec, tiers, read_only=False) as target, \
-                _checkpoint_rows(inc_path, inc_path, spec, tiers) as delta:
+        with _bottom_backend(root, known, tiers, read_only=False) as target, \
+                _checkpoint_rows(inc_path, inc_path, spec, inc_tiers) as delta:
             dead = _read_tombstones(inc_path / f"{spec.name}.deleted")
             stored, digest = 0, 0
             for ids, rows in delta.items(BATCH_ROWS):  # a mismatch below discards all of it

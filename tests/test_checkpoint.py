@@ -567,3 +567,55 @@ def test_a_read_only_handle_checkpoints_what_writers_since_its_open_left(tmp_pat
             embstore.open(tmp_path / "full", read_only=True) as full:
         assert _contents(full) == _contents(now)
         assert 50 not in _contents(full)["t"] and len(_contents(full)["t"]) == 99
+
+
+def _chain_of_three(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[_spec("a"), _spec("b")],
+                       tiers=[TierSpec("rocksdb")]) as store:
+        for k in range(3):
+            _train(store, seed=k)
+            store.checkpoint(tmp_path / f"c{k}", step=k, incremental=k > 0)
+
+
+@pytest.mark.parametrize("link,edit,match", [
+    ("c1", lambda d: d["checkpoint"].pop("parent"), "names no parent"),
+    ("c1", lambda d: d["checkpoint"].update(parent=5), "names no parent"),
+    ("c1", lambda d: d["checkpoint"].update(parent=None), "names no parent"),
+    ("c0", lambda d: d["checkpoint"].update(kind="incremental"), "names no parent"),
+    ("c0", lambda d: d["checkpoint"].update(kind=None), "kind"),
+    ("c0", lambda d: d.update(tiers=[]), "names no tiers"),
+    ("c1", lambda d: d.update(tables=[]), "not those its seal lists"),
+    ("c1", lambda d: d.update(tables=d["tables"][:1]), "not those its seal lists"),
+], ids=["no-parent", "parent-int", "parent-null", "full-as-incremental", "no-kind",
+        "no-tiers", "no-tables", "a-table-dropped"])
+def test_a_chain_whose_manifest_fields_do_not_hold_together_is_refused(tmp_path, link, edit,
+                                                                      match):
+    # manifests edited with their checksum made again: what a careless tool would write.
+    # Each used to raise a raw KeyError, TypeError or IndexError, or, with an increment's
+    # tables dropped, restore without its rows
+    from embstore.manifest import read_manifest, write_manifest
+
+    _chain_of_three(tmp_path)
+    doc = read_manifest(tmp_path / link)
+    edit(doc)
+    write_manifest(tmp_path / link, doc)
+    with pytest.raises(E.CorruptStoreError, match=match):
+        embstore.restore(tmp_path / "c2", tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_incremental_checkpoint_whose_parent_was_removed_says_so(tmp_path):
+    import shutil
+
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=[TierSpec("rocksdb")]) as store:
+        _train(store, seed=0)
+        store.checkpoint(tmp_path / "c0")
+        shutil.rmtree(tmp_path / "c0")
+        _train(store, seed=1)
+        with pytest.raises(E.ConfigError, match="would follow is gone"):
+            store.checkpoint(tmp_path / "c1", incremental=True)
+        assert not (tmp_path / "c1").exists()
+        store.checkpoint(tmp_path / "c2")  # a full one still goes
+        expected = _contents(store)
+    with embstore.open(tmp_path / "c2", read_only=True) as c2:
+        assert _contents(c2) == expected
