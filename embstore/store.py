@@ -1213,8 +1213,9 @@ class EmbeddingStore:
     def describe(self) -> dict[str, Any]:
         """A JSON-serialisable description of the store.
 
-        Path, default tiers, and per table its spec, rows, and per tier the counters plus the
-        medium's own facts (e.g. libpmem in use). A tier's `backend` is the one its chain
+        Path, default tiers, and per table its spec, rows, the rows its medium lost (ids its
+        written-id record holds that no tier stores: `lost_rows`), and per tier the counters
+        plus the medium's own facts (e.g. libpmem in use). A tier's `backend` is the one its chain
         declares; `stand_in` is True where a read-only open put a DRAM tier in its place (a
         cache that keeps files), whose rows and bytes are then not the cache's.
         """
@@ -1235,7 +1236,12 @@ class EmbeddingStore:
                     entry["admission"] = tier.spec.admission
                     entry["medium"] = tier.backend.statistics()
                     tiers.append(entry)
-                tables[name] = {"spec": t.spec.to_json(), "rows": len(t.chain),
+                held = len(t.chain)
+                # ids the written-id record holds that no tier stores: a medium that lost
+                # rows (a removed file) must not read as a table with fewer rows
+                lost = (len(self._lost(t, bottom=False))
+                        if t.written is not None and held < t.written.count() else 0)
+                tables[name] = {"spec": t.spec.to_json(), "rows": held, "lost_rows": lost,
                                 "bytes": sum(tt["bytes"] for tt in tiers
                                              if not tt["stand_in"]),
                                 "updates_dropped": t.updates_dropped, "tiers": tiers}

@@ -646,3 +646,21 @@ def test_a_delete_cut_short_in_a_bottom_that_evicts_leaves_its_rows_tracked(
         assert below.rows == len(below.backend) == len(below.eviction) == 30
         store.update("t", np.arange(100, 120), np.ones((20, 4), np.float32))
         assert below.rows == len(below.backend) == len(below.eviction) == 40
+
+
+@pytest.mark.parametrize("how", ["rows", "file"])
+@pytest.mark.parametrize("backend", PERSISTENT)
+def test_describe_and_info_report_the_rows_a_medium_lost(tmp_path, backend, how, capsys):
+    from embstore.tools.cli import main
+
+    _make_damaged(tmp_path / "s", backend, True, how)
+    try:
+        with embstore.open(tmp_path / "s", read_only=True) as store:
+            table = store.describe()["tables"]["t"]
+    except EmbstoreError:  # RocksDB and LMDB refuse to open a removed database at all
+        assert how == "file" and backend in ("rocksdb", "lmdb")
+    else:  # "rows" counts what the medium holds; a removed file read as an empty table
+        assert table["lost_rows"] == (2 if how == "rows" else ROWS)
+    assert main(["info", str(tmp_path / "s")]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and err.count("\n") == 1 and "fsck" in err

@@ -1,13 +1,15 @@
 """`embstore info PATH`: the tables, tiers, rows, bytes and cumulative counters of a store.
 
 The counters (lookups, hits, misses, evictions, write-backs, ...) are those of every session
-up to the last close, which the store keeps in STATS.json.
+up to the last close, which the store keeps in STATS.json. Exits 2 where a table's medium lost
+rows it held (a removed file, say), after the description.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -49,7 +51,8 @@ def _print_text(info: dict[str, Any]) -> None:
         spec = t["spec"]
         print(f"table {name}: dim {spec['dim']} {spec['dtype']}, optimizer "
               f"{spec['optimizer']['name']}, init {spec['init']['name']}; "
-              f"{t['rows']:,} rows, {_size(t['bytes'])}")
+              f"{t['rows']:,} rows, {_size(t['bytes'])}"
+              + (f"; {t['lost_rows']:,} rows lost" if t["lost_rows"] else ""))
         for tier in t["tiers"]:
             rows = tier["capacity_rows"]
             cap = "unbounded" if rows is None else f"{rows:,} rows"
@@ -78,4 +81,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2, default=str))
     else:
         _print_text(info)
+    lost = {name: t["lost_rows"] for name, t in info["tables"].items() if t["lost_rows"]}
+    if lost:
+        print("embstore info: error: the medium lost rows the store wrote ("
+              + ", ".join(f"table {name}: {n:,}" for name, n in lost.items())
+              + f"); `embstore fsck {args.path}` lists them", file=sys.stderr)
+        return 2
     return 0
