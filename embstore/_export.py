@@ -3,19 +3,23 @@
 The format (no pickle; readable with numpy alone, or any language)::
 
     OUT/
-        header.json   {"format": "embstore-export", "version": 1, "byte_order": "little",
+        header.json   {"format": "embstore-export", "version": 2, "byte_order": "little",
                        "tiers": [TierSpec JSON], "step": int | null, "extras": {...},
                        "tables": [{"spec": TableSpec JSON, "rows": n, "row_width": w,
                                    "dtype": "<f4", "ids_file": "0.ids", "rows_file": "0.rows",
-                                   "ids_crc32": int, "rows_crc32": int}]}
+                                   "ids_crc32": int, "rows_crc32": int}],
+                       "checksum": "crc32:<hex>"}
         <i>.ids       n ids, int64 little-endian
         <i>.rows      n rows of w values of "dtype" little-endian, C order, as the store
                       keeps them: the weights (dim values) then the optimizer state; a
                       half-precision table's rows are its stored bytes (embstore._precision)
 
-CRC-32 (zlib's) of each file's bytes guards the copy; import also checks every field of the
-header and every page against its table's spec (ids in range, values finite where the spec
-forbids NaN and infinity), refusing the whole import at the first fault. Rows stream page by
+CRC-32 (zlib's) of each file's bytes guards the copy, and of the header's JSON (sorted keys,
+indented by 2, without the checksum field) the header: a flipped bit in a spec's learning rate
+or an initializer's seed would otherwise import as a different table. Version 1 exports,
+whose header has no checksum, still import. Import also checks every field of the header
+and every page against its table's spec (ids in range, values finite where the spec forbids
+NaN and infinity), refusing the whole import at the first fault. Rows stream page by
 page both ways (about 4 MiB of rows at a time), so memory stays bounded whatever a table's
 size. Export writes `.OUT.tmp-<pid>-<random>` and renames it, import builds `.PATH.tmp-*` and
 renames it: a crash leaves no half-written export or store behind (errors name OUT or PATH).
@@ -45,13 +49,14 @@ from ._rebuild import (
 )
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
 from .layout import lock, store_above
-from .manifest import is_json_int, optional_fields_problem, write_atomic
+from .manifest import is_json_int, json_checksum, optional_fields_problem, write_atomic
 from .spec import TableSpec, TierSpec
 
 __all__ = ["FORMAT", "export_store", "import_store", "read_header"]
 
 FORMAT = "embstore-export"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # version 1: no checksum of the header
 HEADER = "header.json"
 _TABLE_FIELDS = ("spec", "rows", "row_width", "dtype", "ids_file", "rows_file", "ids_crc32",
                  "rows_crc32")
@@ -138,6 +143,7 @@ def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
                       "extras": {k: v for k, v in doc.items()
                                  if k not in ("format", "version", "tiers", "tables")},
                       "tables": tables}
+            header["checksum"] = json_checksum(header)
             write_atomic(tmp / HEADER, json.dumps(header, indent=1).encode())
             _commit(tmp, dest)
         except OSError as exc:
@@ -197,8 +203,10 @@ def read_header(src: Path) -> dict[str, Any]:
         raise CorruptStoreError(f"{file} is damaged: it must hold a JSON object, got "
                                 f"{_show(doc)}")
     if doc.get("format") != FORMAT or not is_json_int(doc.get("version")) \
-            or doc["version"] != VERSION:
-        raise CorruptStoreError(f"{file} is not an embstore export of version {VERSION}")
+            or doc["version"] not in READS:
+        raise CorruptStoreError(f"{file} is not an embstore export of version "
+                                f"{' or '.join(map(str, READS))}")
+    stored = doc.pop("checksum", _MISSING)
     if doc.get("byte_order", _MISSING) != "little":
         raise _bad(file, "byte_order", '"little" (the only byte order this reader reads)',
                    doc.get("byte_order", _MISSING))
@@ -228,6 +236,11 @@ def read_header(src: Path) -> dict[str, Any]:
                                         f"{t[key]!r}, which another field names too")
             files.add(t[key])
         _check_files(src, file, spec, t)
+    # last, so that a header edited by hand is told which field is wrong
+    if doc["version"] >= 2 and stored != json_checksum(doc):
+        raise CorruptStoreError(f"{file} is damaged: it fails its checksum (stored "
+                                f"{_show(stored) if stored is not _MISSING else 'none'}, "
+                                f"computed {json_checksum(doc)!r}); export the store again")
     return doc
 
 

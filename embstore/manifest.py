@@ -23,6 +23,7 @@ from . import _crash
 from .errors import CorruptStoreError, StoreNotFoundError
 
 __all__ = ["FORMAT", "MANIFEST_NAME", "VERSION", "fsync_dir", "fsync_tree", "is_json_int",
+           "json_checksum",
            "make_dirs", "optional_fields_problem", "read_manifest", "write_atomic",
            "write_atomic_many", "write_manifest"]
 
@@ -118,7 +119,8 @@ def _write_synced(tmp: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _checksum(doc: dict[str, Any]) -> str:
+def json_checksum(doc: dict[str, Any]) -> str:
+    """The checksum of a JSON document as written (sorted keys, indent 2): crc32:<hex>."""
     text = json.dumps(doc, indent=2, sort_keys=True).encode()
     return f"crc32:{zlib.crc32(text):08x}"
 
@@ -166,7 +168,7 @@ def write_manifest(directory: Path, body: dict[str, Any]) -> None:
     """Write the manifest of the store in `directory` atomically."""
     doc = {**{k: v for k, v in body.items() if k != "checksum"}, "format": FORMAT,
            "version": VERSION}
-    doc["checksum"] = _checksum(doc)
+    doc["checksum"] = json_checksum(doc)
     write_atomic(directory / MANIFEST_NAME, json.dumps(doc, indent=2, sort_keys=True).encode())
 
 
@@ -196,9 +198,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptStoreError(f"{file} is not an embstore manifest (format field missing)")
     stored = doc.pop("checksum", None)
-    if stored != _checksum(doc):
+    if stored != json_checksum(doc):
         raise CorruptStoreError(
-            f"{file} fails its checksum (stored {stored!r}, computed {_checksum(doc)!r}): it "
+            f"{file} fails its checksum (stored {stored!r}, computed {json_checksum(doc)!r}): it "
             "was damaged or edited by hand; restore it from a checkpoint of the store")
     if doc.get("version") != VERSION:
         raise CorruptStoreError(

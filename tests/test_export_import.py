@@ -59,6 +59,15 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return err
 
 
+def _write_header(export, header: dict) -> None:
+    """Write `header` into `export` with its checksum made again, as a careful forger would."""
+    from embstore.manifest import json_checksum
+
+    header = {k: v for k, v in header.items() if k != "checksum"}
+    header["checksum"] = json_checksum(header)
+    (export / "header.json").write_text(json.dumps(header))
+
+
 def _table(h: dict, name: str) -> dict:
     return next(t for t in h["tables"] if t["spec"]["name"] == name)
 
@@ -137,7 +146,7 @@ def _damage_rows(src: Path, name: str, value: float, *, row: int = 3, column: in
     rows[row, column] = value
     rows.tofile(src / t["rows_file"])
     t["rows_crc32"] = zlib.crc32(rows.tobytes())
-    (src / "header.json").write_text(json.dumps(header))
+    _write_header(src, header)
     return int(np.fromfile(src / t["ids_file"], dtype="<i8")[row])
 
 
@@ -174,7 +183,7 @@ def _set_id(src: Path, name: str, at: int, value: int) -> None:
     ids[at] = value
     ids.tofile(src / t["ids_file"])
     t["ids_crc32"] = zlib.crc32(ids.tobytes())
-    (src / "header.json").write_text(json.dumps(header))
+    _write_header(src, header)
 
 
 def test_ids_outside_num_embeddings_are_not_imported(
@@ -227,7 +236,7 @@ def test_half_precision_rows_holding_infinity_are_not_imported(tmp_path: Path) -
     raw[5, 2:4] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)  # weight 1 of row 5
     raw.tofile(tmp_path / "x" / t["rows_file"])
     t["rows_crc32"] = zlib.crc32(raw.tobytes())
-    (tmp_path / "x" / "header.json").write_text(json.dumps(header))
+    _write_header(tmp_path / "x", header)
     bad_id = int(np.fromfile(tmp_path / "x" / t["ids_file"], dtype="<i8")[5])
     with pytest.raises(CorruptStoreError, match=rf"'half'.*id {bad_id}\b"):
         import_store(tmp_path / "x", tmp_path / "t")
@@ -264,3 +273,39 @@ def test_a_failure_to_publish_names_the_destination_and_leaves_nothing(
     err = _refused([command, str(src), str(dest)], capsys)
     assert f"cannot write {dest}" in err
     assert not (tmp_path / "new").exists()  # neither the private directory nor its parent
+
+
+@pytest.mark.parametrize("field", ["lr", "seed"])
+def test_a_header_value_changed_by_a_flipped_bit_is_refused(tmp_path, field):
+    # the data files carry CRCs of their own; a spec's number in the header used to import
+    # as another table (a learning rate of 0.03 for 0.01, another initializer's seed)
+    with embstore.open(tmp_path / "s", tables=[TableSpec(
+            "t", dim=4, init=embstore.init.Uniform(seed=1),
+            optimizer=embstore.optim.Adagrad(lr=0.01))]) as store:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+    export_store(tmp_path / "s", tmp_path / "x")
+    raw = bytearray((tmp_path / "x" / "header.json").read_bytes())
+    at = raw.index(b'"lr": 0.01' if field == "lr" else b'"seed": 1') + (9 if field == "lr"
+                                                                      else 8)
+    raw[at] ^= 0x02  # "0.01" -> "0.03", "1" -> "3": still a valid header field by field
+    (tmp_path / "x" / "header.json").write_bytes(bytes(raw))
+    with pytest.raises(CorruptStoreError, match="fails its checksum"):
+        import_store(tmp_path / "x", tmp_path / "i")
+    assert not (tmp_path / "i").exists()
+
+
+def test_a_version_1_export_without_a_header_checksum_still_imports(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[TableSpec("t", dim=4)]) as store:
+        store.update("t", np.arange(10), np.full((10, 4), 2.0, np.float32))
+    export_store(tmp_path / "s", tmp_path / "x")
+    header = json.loads((tmp_path / "x" / "header.json").read_text())
+    del header["checksum"]
+    header["version"] = 1  # what exports were before the header had a checksum
+    (tmp_path / "x" / "header.json").write_text(json.dumps(header))
+    import_store(tmp_path / "x", tmp_path / "i")
+    with embstore.open(tmp_path / "i") as store:
+        assert (store.lookup("t", np.arange(10)) == 2.0).all()
+    header["version"] = 2  # a version 2 header must carry its checksum
+    (tmp_path / "x" / "header.json").write_text(json.dumps(header))
+    with pytest.raises(CorruptStoreError, match="fails its checksum"):
+        import_store(tmp_path / "x", tmp_path / "j")
