@@ -181,7 +181,7 @@ def test_a_manifest_of_another_format_version_names_the_version(tmp_path):
     path = _store(tmp_path / "s")
     doc = read_manifest(path)  # checked, its checksum field taken out
     doc["version"] = 99
-    doc["checksum"] = manifest._checksum(doc)
+    doc["checksum"] = manifest.json_checksum(doc)
     (path / "MANIFEST.json").write_text(json.dumps(doc))
     with pytest.raises(CorruptStoreError, match="format version 99"):
         embstore.open(path)

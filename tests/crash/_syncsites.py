@@ -156,13 +156,11 @@ SITES: tuple[Site, ...] = (
          point=("flush", "lmdb", "flush-deletes"), expect=_UNSYNCED),
     Site("written.record_mkdir_sync", _S, "_record_bytes", "fsync_dir(file.parent.parent)",
          point=("flush", "lmdb", "flush-reopened"), expect=_NAMES),
-    Site("checkpoint.publish_dir_sync", "embstore.checkpoint", "take_checkpoint",
+    Site("private_dir.publish_dir_sync", "embstore._private_dir", "publish",
          "fsync_dir(dest.parent)", point=("checkpoint", "rocksdb", "checkpoint"),
          expect=_NAMES),
     Site("checkpoint.restore_tree_sync", "embstore.checkpoint", "restore", "fsync_tree(tmp)",
          point=("checkpoint", "rocksdb", "restore"), expect=_PUBLISHED),
-    Site("checkpoint.restore_dir_sync", "embstore.checkpoint", "restore",
-         "fsync_dir(dest.parent)", point=("checkpoint", "rocksdb", "restore"), expect=_NAMES),
     Site("rebuild.recover_swap_dir_sync", "embstore.layout", "recover_swap",
          "fsync_dir(root.parent)",
          why="redundant: recover_swap runs first in replace_store, which syncs the same "
@@ -207,8 +205,6 @@ SITES: tuple[Site, ...] = (
          clean=("access", "rocksdb")),
     Site("export.data_fsync", _E, "_export_table", "os.fsync(fh.fileno())",
          point=("export", "lmdb", "export"), expect=_PUBLISHED),
-    Site("export.commit_dir_sync", _E, "_commit", "fsync_dir(dest.parent)",
-         point=("export", "lmdb", "export"), expect=_NAMES),
     # --- the command line ---------------------------------------------------------------------
     Site("demo.dense_fsync", "embstore.tools.demo", "_save_dense", "os.fsync(f.fileno())",
          point=("demo", "dram", "demo-save"), expect=_PUBLISHED),

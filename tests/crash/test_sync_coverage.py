@@ -92,11 +92,12 @@ written.journal_truncate_fsync  WrittenIds._empty_journal: fsync after emptying 
     [flush/lmdb/flush-deletes: t.del truncated, not synced].
 written.record_mkdir_sync  _record_bytes: fsync_dir after making the record's directory
     [flush/lmdb/flush-reopened: a store from before written-id records, whose open makes them].
-checkpoint.publish_dir_sync  embstore/checkpoint.py take_checkpoint: fsync_dir after the
-    rename [checkpoint/rocksdb/checkpoint: the checkpoint's name not synced].
-checkpoint.restore_tree_sync  restore: fsync_tree before the rename; new, it was missing: the
-    copied base checkpoint was published unsynced [checkpoint/rocksdb/restore].
-checkpoint.restore_dir_sync  restore: fsync_dir after the rename [checkpoint/rocksdb/restore].
+private_dir.publish_dir_sync  embstore/_private_dir.py publish: fsync_dir after the rename
+    that publishes a checkpoint, a restore, an export or an import
+    [checkpoint/rocksdb/checkpoint: the checkpoint's name not synced].
+checkpoint.restore_tree_sync  embstore/checkpoint.py restore: fsync_tree before the rename;
+    new, it was missing: the copied base checkpoint was published unsynced
+    [checkpoint/rocksdb/restore].
 rebuild.recover_swap_dir_sync  embstore/_rebuild.py recover_swap: fsync_dir after putting a
     parked store back. Redundant: replace_store, its only caller, syncs the same directory
     again before its swap (stays clean without it: rebuild-renames/lmdb).
@@ -114,8 +115,6 @@ rebuild.keep_old_dir_sync  replace_store: fsync_dir after moving the old store t
     [rebuild/pmem/fsck-repair: fsck's backup's name not synced].
 export.data_fsync  embstore/_export.py _export_table: fsync of the ids and rows files
     [export/lmdb/export: published before their data was synced].
-export.commit_dir_sync  _commit: fsync_dir after the rename (export and import)
-    [export/lmdb/export].
 demo.dense_fsync, demo.dense_dir_fsync  tools/demo.py _save_dense: fsync of the dense model's
     file before its rename, and of its directory after [demo/dram/demo-save].
 access_log.flush_ids_fsync, access_log.flush_offsets_fsync  embstore/_access_log.py
