@@ -254,6 +254,8 @@ def _parse(file: Path) -> Any:
         why = f"it is not valid JSON (line {exc.lineno}, column {exc.colno})"
     except RecursionError:
         why = "its JSON is nested too deeply"
+    except ValueError:  # json's int parser refuses numbers of over 4,300 digits
+        why = "it holds a number too long for an export"
     raise CorruptStoreError(f"{file} is damaged: {why}; export the store again")
 
 

@@ -195,6 +195,10 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptStoreError(f"{file} is not valid JSON ({exc}); restore it from a checkpoint"
                                 ) from exc
+    except (ValueError, RecursionError):  # a number of too many digits, nesting too deep
+        raise CorruptStoreError(f"{file} is not a manifest embstore could have written (a number "
+                                "too long or nesting too deep); restore it from a checkpoint"
+                                ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptStoreError(f"{file} is not an embstore manifest (format field missing)")
     stored = doc.pop("checksum", None)

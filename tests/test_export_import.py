@@ -128,7 +128,8 @@ def test_a_header_of_the_wrong_shape_is_refused_naming_file_and_field(
     assert not (tmp_path / "new").exists()  # nothing made, not even the parent
 
 
-@pytest.mark.parametrize("raw", [b"", b"\xff\xfe", b"{" * 100_000])
+@pytest.mark.parametrize("raw", [b"", b"\xff\xfe", b"{" * 100_000,
+                                 b'{"format": "embstore-export", "step": ' + b"9" * 5000 + b"}"])
 def test_a_header_that_is_not_json_is_refused_in_our_words(
         exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], raw: bytes) -> None:
     src = _copy(exported, tmp_path)

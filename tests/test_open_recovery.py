@@ -106,6 +106,17 @@ def test_a_damaged_manifest_is_reported_as_failing_its_checksum(tmp_path):
         embstore.open(path)
 
 
+@pytest.mark.parametrize("raw", [b'{"format": "embstore", "version": ' + b"9" * 5000 + b"}",
+                                 b"[" * 100_000])
+def test_a_manifest_json_cannot_hold_is_reported_as_damaged(tmp_path, raw):
+    path = tmp_path / "s"
+    with embstore.open(path, tables=[embstore.TableSpec("t", dim=2)]):
+        pass
+    (path / "MANIFEST.json").write_bytes(raw)  # a number json will not parse, nesting too deep
+    with pytest.raises(CorruptStoreError, match="MANIFEST.json"):
+        embstore.open(path)
+
+
 @pytest.mark.parametrize("tiers", [None, [TierSpec("dram", capacity=8), TierSpec("rocksdb")]])
 def test_a_create_whose_manifest_cannot_be_written_leaves_nothing_and_no_lock(
         tmp_path, monkeypatch, tiers):
