@@ -78,7 +78,7 @@ def _fresh(dest: Path) -> tuple[Path, list[Path]]:
         StoreExistsError: `dest` exists and is not an empty directory.
         OSError: `dest` cannot be made there; the message names `dest`, not the private path.
     """
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+    if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir()))):
         raise StoreExistsError(f"{dest} exists; choose a new path (nothing is overwritten)")
     return make_private(dest)
 

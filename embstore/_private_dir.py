@@ -68,12 +68,22 @@ def publish(tmp: Path, dest: Path, what: str) -> None:
             dest.rmdir()  # an empty directory given as the destination
         os.replace(tmp, dest)
     except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+        # ENOTDIR: a file or a link put at `dest` (a directory cannot replace either)
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) or (
+                exc.errno == errno.ENOTDIR and _taken(dest)):
             raise StoreExistsError(f"{dest} was made by another writer while {what} was being "
                                    "written; it is kept, and nothing of this one is left: "
                                    "choose a new path") from exc
         raise
     fsync_dir(dest.parent)
+
+
+def _taken(dest: Path) -> bool:
+    """Whether something other than a directory is at `dest` (a link counts, dangling or not)."""
+    try:
+        return dest.is_symlink() or (dest.exists() and not dest.is_dir())
+    except OSError:
+        return False
 
 
 def discard(tmp: Path, made: Sequence[Path]) -> None:

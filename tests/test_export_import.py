@@ -276,6 +276,44 @@ def test_a_failure_to_publish_names_the_destination_and_leaves_nothing(
     assert not (tmp_path / "new").exists()  # neither the private directory nor its parent
 
 
+def _occupy(dest: Path, kind: str) -> None:
+    if kind == "file":
+        dest.write_text("mine")
+    elif kind == "link to an empty directory":
+        (dest.parent / "target").mkdir()
+        dest.symlink_to(dest.parent / "target")
+    else:  # a dangling link
+        dest.symlink_to(dest.parent / "nowhere")
+
+
+@pytest.mark.parametrize("kind", ["file", "link to an empty directory", "dangling link"])
+@pytest.mark.parametrize("command", ["export", "import"])
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_destination_taken_by_a_file_or_link_is_refused_and_kept(
+        exported: Path, tmp_path: Path, command: str, when: str, kind: str) -> None:
+    dest = tmp_path / "out"
+    occupied: list[bool] = []
+
+    def progress(*_: object) -> None:  # called while the private build is being written
+        if when == "during" and not occupied:
+            occupied.append(True)
+            _occupy(dest, kind)
+
+    if when == "before":
+        _occupy(dest, kind)
+    with pytest.raises(embstore.errors.StoreExistsError):
+        if command == "export":
+            export_store(exported.parent / "s", dest, progress=progress)
+        else:
+            import_store(exported, dest, progress=progress)
+    assert dest.is_symlink() == (kind != "file")
+    if kind == "file":
+        assert dest.read_text() == "mine"
+    if kind == "link to an empty directory":
+        assert not any((tmp_path / "target").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
+
+
 @pytest.mark.parametrize("field", ["lr", "seed"])
 def test_a_header_value_changed_by_a_flipped_bit_is_refused(tmp_path, field):
     # the data files carry CRCs of their own; a spec's number in the header used to import
