@@ -407,21 +407,26 @@ def _check_link(path: Path, doc: dict[str, Any], info: Any) -> None:
     """Refuse a checkpoint whose manifest's checkpoint fields do not hold together.
 
     Raises:
-        CorruptStoreError: an incremental with no parent's path, no tiers, or a seal whose
-            tables are not the manifest's.
+        CorruptStoreError: an incremental with no parent's path, no tiers, tables that are
+            not named objects, or a seal whose tables are not the manifest's (or not objects).
     """
     problem = None  # (`read_manifest` checked the kind and step)
-    if info["kind"] == "incremental" and not (isinstance(info.get("parent"), str)
-                                              and info["parent"]):
+    parent = info.get("parent")
+    tables = doc.get("tables")
+    seal = doc.get("checkpoint_seal")
+    sealed = seal.get("tables") if isinstance(seal, dict) else None
+    if info["kind"] == "incremental" and not (isinstance(parent, str) and parent
+                                              and "\0" not in parent):
         problem = "an incremental checkpoint names no parent"
     elif not doc.get("tiers"):
         problem = "it names no tiers"
-    else:
-        seal = doc.get("checkpoint_seal")
-        sealed = (seal.get("tables") if isinstance(seal, dict) else None)
-        names = {str(t.get("name")) for t in doc.get("tables") or [] if isinstance(t, dict)}
-        if seal is not None and (not isinstance(sealed, dict) or set(sealed) != names):
-            problem = "its tables are not those its seal lists"
+    elif not isinstance(tables, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) for t in tables):
+        problem = "its list of tables is damaged"
+    elif seal is not None and (
+            not isinstance(sealed, dict) or set(sealed) != {t["name"] for t in tables}
+            or not all(isinstance(v, dict) for v in sealed.values())):
+        problem = "its tables are not those its seal lists"
     if problem is not None:
         raise CorruptStoreError(f"{path}: {problem}; the manifest is damaged: restore "
                                 "another checkpoint")

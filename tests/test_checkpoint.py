@@ -586,13 +586,18 @@ def _chain_of_three(tmp_path):
     ("c0", lambda d: d.update(tiers=[]), "names no tiers"),
     ("c1", lambda d: d.update(tables=[]), "not those its seal lists"),
     ("c1", lambda d: d.update(tables=d["tables"][:1]), "not those its seal lists"),
+    ("c1", lambda d: d["checkpoint"].update(parent="c0\0"), "names no parent"),
+    ("c0", lambda d: d["tables"].append(3), "list of tables is damaged"),
+    ("c1", lambda d: d["checkpoint_seal"]["tables"].update(a=5), "not those its seal lists"),
+    ("c0", lambda d: d["checkpoint_seal"]["tables"].update(b=[1]), "not those its seal lists"),
 ], ids=["no-parent", "parent-int", "parent-null", "full-as-incremental", "no-kind",
-        "no-tiers", "no-tables", "a-table-dropped"])
+        "no-tiers", "no-tables", "a-table-dropped", "parent-with-nul",
+        "a-table-not-an-object", "a-seal-entry-not-an-object", "a-base-seal-entry-a-list"])
 def test_a_chain_whose_manifest_fields_do_not_hold_together_is_refused(tmp_path, link, edit,
                                                                       match):
     # manifests edited with their checksum made again: what a careless tool would write.
-    # Each used to raise a raw KeyError, TypeError or IndexError, or, with an increment's
-    # tables dropped, restore without its rows
+    # Each used to raise a raw KeyError, TypeError, AttributeError, IndexError or ValueError,
+    # or, with an increment's tables dropped, restore without its rows
     from embstore.manifest import read_manifest, write_manifest
 
     _chain_of_three(tmp_path)
