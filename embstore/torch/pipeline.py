@@ -106,6 +106,11 @@ def _unstage(touched: dict[_StoreModule, ForwardPlan]) -> None:
             module._staged = None
 
 
+def _closed_early() -> ConfigError:
+    return ConfigError("this TrainPipeline was closed before its batches ended; make a new one "
+                       "to go on")
+
+
 class TrainPipeline(Generic[B]):
     """Iterate `batches` with the store rows of the next `depth` batches fetched ahead.
 
@@ -332,8 +337,7 @@ class TrainPipeline(Generic[B]):
         if self._done:
             if self._ended:
                 raise StopIteration
-            raise ConfigError("this TrainPipeline was closed before its batches ended; make "
-                              "a new one to go on")
+            raise _closed_early()
         if self._holding:
             self._holding = False  # first: an interrupt must not let the slot go twice
             self._slots.release()  # the previous batch is done: one more may be read ahead
@@ -345,8 +349,7 @@ class TrainPipeline(Generic[B]):
             self._settled(token)
         item = self._queue.get()
         if item is _CLOSED or self._done:  # close() ran (another thread, a signal handler)
-            raise ConfigError("this TrainPipeline was closed before its batches ended; make "
-                              "a new one to go on")
+            raise _closed_early()
         if item is _END:
             self._ended = True
             self.close()
@@ -370,7 +373,11 @@ class TrainPipeline(Generic[B]):
 
     def _serve(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int,
                token: int) -> None:
-        """Refresh the batch's staged rows and hand its plans to their modules."""
+        """Refresh the batch's staged rows and hand its plans to their modules.
+
+        Raises:
+            ConfigError: the pipeline was closed meanwhile; nothing is left staged.
+        """
         self._refresh(staged, read_at, token)
         for module, plan in staged:
             if _collective(module):
@@ -388,6 +395,9 @@ class TrainPipeline(Generic[B]):
                 plan.catch_up = self._catch_up_hook
             self._touched[module] = plan  # first: close() drops the plans it knows
             module.stage(plan)
+        if self._done:  # closed from another thread meanwhile: the rows may have been staged
+            _unstage(self._touched)  # after close() dropped the others', and not refreshed
+            raise _closed_early()
 
     def _refresh(self, staged: list[tuple[_StoreModule, ForwardPlan]], read_at: int,
                  token: int) -> None:

@@ -825,3 +825,34 @@ def test_a_pipeline_with_nothing_staged_keeps_no_log_of_writes():
     assert staged._log  # rows staged ahead: the write is kept for their refresh
     staged.close()
     assert not staged._log  # and dropped with the pipeline
+
+
+def test_a_close_from_another_thread_while_a_step_is_served_hands_out_no_stale_batch(
+        monkeypatch):
+    # close() ran between the step taking its batch and staging its rows: the step used to
+    # stage rows read before the last update, with no log left to refresh them, and return
+    # the batch; its forward then pooled the old rows
+    store = embstore.open(None, tables=[embstore.TableSpec(
+        "t", dim=4, optimizer=embstore.optim.SGD(lr=1.0))])
+    store.update("t", np.arange(4), np.ones((4, 4), np.float32))
+    bag = et.EmbeddingBag(store, "t", mode="sum")
+    batch = (torch.tensor([0, 1]), torch.tensor([0]))
+    pipe = et.TrainPipeline([batch, batch], inputs=lambda b: {bag: b}, depth=1,
+                            stage_rows=True)
+    bag(*next(pipe)).sum().backward()  # rows 0 and 1: 1.0 -> 0.0, after batch 1 was read
+    refresh = et.TrainPipeline._refresh
+
+    def closed_meanwhile(self, *args):
+        closer = threading.Thread(target=self.close)
+        closer.start()
+        closer.join()
+        return refresh(self, *args)
+
+    monkeypatch.setattr(et.TrainPipeline, "_refresh", closed_meanwhile)
+    with pytest.raises(embstore.errors.ConfigError, match="closed before"):
+        next(pipe)
+    assert bag._staged is None
+    with torch.no_grad():
+        assert bag(*batch).tolist() == [[0.0] * 4]  # the store's rows, not the staged ones
+    assert not _pipeline_threads()
+    store.close()
