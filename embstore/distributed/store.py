@@ -392,6 +392,11 @@ class ShardedStore:
             for j, name in enumerate(names):
                 parts = [got[s][j] for s in range(world)]
                 if not sum(len(i) for i, _, _ in parts):
+                    if self._specs[name].precision != "fp32" and name in self.local.tables:
+                        # a step of the table all the same: its count seeds the rounding
+                        # of the steps after it, as in one store
+                        self.local.apply_gradients(name, np.empty(0, np.int64), np.empty(
+                            (0, self._specs[name].dim), np.float32))
                     continue
                 ids = np.concatenate([np.repeat(i, m) for i, m, _ in parts])
                 grads = np.concatenate([g for _, _, g in parts])
