@@ -18,7 +18,8 @@ concatenated in rank order.
 """
 
 from ..errors import PeerFailedError
-from ._open import open, restore
+from ._open import open
+from ._restore import restore
 from .plan import KINDS, Placement, Plan, default_plan
 from .planner import (
     MissCurve,

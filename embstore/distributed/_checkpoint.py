@@ -7,12 +7,13 @@ importing the module that opens it.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from .._private_dir import discard, io_error, missing_dirs
 from ..checkpoint import _as_path, _check_new, _check_step
-from ..manifest import make_dirs, write_atomic
+from ..manifest import json_checksum, make_dirs, read_manifest, write_atomic
 
 __all__ = ["META", "checkpoint_sharded"]
 
@@ -22,6 +23,10 @@ META = "sharded.json"
 
 def checkpoint_sharded(store: Any, dest: object, step: int | None) -> Path:
     """Write every rank's shards to ``dest/rank<r>`` and the plan to ``dest/sharded.json``.
+
+    The record also lists each rank's checkpoint seal and a checksum of itself, so that a
+    restore refuses a damaged record and shards of other checkpoints. Every rank must pass
+    the same `dest` and `step`.
 
     Each step ends in an agreement of every rank (`Comm.agree`): a failure on any rank makes
     every rank raise at once, and rank 0 removes the `dest` it made, so that the same
@@ -37,7 +42,9 @@ def checkpoint_sharded(store: Any, dest: object, step: int | None) -> Path:
         _check_new(path, "a checkpoint")
     except Exception as exc:
         error = exc
-    comm.agree(error, "checkpoint's destination and step")
+    # ranks given other paths would each write their shards to their own
+    comm.agree(error, "checkpoint's destination and step",
+               None if error is not None else [os.path.abspath(path), int(step or 0), step is None])
     made: list[Path] = []
 
     def undo() -> None:  # incomplete: nothing of it stays, a retry starts afresh
@@ -53,11 +60,15 @@ def checkpoint_sharded(store: Any, dest: object, step: int | None) -> Path:
             error = io_error(exc, path, "create")
     comm.agree(error, "checkpoint's directory", undo=undo)
     error = None
+    seal = None
     try:
         store.local.checkpoint(path / f"rank{comm.rank}", step=step)
+        seal = read_manifest(path / f"rank{comm.rank}")["checkpoint_seal"]["id"]
     except Exception as exc:  # said to the others, which would wait for this rank
         error = exc
     comm.agree(error, "checkpoint of every rank's shards", undo=undo)
+    # each rank's seal, so that a restore refuses a shard put there from another checkpoint
+    seals = comm.gather_objects(seal, "checkpoint's shard seals")
     error = None
     if comm.rank == 0:
         try:
@@ -65,7 +76,10 @@ def checkpoint_sharded(store: Any, dest: object, step: int | None) -> Path:
                 "world_size": comm.world, "plan": store.plan.to_json(),
                 "tables": [store.table_spec(t).to_json() for t in store.tables],
                 "tiers": None}
+            meta.pop("checksum", None)
             meta["step"] = None if step is None else int(step)
+            meta["shard_seals"] = seals
+            meta["checksum"] = json_checksum(meta)
             write_atomic(path / META, json.dumps(meta, indent=1, allow_nan=False).encode())
         except OSError as exc:
             error = io_error(exc, path / META, "write")

@@ -1,14 +1,14 @@
-"""Opening, checkpointing and resharding sharded stores (all collective).
+"""Opening sharded stores (collective), and the record beside their shards.
 
 Layout of a sharded store's directory (and of a checkpoint of one)::
 
-    sharded.json     world size, plan, table specs, default tiers (and the step)
+    sharded.json     world size, plan, table specs, default tiers, a checksum (and, in a
+                     checkpoint, the step and each rank's checkpoint seal)
     rank0/ rank1/    each rank's own embstore store of its shards
 
 A checkpoint is complete once rank 0 has written its ``sharded.json``, after every rank has
-written its shard. `restore` opens a new sharded store from a checkpoint with any number of
-ranks and any plan: every rank reads the rows it now owns from the old shards (joining the
-column shards of a row) and writes them, weights and optimizer state, bit for bit.
+written its shard. `restore` (embstore/distributed/_restore.py) opens a new sharded store
+from a checkpoint with any number of ranks and any plan.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch.distributed as dist
 
 from .. import _open as base_open
@@ -35,20 +34,25 @@ from ..errors import (
     CorruptStoreError,
     EmbstoreError,
     PeerFailedError,
-    StoreExistsError,
     StoreNotFoundError,
 )
-from ..manifest import MANIFEST_NAME, make_dirs, read_bytes_nofollow, write_atomic
+from ..manifest import (
+    MANIFEST_NAME,
+    json_checksum,
+    make_dirs,
+    read_bytes_nofollow,
+    write_atomic,
+)
 from ..policy import real_setting
 from ..spec import TableSpec, TierSpec
 from ..store import EmbeddingStore
 from ._checkpoint import META, checkpoint_sharded
 from ._comm import Comm
-from ._shards import local_spec, state_layout
+from ._shards import local_spec
 from .plan import Plan, default_plan
 from .store import ShardedStore
 
-__all__ = ["checkpoint_sharded", "open", "restore"]
+__all__ = ["Record", "checkpoint_sharded", "open", "read_record"]
 
 _PLACEHOLDER = TableSpec("_no_shards", dim=1)
 _META_LIMIT = 1 << 30
@@ -72,9 +76,23 @@ def _comm(group: dist.ProcessGroup | None, timeout_s: float) -> Comm:
     return Comm(group, timeout_s)
 
 
-def _read_meta(directory: Path
-               ) -> tuple[list[TableSpec], Plan, list[TierSpec] | None] | None:
-    """The tables, plan and default tiers in `directory`'s record, None where it has none."""
+class Record(NamedTuple):
+    """A sharded store's or checkpoint's record (sharded.json)."""
+
+    specs: list[TableSpec]
+    plan: Plan
+    tiers: list[TierSpec] | None
+    seals: list[str] | None
+    """A checkpoint's: each rank's checkpoint seal id, in rank order (None: not recorded)."""
+
+
+def read_record(directory: Path) -> Record | None:
+    """The record in `directory`, None where it has none.
+
+    Raises:
+        CorruptStoreError: the record is unreadable, fails its checksum (records written
+            without one are taken as they are) or does not hold together.
+    """
     file = directory / META
     try:
         # not followed if a link: a dangling one would otherwise read as no record at all
@@ -85,15 +103,22 @@ def _read_meta(directory: Path
         raise io_error(exc, file, "read") from None
     try:
         meta = json.loads(raw)
+        stored = meta.pop("checksum", None)
+        if stored is not None and stored != json_checksum(meta):
+            raise ValueError("it fails its checksum")
         specs = [TableSpec.from_json(t) for t in meta["tables"]]
         plan = Plan.from_json(meta["plan"])
         tiers = None if meta["tiers"] is None else [TierSpec.from_json(t) for t in meta["tiers"]]
         plan.check(specs)
+        seals = meta.get("shard_seals")
+        if seals is not None and not (isinstance(seals, list) and len(seals) == plan.world_size
+                                      and all(isinstance(x, str) for x in seals)):
+            raise ValueError(f"shard_seals is not one seal id per rank: {seals!r:.80}")
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError,
             RecursionError, ConfigError) as exc:
         raise CorruptStoreError(f"{file} is damaged ({type(exc).__name__}: {exc}); restore the "
                                 "sharded store from a checkpoint") from None
-    return specs, plan, tiers
+    return Record(specs, plan, tiers, seals)
 
 
 def _check_no_shards(directory: Path) -> None:
@@ -193,7 +218,7 @@ def _open(comm: Comm, directory: Path | None, tables: list[TableSpec] | None,
     except EmbstoreError as exc:
         error = exc
     comm.agree(error, "sharded store's tables, tiers and plan",
-               {**doc, "on_disk": directory is not None})
+               {**doc, "directory": None if directory is None else os.path.abspath(directory)})
     return _open_made(comm, directory, meta, specs, placed, tier_specs, doc, record_accesses,
                       record_sample, publish=publish)
 
@@ -251,10 +276,10 @@ def _settle(comm: Comm, directory: Path | None, tables: list[TableSpec] | None,
             tiers: list[TierSpec] | None, plan: Plan | None
             ) -> tuple[Any, list[TableSpec], Plan, list[TierSpec] | None]:
     """This rank's view of the store to open: (stored record or None, specs, plan, tiers)."""
-    meta = None if directory is None else _read_meta(directory)
+    meta = None if directory is None else read_record(directory)
     specs = list(tables or [])
     if meta is not None:
-        stored, stored_plan, tier_specs = meta
+        stored, stored_plan, tier_specs = meta.specs, meta.plan, meta.tiers
         if specs and specs != stored:
             raise ConfigError(f"{directory} holds tables {[s.name for s in stored]} with other "
                               "specs; omit tables= to use the stored ones")
@@ -309,6 +334,7 @@ def _publish(store: ShardedStore, doc: dict[str, Any], made: _Made) -> None:
     if store.rank == 0:
         assert store.path is not None
         try:
+            doc = {**doc, "checksum": json_checksum(doc)}
             write_atomic(store.path / META, json.dumps(doc, indent=1, allow_nan=False).encode())
         except OSError as exc:
             error = io_error(exc, store.path / META, "write")
@@ -345,145 +371,3 @@ def _open_local(directory: Path | None, rank: int, specs: list[TableSpec], plan:
         raise CorruptStoreError(f"{where} holds no store: rank {rank}'s shards of {directory} "
                                 "are lost; restore the sharded store from a checkpoint")
     return base_open.open(where, tables=mine, tiers=tiers)
-
-
-def restore(src: str | os.PathLike[str], path: str | os.PathLike[str] | None, *,
-            plan: Plan | None = None, tiers: list[TierSpec] | None = None,
-            group: dist.ProcessGroup | None = None, timeout_s: float = 300.0) -> ShardedStore:
-    """Open a new sharded store at `path` holding the checkpoint `src`, resharded; collective.
-
-    The store takes this group's size and `plan` (default: row-wise by hash over all ranks).
-
-    Raises:
-        StoreNotFoundError: `src` is not a complete sharded checkpoint.
-        StoreExistsError: `path` exists.
-        CorruptStoreError: `src`'s record or shards are damaged, missing or do not match
-            its plan. Nothing is left at `path` that opens as a store.
-    """
-    comm = _comm(group, timeout_s)
-    src = Path(src)
-    dest = None if path is None else Path(path)
-    error: BaseException | None = None
-    shards: dict[int, EmbeddingStore] = {}
-    try:
-        if dest is not None and dest.exists():
-            raise StoreExistsError(f"{dest} exists; restore into a new directory")
-        meta = _read_meta(src)
-        if meta is None:
-            raise StoreNotFoundError(f"{src} holds no {META}: not a complete sharded "
-                                     "checkpoint")
-        specs, old, old_tiers = meta
-        tiers = old_tiers if tiers is None else tiers
-        for k in range(old.world_size):
-            try:
-                shards[k] = base_open.open(src / f"rank{k}", read_only=True)
-            except StoreNotFoundError:
-                raise CorruptStoreError(f"{src} has no shards of rank {k} (its {META} lists "
-                                        f"{old.world_size} ranks): the checkpoint is not "
-                                        "complete; restore another one") from None
-            _check_shard(src / f"rank{k}", shards[k], specs, old, k)
-    except Exception as exc:
-        error = exc
-    try:
-        comm.agree(error, "restore's checks of the checkpoint")
-        store, made = _open(comm, dest, specs, tiers, plan, publish=False)
-    except BaseException:
-        _close_quietly(*shards.values())
-        raise
-    error = None
-    try:
-        for spec in specs:
-            ids, rows = _read_full(spec, old, shards)
-            _write_mine(store, spec, ids, rows)
-        store.local.flush()
-    except OSError as exc:
-        error = io_error(exc, dest or src, "restore into")
-    except Exception as exc:
-        error = exc
-    finally:
-        _close_quietly(*shards.values())
-    # no record is written: what the ranks made at `path` is removed, so that the restore
-    # can be made again
-    comm.agree(error, "restore of the checkpoint", undo=lambda: _abandon(store, made))
-    if dest is not None:
-        doc = {"world_size": comm.world, "plan": store.plan.to_json(),
-               "tables": [s.to_json() for s in specs],
-               "tiers": None if tiers is None else [t.to_json() for t in tiers]}
-        _publish(store, doc, made)
-    return store
-
-
-def _check_shard(where: Path, shard: EmbeddingStore, specs: list[TableSpec], plan: Plan,
-                 rank: int) -> None:
-    """Refuse a rank's checkpointed store whose tables are not its shards under `plan`."""
-    for spec in specs:
-        p = plan.tables[spec.name]
-        if rank not in p.ranks:
-            continue
-        want = replace(local_spec(spec, p, rank), tiers=None).to_json()
-        got = (replace(shard.table_spec(spec.name), tiers=None).to_json()
-               if spec.name in shard.tables else None)
-        if got != want:
-            raise CorruptStoreError(f"{where} does not hold rank {rank}'s shard of table "
-                                    f"{spec.name!r} under the checkpoint's plan (a shard of "
-                                    "another store or plan?); restore from a complete "
-                                    "checkpoint")
-
-
-def _read_full(spec: TableSpec, old: Plan, shards: dict[int, EmbeddingStore]
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Every stored row of `spec` in the old shards: ids [N], rows [N, dim + state]."""
-    p = old.tables[spec.name]
-    if p.kind != "column":
-        ids: list[np.ndarray] = []
-        rows: list[np.ndarray] = []
-        for k in p.ranks:
-            for i, w, s in shards[k].items(spec.name):
-                ids.append(i)
-                rows.append(np.concatenate([w, s], axis=1))
-        if not ids:
-            return np.empty(0, np.int64), np.empty((0, spec.row_width), spec.dtype)
-        return np.concatenate(ids), np.concatenate(rows)
-    first = shards[p.ranks[0]]
-    parts = [i for i, _, _ in first.items(spec.name)]
-    all_ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
-    out = np.empty((len(all_ids), spec.row_width), spec.dtype)
-    blocks, tail = state_layout(spec)
-    for k in p.ranks:
-        c0, c1 = p.column_range(k)
-        cw = c1 - c0
-        out[:, c0:c1] = shards[k].lookup(spec.name, all_ids)
-        st = shards[k].lookup_state(spec.name, all_ids)
-        for b in range(blocks):
-            out[:, spec.dim * (b + 1) + c0: spec.dim * (b + 1) + c1] = st[:, b * cw:(b + 1) * cw]
-        if k == p.ranks[0] and tail:
-            out[:, spec.dim * (blocks + 1):] = st[:, blocks * cw:]
-    return all_ids, out
-
-
-def _write_mine(store: ShardedStore, spec: TableSpec, ids: np.ndarray, rows: np.ndarray
-                ) -> None:
-    """Store the rows this rank owns under the new plan, weights and optimizer state."""
-    p, rank = store.plan.tables[spec.name], store.rank
-    if rank not in p.ranks:
-        return
-    if p.kind != "column":
-        owner = np.asarray(p.ranks)[p.owner_index(ids)]
-        keep = owner == rank
-        ids, local = ids[keep], rows[keep]
-    else:
-        c0, c1 = p.column_range(rank)
-        blocks, tail = state_layout(spec)
-        cols = [np.arange(c0, c1) + spec.dim * b for b in range(blocks + 1)]
-        cols.append(np.arange(spec.dim * (blocks + 1), spec.row_width) if tail
-                    else np.empty(0, np.int64))
-        local = rows[:, np.concatenate(cols)]
-    if len(ids):
-        # the public API writes weights only (update keeps state): put whole stored rows,
-        # recorded as written first, as every write is (a row the medium later loses must
-        # read as lost, not as new)
-        table = store.local._tables[spec.name]
-        ids = np.ascontiguousarray(ids)
-        with store.local._written_failed(table) as recorded:
-            store.local._before_write(spec.name, table, ids, recorded=recorded)
-            table.chain.put(ids, np.ascontiguousarray(local))

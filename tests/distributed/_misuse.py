@@ -141,7 +141,7 @@ def restore_fails_then_retried(rank: int, world: int, tmp: str) -> list[Any]:
     """Rank 1 cannot write its rows of a restore: every rank raises at once, nothing is left
     at the path, and the same restore then works.
     """
-    import embstore.distributed._open as eo
+    import embstore.distributed._restore as eo
 
     with ed.open(None, tables=specs(), timeout_s=5) as store:
         store.update("a", np.arange(20), np.ones((20, 4), np.float32))
@@ -187,12 +187,12 @@ def checkpointed(rank: int, world: int, path: str, ckpt: str) -> None:
         store.checkpoint(ckpt, step=1)
 
 
-def damaged(rank: int, world: int, tmp: str) -> list[str]:
-    """Restores of damaged or mismatched checkpoints, into an existing directory, and a
-    reopen of a store missing a rank's shards: refused on every rank.
+def damaged(rank: int, world: int, tmp: str, names: list[str]) -> list[str]:
+    """Restores of damaged or mismatched checkpoints `names`, into an existing directory,
+    and a reopen of a store missing a rank's shards: refused on every rank.
     """
     out = [outcome(lambda n=name: ed.restore(f"{tmp}/{n}", f"{tmp}/out-{n}", timeout_s=20))
-           for name in ("no-rank1", "bad-json", "other-columns")]
+           for name in names]
     out.append(outcome(lambda: ed.restore(f"{tmp}/ckpt", f"{tmp}/store", timeout_s=20)))
     out.append(outcome(lambda: ed.open(f"{tmp}/store", timeout_s=20)))
     return out
@@ -271,4 +271,24 @@ def lost_rows_on_one_rank(rank: int, world: int, tmp: str) -> list[Any]:
             bottom.delete(bottom.ids()[:2])
         out.append(outcome(lambda: store.num_rows("a")))
         out.append(store.num_rows("b"))  # the group goes on
+    return out
+
+
+def ranks_disagree(rank: int, world: int, tmp: str) -> list[Any]:
+    """Ranks given other paths or steps for one checkpoint or restore, or a path that is no
+    path: refused on every rank at once (each rank's shards would go elsewhere, or a restore
+    would mix two checkpoints), and nothing made.
+    """
+    with ed.open(None, tables=specs(), timeout_s=5) as store:
+        store.update("a", np.arange(20), np.ones((20, 4), np.float32))
+        out: list[Any] = [outcome(lambda: store.checkpoint(f"{tmp}/c{rank}", step=1)),
+                          outcome(lambda: store.checkpoint(f"{tmp}/c", step=rank))]
+        store.checkpoint(f"{tmp}/c", step=1)
+        store.update("a", np.arange(20), np.zeros((20, 4), np.float32))
+        store.checkpoint(f"{tmp}/d", step=2)
+    for src, dest in ((f"{tmp}/{'cd'[rank]}", f"{tmp}/r"), (f"{tmp}/c", f"{tmp}/r{rank}"),
+                      (f"{tmp}/c", 5 if rank else f"{tmp}/r"), (f"{tmp}/c", f"{tmp}/r\0"),
+                      (None if rank else f"{tmp}/c", f"{tmp}/r")):
+        out.append(outcome(lambda s=src, d=dest: ed.restore(s, d, timeout_s=5)))
+    out.append(sorted(os.listdir(tmp)))
     return out

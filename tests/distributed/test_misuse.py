@@ -37,24 +37,65 @@ def test_open_refused_on_one_rank_fails_every_rank_at_once(tmp_path) -> None:
     assert got[1] == ["ConfigError", "ConfigError", "ConfigError", "0"]
 
 
-@pytest.mark.timeout(60)
+def _resign(meta_file, edit) -> None:
+    """Edit a sharded checkpoint's record and make its checksum again (a careless tool)."""
+    from embstore.manifest import json_checksum
+
+    meta = json.loads(meta_file.read_text())
+    meta.pop("checksum")
+    edit(meta)
+    meta["checksum"] = json_checksum(meta)
+    meta_file.write_text(json.dumps(meta))
+
+
+@pytest.mark.timeout(90)
 def test_damaged_missing_or_mismatched_shards_are_refused_on_every_rank(tmp_path) -> None:
     launch.run(mu.checkpointed, 2, str(tmp_path / "store"), str(tmp_path / "ckpt"),
                timeout_s=50)
-    for name in ("no-rank1", "bad-json", "other-columns"):
+    # a later checkpoint of the same store, with other rows
+    launch.run(mu.checkpointed, 2, str(tmp_path / "store"), str(tmp_path / "later"),
+               timeout_s=50)
+    names = ["no-rank1", "bad-json", "other-columns", "flipped", "a-on-rank0-only",
+             "one-rank", "rank1-of-another-checkpoint"]
+    for name in names:
         shutil.copytree(tmp_path / "ckpt", tmp_path / name)
     shutil.rmtree(tmp_path / "no-rank1" / "rank1")
     (tmp_path / "bad-json" / "sharded.json").write_text('{"world_size": 2, "pl')
-    meta = json.loads((tmp_path / "other-columns" / "sharded.json").read_text())
-    meta["plan"]["tables"]["b"]["columns"] = [0, 2, 6]
-    (tmp_path / "other-columns" / "sharded.json").write_text(json.dumps(meta))
+    _resign(tmp_path / "other-columns" / "sharded.json",
+            lambda m: m["plan"]["tables"]["b"].update(columns=[0, 2, 6]))
+    text = (tmp_path / "flipped" / "sharded.json").read_text()
+    (tmp_path / "flipped" / "sharded.json").write_text(text.replace('"step": 1', '"step": 3'))
+    _resign(tmp_path / "a-on-rank0-only" / "sharded.json",
+            lambda m: m["plan"]["tables"]["a"].update(kind="table", ranks=[0]))
+
+    def one_rank(m: dict) -> None:  # rank 1's shards not listed at all
+        m.update(world_size=1, shard_seals=m["shard_seals"][:1])
+        m["plan"].update(world_size=1)
+        for t in m["plan"]["tables"].values():
+            t.update(kind="table", ranks=[0], columns=[])
+
+    _resign(tmp_path / "one-rank" / "sharded.json", one_rank)
+    shutil.rmtree(tmp_path / "rank1-of-another-checkpoint" / "rank1")
+    shutil.copytree(tmp_path / "later" / "rank1",
+                    tmp_path / "rank1-of-another-checkpoint" / "rank1")
     shutil.rmtree(tmp_path / "store" / "rank1")  # this rank's rows must not read as new
-    got = launch.run(mu.damaged, 2, str(tmp_path), timeout_s=50)
-    assert got[0] == ["CorruptStoreError"] * 3 + ["StoreExistsError", "PeerFailedError"]
-    assert got[1] == ["CorruptStoreError"] * 3 + ["StoreExistsError", "CorruptStoreError"]
+    got = launch.run(mu.damaged, 2, str(tmp_path), names, timeout_s=80)
+    assert got[0] == ["CorruptStoreError"] * len(names) + ["StoreExistsError",
+                                                           "PeerFailedError"]
+    assert got[1] == ["CorruptStoreError"] * len(names) + ["StoreExistsError",
+                                                           "CorruptStoreError"]
     # a refused restore leaves nothing that opens as a store
-    assert not any((tmp_path / f"out-{n}" / "sharded.json").exists()
-                   for n in ("no-rank1", "bad-json", "other-columns"))
+    assert not any((tmp_path / f"out-{n}" / "sharded.json").exists() for n in names)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_given_other_paths_or_steps_are_refused_on_every_rank_at_once(tmp_path
+                                                                             ) -> None:
+    got = launch.run(mu.ranks_disagree, 2, str(tmp_path), timeout_s=50)
+    made = ["c", "d"]  # the two checkpoints every rank agreed on, nothing else
+    assert got[0] == ["ConfigError"] * 4 + ["PeerFailedError", "ConfigError",
+                                            "PeerFailedError", made]
+    assert got[1] == ["ConfigError"] * 7 + [made]
 
 
 @pytest.mark.timeout(60)
