@@ -55,7 +55,7 @@ from .errors import (
 )
 from .hierarchy import TableChain, TierStatistics
 from .index import IdGroups, IdIndex, RowSlabs
-from .layout import manifest_body, write_manifest
+from .layout import write_manifest
 from .spec import TableSpec, TierSpec
 
 _T = TypeVar("_T")
@@ -1025,8 +1025,10 @@ class EmbeddingStore:
                 if self._read_only and self._path is not None:
                     # writers since the open (now gone: the lock is ours) changed the medium;
                     # some media show this handle the rows as they were at its open
-                    for t in self._tables.values():
+                    steps = layout.read_manifest(self._path).get("gradient_steps") or {}
+                    for name, t in self._tables.items():
                         self._catch_up_reader(t)
+                        t.steps = int(steps.get(name, 0))  # the count that goes with the rows
                 self.flush()  # every dirty row is in the store of record now: T0's rows
                 scope = self._changes if incremental else None
                 rows = {name: len(scope[name]) if scope is not None
@@ -1189,9 +1191,13 @@ class EmbeddingStore:
         """
         steps = self._gradient_steps()
         if self._path is not None and steps != self._steps_saved:
-            write_manifest(self._path, manifest_body(self._default_tiers,
-                                                     [t.spec for t in self._tables.values()],
-                                                     steps))
+            # every other field as it stands (a restore's or import's origin, a checkpoint's
+            # step and seal): only the counts change
+            body = {k: v for k, v in layout.read_manifest(self._path).items()
+                    if k not in ("format", "version", "gradient_steps")}
+            if steps:
+                body["gradient_steps"] = steps
+            write_manifest(self._path, body)
             self._steps_saved = steps
 
     def stats(self) -> dict[str, dict[str, Any]]:

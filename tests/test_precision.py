@@ -108,6 +108,67 @@ def test_training_is_bit_identical_across_processes_and_reopens(tmp_path, precis
         assert _table(store)[0].view(np.uint16).tobytes() == theirs
 
 
+def _steps_from(store, first, last, seed=0):
+    """`_train`'s steps first..last-1 (the draws of the earlier ones skipped)."""
+    rng = np.random.default_rng(seed)
+    for step in range(last):
+        ids, grads = rng.integers(0, 200, 64), rng.standard_normal((64, DIM))
+        if step >= first:
+            store.lookup("t", ids)
+            store.apply_gradients("t", ids, grads.astype(np.float32))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_table_added_at_a_reopen_keeps_the_step_counts_and_other_fields(tmp_path,
+                                                                         precision):
+    # the manifest written for the added table dropped the step counts, so the next steps
+    # rounded with the seeds of step 0 on; a half-precision table's flush dropped every
+    # field but tables and counts (a restore's origin, its step)
+    with _open(None, precision, "dram") as ref:
+        _train(ref, steps=10)
+        want = _table(ref)
+    with _open(tmp_path / "s", precision, "rocksdb", 20) as store:
+        _steps_from(store, 0, 5)
+        store.checkpoint(tmp_path / "c", step=5)
+    embstore.restore(tmp_path / "c", tmp_path / "r")
+    with embstore.open(tmp_path / "r", tables=[embstore.TableSpec("added", dim=4)]) as store:
+        _steps_from(store, 5, 10)
+        got = _table(store)
+    doc = embstore.manifest.read_manifest(tmp_path / "r")
+    assert doc["restored_from"]["step"] == 5 and doc["gradient_steps"] == {"t": 10}
+    np.testing.assert_array_equal(got[0].view(np.uint16), want[0].view(np.uint16))
+    np.testing.assert_array_equal(got[1], want[1])
+    with _open(tmp_path / "again", precision, "rocksdb", 20) as store:
+        _steps_from(store, 0, 5)
+    embstore.open(tmp_path / "again", tables=[embstore.TableSpec("added", dim=4)]).close()
+    with embstore.open(tmp_path / "again") as store:
+        _steps_from(store, 5, 10)
+        got = _table(store)
+    np.testing.assert_array_equal(got[0].view(np.uint16), want[0].view(np.uint16))
+
+
+@pytest.mark.parametrize("bottom", ["rocksdb", "lmdb", "pmem"])
+def test_a_read_only_handles_checkpoint_records_the_step_count_of_its_rows(tmp_path, bottom):
+    # a writer took steps after the reader opened: the checkpoint held their rows but the
+    # count of the reader's open, so a restore rounded its next steps with the wrong seeds
+    with _open(None, "fp16", "dram") as ref:
+        _train(ref, steps=12)
+        want = _table(ref)
+    writer = _open(tmp_path / "s", "fp16", bottom, 16)
+    _steps_from(writer, 0, 4)
+    writer.flush()
+    reader = embstore.open(tmp_path / "s", read_only=True)
+    _steps_from(writer, 4, 8)
+    writer.close()
+    reader.checkpoint(tmp_path / "c")
+    reader.close()
+    assert embstore.manifest.read_manifest(tmp_path / "c")["gradient_steps"] == {"t": 8}
+    with embstore.open(embstore.restore(tmp_path / "c", tmp_path / "r")) as store:
+        _steps_from(store, 8, 12)
+        got = _table(store)
+    np.testing.assert_array_equal(got[0].view(np.uint16), want[0].view(np.uint16))
+
+
 def test_stochastic_rounding_is_unbiased_and_seeded_by_step():
     codec = RowCodec("t", "fp16", 1, 0)
     w = np.full((20_000, 1), 1.0 + 2**-12, dtype=np.float32)  # a quarter of an fp16 ulp up
