@@ -204,6 +204,17 @@ class ShardedStore:
             self._comm.abort(what, exc)
             raise
 
+    def reject(self, what: str, exc: BaseException) -> None:
+        """Tell the other ranks that this rank rejected its input `exc` to its next call.
+
+        For a caller that checks the input of a collective call before making it (the torch
+        modules' forward): the message takes the place of the call's first exchange, so the
+        others raise PeerFailedError at once instead of pairing their call with this rank's
+        next one.
+        """
+        if not self.local.closed:  # a closed rank makes no exchange: its call raises first
+            self._comm.abort(what, exc)
+
     def _check_open(self) -> None:
         # before any exchange: a closed rank that went on would pair its next call with the
         # others' replies (a non-owner got another call's bytes as rows)

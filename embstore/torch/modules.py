@@ -268,7 +268,14 @@ class _StoreModule(nn.Module):
             if plan.catch_up is not None:
                 plan.catch_up(self, plan)
         else:
-            plan = self._plan(args)
+            try:
+                plan = self._plan(args)
+            except Exception as exc:
+                if getattr(self.store, "collective", False):
+                    # the other ranks' forwards wait in their lookup: this rank's place in it
+                    # says it rejected its input, so every rank raises now and in step
+                    self.store.reject("lookup_many", exc)
+                raise
         pool_in_store(self.store, plan, self.mode, self.device)
         self.fetch_forward(plan)  # what a pipeline did not stage, nor the store pools
         return run(self.store, plan, self.mode, train=self.training and torch.is_grad_enabled())

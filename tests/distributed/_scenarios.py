@@ -382,34 +382,62 @@ def _chains_differ(store: ed.ShardedStore, plan: Plan, rank: int) -> list[str]:
     return bad
 
 
-def pipeline_bad_ids(rank: int, world: int) -> list[str]:
-    """Through a TrainPipeline, rank 1's second batch holds an id outside the table: each
-    rank's forward of that step raises (rank 1 the ids' error, rank 0 PeerFailedError),
-    as without a pipeline, and the loop goes on with the next batches.
-    """
+def _bad_batches(rank: int, fault: str) -> list:
+    """Four batches of 3 bags; rank 1's second breaks the module's or the store's checks."""
     import torch
 
+    batches = []
+    for step in range(4):
+        ids = torch.from_numpy(np.random.default_rng([step, rank]).integers(0, ID_RANGE, 6))
+        offsets = torch.tensor([0, 2, 4])
+        if step == 1 and rank == 1:
+            if fault == "id outside the table":  # checked by the store, in its lookup
+                ids[3] = ID_RANGE
+            elif fault == "float ids":  # checked by the module before any lookup
+                ids = ids.double()
+            else:  # offsets out of order
+                offsets = torch.tensor([0, 4, 2])
+        batches.append((ids, offsets))
+    return batches
+
+
+def bad_input_on_one_rank(rank: int, world: int, fault: str, pipeline: bool
+                          ) -> tuple[list[str], bool]:
+    """Rank 1's second batch is bad: each rank's forward of that step raises (rank 1 its
+    input's error, rank 0 PeerFailedError) at once, as without a pipeline, and the loop goes
+    on; the table is then the one store's that took the other steps. Returns the steps'
+    outcomes and whether the table matches.
+    """
     import embstore.torch as et
 
     spec = embstore.TableSpec("t", 4, num_embeddings=ID_RANGE, init=embstore.init.Uniform(seed=1),
                               optimizer=optim.Adagrad(0.1))
-    batches = []
-    for step in range(4):
-        ids = np.random.default_rng([step, rank]).integers(0, ID_RANGE, 6)
-        if step == 1 and rank == 1:
-            ids[3] = ID_RANGE
-        batches.append((torch.from_numpy(ids), torch.tensor([0, 2, 4])))
+    batches = _bad_batches(rank, fault)
     seen = []
     with ed.open(None, tables=[spec], timeout_s=30) as store:
         bag = et.EmbeddingBag(store, "t", mode="sum")
-        with et.TrainPipeline(batches, inputs=lambda b: {bag: b}) as pipe:
-            for ids, offsets in pipe:
-                try:
-                    bag(ids, offsets).sum().backward()
-                    seen.append("ok")
-                except embstore.errors.EmbstoreError as exc:
-                    seen.append(type(exc).__name__)
-    return seen
+        loop = et.TrainPipeline(batches, inputs=lambda b: {bag: b}) if pipeline else batches
+        for ids, offsets in loop:
+            start = time.monotonic()
+            try:
+                bag(ids, offsets).sum().backward()
+                seen.append("ok")
+            except embstore.errors.EmbstoreError as exc:
+                seen.append(type(exc).__name__)
+            if time.monotonic() - start > 10:
+                seen[-1] += " (after the group's timeout)"
+        if pipeline:
+            loop.close()
+        with embstore.open(None, tables=[spec]) as ref:
+            for step in (0, 2, 3):
+                ids = np.concatenate([_bad_batches(r, fault)[step][0].numpy()
+                                      for r in range(world)])
+                ref.apply_gradients("t", ids, np.ones((len(ids), 4), np.float32))
+            everything = np.arange(ID_RANGE)
+            same = (store.lookup("t", everything).tobytes() == ref.lookup("t", everything).tobytes()
+                    and store.lookup_state("t", everything).tobytes()
+                    == ref.lookup_state("t", everything).tobytes())
+    return seen, same
 
 
 def diverges(rank: int, world: int, ckpt: str) -> list[str]:

@@ -121,10 +121,17 @@ def test_a_sharded_store_records_the_log_one_store_fed_the_ranks_in_order_would(
 
 
 @pytest.mark.timeout(120)
-def test_ids_refused_through_a_pipeline_fail_that_steps_forward_on_every_rank() -> None:
-    got = launch.run(sc.pipeline_bad_ids, 2, timeout_s=90)
-    assert got[0] == ["ok", "PeerFailedError", "ok", "ok"]
-    assert got[1] == ["ok", "InvalidIdsError", "ok", "ok"]
+@pytest.mark.parametrize("fault", ["id outside the table", "float ids", "offsets out of order"])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["in line", "pipelined"])
+def test_input_refused_on_one_rank_fails_that_steps_forward_on_every_rank(fault: str,
+                                                                           pipeline: bool
+                                                                           ) -> None:
+    # the module's own checks (dtype, offsets) raised on the refusing rank alone: the other
+    # rank's lookup was paired with its next call (a ConfigError later, or, pipelined, a step
+    # trained against another step's batch, and a close that failed)
+    got = launch.run(sc.bad_input_on_one_rank, 2, fault, pipeline, timeout_s=90)
+    assert got[0] == (["ok", "PeerFailedError", "ok", "ok"], True)
+    assert got[1] == (["ok", "InvalidIdsError", "ok", "ok"], True)
 
 
 @pytest.mark.timeout(120)
