@@ -401,6 +401,12 @@ def _bad_batches(rank: int, fault: str) -> list:
     return batches
 
 
+def bad_inputs_on_one_rank(rank: int, world: int, cases: list[tuple[str, bool]]
+                           ) -> list[tuple[list[str], bool]]:
+    """`bad_input_on_one_rank` of each (fault, pipeline) case, in one group of processes."""
+    return [bad_input_on_one_rank(rank, world, fault, pipeline) for fault, pipeline in cases]
+
+
 def bad_input_on_one_rank(rank: int, world: int, fault: str, pipeline: bool
                           ) -> tuple[list[str], bool]:
     """Rank 1's second batch is bad: each rank's forward of that step raises (rank 1 its

@@ -121,17 +121,17 @@ def test_a_sharded_store_records_the_log_one_store_fed_the_ranks_in_order_would(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fault", ["id outside the table", "float ids", "offsets out of order"])
-@pytest.mark.parametrize("pipeline", [False, True], ids=["in line", "pipelined"])
-def test_input_refused_on_one_rank_fails_that_steps_forward_on_every_rank(fault: str,
-                                                                           pipeline: bool
-                                                                           ) -> None:
+def test_input_refused_on_one_rank_fails_that_steps_forward_on_every_rank() -> None:
     # the module's own checks (dtype, offsets) raised on the refusing rank alone: the other
     # rank's lookup was paired with its next call (a ConfigError later, or, pipelined, a step
     # trained against another step's batch, and a close that failed)
-    got = launch.run(sc.bad_input_on_one_rank, 2, fault, pipeline, timeout_s=90)
-    assert got[0] == (["ok", "PeerFailedError", "ok", "ok"], True)
-    assert got[1] == (["ok", "InvalidIdsError", "ok", "ok"], True)
+    cases = [(fault, pipeline) for fault in ("id outside the table", "float ids",
+                                             "offsets out of order")
+             for pipeline in (False, True)]
+    got = launch.run(sc.bad_inputs_on_one_rank, 2, cases, timeout_s=110)
+    for case, mine, theirs in zip(cases, got[0], got[1], strict=True):
+        assert mine == (["ok", "PeerFailedError", "ok", "ok"], True), case
+        assert theirs == (["ok", "InvalidIdsError", "ok", "ok"], True), case
 
 
 @pytest.mark.timeout(120)
