@@ -725,6 +725,8 @@ def test_a_close_from_another_thread_wakes_a_step_waiting_for_its_batch():
     pipe = et.TrainPipeline(slow_batches(), inputs=lambda b: {model.ebc: b.sparse})
     next(pipe)
     threading.Timer(0.2, pipe.close).start()  # a watchdog, or a signal handler
+    # close() joins the reading thread, which waits in the source: let the source go on
+    threading.Timer(0.6, release.set).start()
     try:
         with pytest.raises(embstore.errors.ConfigError, match="closed before"):
             next(pipe)  # used to wait for ever
