@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ._precision import RowCodec
-from ._private_dir import discard, make_private, publish
+from ._private_dir import discard, make_private, not_a_directory, publish
 from ._rebuild import (
     ClosablePages,
     check_path,
@@ -78,7 +78,7 @@ def _fresh(dest: Path) -> tuple[Path, list[Path]]:
         StoreExistsError: `dest` exists and is not an empty directory.
         OSError: `dest` cannot be made there; the message names `dest`, not the private path.
     """
-    if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir()))):
+    if not_a_directory(dest) or (dest.is_dir() and any(dest.iterdir())):
         raise StoreExistsError(f"{dest} exists; choose a new path (nothing is overwritten)")
     return make_private(dest)
 

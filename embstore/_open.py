@@ -303,9 +303,8 @@ def _open_directory(directory: Path, specs: list[TableSpec],
         if attach is not None:  # before the manifest: a store whose log fails is not made
             attach(store)
         if added:  # the stored fields kept (step counts, a restore's origin), tables added
-            kept = {k: v for k, v in doc.items() if k not in ("format", "version")} \
-                if exists else {}
-            write_manifest(directory, {**kept, **layout.manifest_body(chain, all_specs, steps)})
+            write_manifest(directory, {**(doc if exists else {}),
+                                       **layout.manifest_body(chain, all_specs, steps)})
     except BaseException:
         store.close()  # releases the lock: the caller may try again in this process
         if not exists:

@@ -18,7 +18,8 @@ from pathlib import Path
 from .errors import EmbstoreError, StorageIOError, StoreExistsError
 from .manifest import fsync_dir, make_dirs
 
-__all__ = ["discard", "io_error", "make_private", "missing_dirs", "publish", "reason"]
+__all__ = ["discard", "io_error", "make_private", "missing_dirs", "not_a_directory", "publish",
+           "reason"]
 
 
 def missing_dirs(directory: Path) -> list[Path]:
@@ -70,7 +71,7 @@ def publish(tmp: Path, dest: Path, what: str) -> None:
     except OSError as exc:
         # ENOTDIR: a file or a link put at `dest` (a directory cannot replace either)
         if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) or (
-                exc.errno == errno.ENOTDIR and _taken(dest)):
+                exc.errno == errno.ENOTDIR and not_a_directory(dest)):
             raise StoreExistsError(f"{dest} was made by another writer while {what} was being "
                                    "written; it is kept, and nothing of this one is left: "
                                    "choose a new path") from exc
@@ -78,10 +79,10 @@ def publish(tmp: Path, dest: Path, what: str) -> None:
     fsync_dir(dest.parent)
 
 
-def _taken(dest: Path) -> bool:
-    """Whether something other than a directory is at `dest` (a link counts, dangling or not)."""
+def not_a_directory(path: Path) -> bool:
+    """Whether something other than a directory is at `path` (a link counts, dangling or not)."""
     try:
-        return dest.is_symlink() or (dest.exists() and not dest.is_dir())
+        return path.is_symlink() or (path.exists() and not path.is_dir())
     except OSError:
         return False
 

@@ -1193,8 +1193,8 @@ class EmbeddingStore:
         if self._path is not None and steps != self._steps_saved:
             # every other field as it stands (a restore's or import's origin, a checkpoint's
             # step and seal): only the counts change
-            body = {k: v for k, v in layout.read_manifest(self._path).items()
-                    if k not in ("format", "version", "gradient_steps")}
+            body = layout.read_manifest(self._path)
+            body.pop("gradient_steps", None)
             if steps:
                 body["gradient_steps"] = steps
             write_manifest(self._path, body)

@@ -43,8 +43,8 @@ def checkpoint_sharded(store: Any, dest: object, step: int | None) -> Path:
     except Exception as exc:
         error = exc
     # ranks given other paths would each write their shards to their own
-    comm.agree(error, "checkpoint's destination and step",
-               None if error is not None else [os.path.abspath(path), int(step or 0), step is None])
+    comm.agree(error, "checkpoint's destination and step", None if error is not None else
+               [os.path.abspath(path), None if step is None else int(step)])
     made: list[Path] = []
 
     def undo() -> None:  # incomplete: nothing of it stays, a retry starts afresh

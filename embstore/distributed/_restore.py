@@ -75,9 +75,9 @@ def restore(src: str | os.PathLike[str], path: str | os.PathLike[str] | None, *,
     except Exception as exc:
         error = exc
     try:
-        # ranks given other paths would each restore another checkpoint, or to another place
-        comm.agree(error, "restore's checks of the checkpoint", None if error is not None else
-                   [os.path.abspath(src_path), None if dest is None else os.path.abspath(dest)])
+        # ranks given other checkpoints would mix them (`_open` agrees on the destination)
+        comm.agree(error, "restore's checks of the checkpoint",
+                   None if error is not None else os.path.abspath(src_path))
         store, made = _open(comm, dest, specs, tiers, plan, publish=False)
     except BaseException:
         _close_quietly(*shards.values())
