@@ -28,12 +28,18 @@ def _open(path, precision, bottom, cache=None):
                          tables=[_spec(precision)], tiers=tiers)
 
 
-def _train(store, steps=30, seed=0):
+def _steps_from(store, first, last, seed=0):
+    """`_train`'s steps first..last-1 (the draws of the earlier ones skipped)."""
     rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        ids = rng.integers(0, 200, 64)
-        store.lookup("t", ids)
-        store.apply_gradients("t", ids, rng.standard_normal((64, DIM)).astype(np.float32))
+    for step in range(last):
+        ids, grads = rng.integers(0, 200, 64), rng.standard_normal((64, DIM))
+        if step >= first:
+            store.lookup("t", ids)
+            store.apply_gradients("t", ids, grads.astype(np.float32))
+
+
+def _train(store, steps=30, seed=0):
+    _steps_from(store, 0, steps, seed)
 
 
 def _table(store):
@@ -106,16 +112,6 @@ def test_training_is_bit_identical_across_processes_and_reopens(tmp_path, precis
             store.apply_gradients("t", ids,
                                   rng.standard_normal((64, DIM)).astype(np.float32))
         assert _table(store)[0].view(np.uint16).tobytes() == theirs
-
-
-def _steps_from(store, first, last, seed=0):
-    """`_train`'s steps first..last-1 (the draws of the earlier ones skipped)."""
-    rng = np.random.default_rng(seed)
-    for step in range(last):
-        ids, grads = rng.integers(0, 200, 64), rng.standard_normal((64, DIM))
-        if step >= first:
-            store.lookup("t", ids)
-            store.apply_gradients("t", ids, grads.astype(np.float32))
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
