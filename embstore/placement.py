@@ -398,6 +398,12 @@ def apply_placement(specs: list[TableSpec],
     chains = placement_chains(source)
     names = {s.name for s in specs}
     unknown = sorted(set(chains) - names)
+    if unknown and not names:
+        # reopening a store without its specs: its tables are only known once it is open
+        raise ConfigError(f"the placement places tables {unknown}, but no tables were given: "
+                          "open(..., placement=) sets the chains of the TableSpecs passed "
+                          "with it (tables=[...]); to move the tables of an existing store, "
+                          "run `embstore migrate STORE --placement FILE`")
     if unknown:
         raise ConfigError(f"the placement places tables {unknown} that are not among the "
                           f"tables given ({sorted(names)}); pass their TableSpecs too or plan "

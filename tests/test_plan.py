@@ -118,6 +118,8 @@ def test_open_with_a_placement_gives_tables_their_chains(
         assert store.lookup("t00", ids).shape == (10, 64)
     with pytest.raises(ConfigError, match="not among the tables given"):
         apply_placement(specs[:3], doc)
+    with pytest.raises(ConfigError, match="no tables were given.*embstore migrate"):
+        embstore.open(tmp_path / "store", placement=path)
 
 
 def test_plan_and_bench_tiers_commands(tmp_path: Path, profile: dict[str, Any],
