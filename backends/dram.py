@@ -206,8 +206,14 @@ class DRAMBackend(SlottedBackend):
         self._put_slots(ids, rows)
 
     def _put_slots(self, ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        slots, inserted = self._index.add(ids)
-        self._slabs.ensure(self._index.high_water)
+        slots = self._index.find(ids)
+        inserted = slots < 0
+        n_new = int(np.count_nonzero(inserted))
+        if n_new:
+            # room for the new rows before their ids enter the index: where memory runs
+            # out (CapacityError), no id points past the chunks and nothing has changed
+            self._slabs.ensure(self._index.high_water_after(n_new))
+            slots[inserted] = self._index.add_absent(np.ascontiguousarray(ids[inserted]))
         self._slabs.scatter(slots, rows)
         self._dirty_since_flush = True
         return slots, inserted

@@ -25,6 +25,7 @@ __all__ = ["BucketIdIndex", "HashTable", "IdGroups", "IdIndex", "RowSlabs", "c_p
 
 _MAX_LOAD = 0.75
 _MAX_SLOTS = 2**31 - 1
+_CHUNK_BYTES = 1 << 28  # largest chunk of `RowSlabs` (narrower rows than 4 KiB: 2**16 rows)
 
 
 def c_pointer(ctype: str, arr: np.ndarray) -> Any:
@@ -38,6 +39,17 @@ def c_pointer(ctype: str, arr: np.ndarray) -> Any:
 
 
 _ptr = c_pointer
+
+
+def _allocate(shape: int | tuple[int, ...], dtype: Any, what: str) -> np.ndarray:
+    """`np.empty(shape, dtype)`, or CapacityError where the memory cannot be had."""
+    try:
+        return np.empty(shape, dtype=dtype)
+    except (MemoryError, ValueError) as exc:  # ValueError: past numpy's largest array
+        nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+        raise CapacityError(f"cannot allocate {nbytes:,} bytes for {what} ({exc})",
+                            "give the tier a smaller capacity or the table a smaller dim, "
+                            "or use a tier below DRAM") from None
 
 
 def copy_rows(dst: np.ndarray, dst_idx: np.ndarray | None, src: np.ndarray,
@@ -101,8 +113,9 @@ class HashTable:
             return
         while need > cap * _MAX_LOAD:
             cap *= 2
-        keys = np.empty(cap, dtype=np.int64)
-        vals = np.full(cap, -1, dtype=np.int32)
+        keys = _allocate(cap, np.int64, "the id index")
+        vals = _allocate(cap, np.int32, "the id index")
+        vals.fill(-1)
         lib.idx_rehash(_ptr("int64_t *", self._keys), _ptr("int32_t *", self._vals),
                        len(self._keys), _ptr("int64_t *", keys), _ptr("int32_t *", vals),
                        cap - 1)
@@ -150,6 +163,10 @@ class IdIndex(HashTable):
     def high_water(self) -> int:
         """One past the largest slot ever handed out."""
         return self._high_water
+
+    def high_water_after(self, n: int) -> int:
+        """`high_water` once `n` more ids are added (freed slots are handed out first)."""
+        return self._high_water + max(0, n - self._n_free)
 
     @property
     def removals(self) -> int:
@@ -199,9 +216,10 @@ class IdIndex(HashTable):
         Returns their new int32 slots. No probe first: an id already present would be
         entered twice.
         """
+        if len(ids):
+            self._reserve(len(ids))  # first: a failure to grow then hands out no slot
         slots = self._allocate(len(ids))
         if len(ids):
-            self._reserve(len(ids))
             self._insert_absent(ids, slots)
             self._count += len(ids)
         return slots
@@ -258,7 +276,7 @@ class BucketIdIndex(IdIndex):
         self._alloc(max(4, -(-int(initial_capacity) // 5)))
 
     def _alloc(self, nb: int) -> None:
-        raw = np.empty(nb * 64 + 64, dtype=np.uint8)
+        raw = _allocate(nb * 64 + 64, np.uint8, "the id index")
         start = -raw.ctypes.data % 64  # one bucket per cache line
         table = raw[start : start + nb * 64].view(np.int32).reshape(nb, 16)
         table[:, 10:15] = -1  # every entry empty
@@ -292,8 +310,10 @@ class BucketIdIndex(IdIndex):
         if need <= self._nb * 5 * self.MAX_LOAD:
             return
         old_raw, (old, old_nb) = self._raw, self.buckets()
-        self._alloc(max(int(need / self.GROWN_LOAD / 5), int(old_nb * self.GROWTH),
-                        self._working_buckets) + 1)
+        grown = max(int(need / self.GROWN_LOAD / 5), int(old_nb * self.GROWTH))
+        # toward the working size in steps of at most 4x what the ids need: a cache whose
+        # capacity is far beyond its rows (or the machine) then takes room as rows come
+        self._alloc(max(grown, min(self._working_buckets, 4 * grown)) + 1)
         table, nb = self.buckets()
         lib.bk_rehash(old, old_nb, table, nb)
         del old_raw
@@ -326,8 +346,11 @@ class RowSlabs:
     def __init__(self, dim: int, dtype: np.dtype, shift: int = 16) -> None:
         self.dim = dim
         self.dtype = np.dtype(dtype)
-        self.shift = shift
         self.row_bytes = dim * self.dtype.itemsize
+        # wide rows take fewer rows a chunk: 2**16 rows of 1 MiB would ask for 64 GiB at the
+        # first row. Rows of up to 4 KiB keep 2**16 (a chunk of at most 256 MiB)
+        fit = (_CHUNK_BYTES // self.row_bytes).bit_length() - 1 if self.row_bytes else shift
+        self.shift = max(0, min(shift, fit))
         self._chunks: list[np.ndarray] = []
         self._ptrs = np.zeros(0, dtype=np.uint64)
 
@@ -344,7 +367,8 @@ class RowSlabs:
             # np.empty of a large block maps fresh pages lazily: untouched rows cost no RSS.
             # Chunks start on a cache line: a 256-byte row then spans 4 lines, not 5
             width = max(self.dim, 1)
-            raw = np.empty((1 << self.shift) * width * self.dtype.itemsize + 64, dtype=np.uint8)
+            raw = _allocate((1 << self.shift) * width * self.dtype.itemsize + 64, np.uint8,
+                            f"{1 << self.shift} rows of {self.row_bytes} bytes")
             start = -raw.ctypes.data % 64
             chunk = raw[start : start + (1 << self.shift) * width * self.dtype.itemsize]
             self._chunks.append(chunk.view(self.dtype).reshape(1 << self.shift, width))
