@@ -74,6 +74,18 @@ class Optimizer(Named):
 
 
 
+def _eps_vanishes(optimizer: Adagrad | RowWiseAdagrad, dtype: np.dtype) -> str | None:
+    """Why `optimizer` cannot step a table of `dtype` where its eps rounds to 0 there."""
+    if np.dtype(dtype).kind != "f" or np.dtype(dtype).type(optimizer.eps) != 0:
+        return None
+    tiny = float(np.finfo(dtype).smallest_subnormal)
+    # sqrt(G) + eps is then 0 for a row or element never given a gradient, and a zero
+    # gradient steps it to 0 / 0
+    return (f"{type(optimizer).__name__}'s eps {optimizer.eps:g} is 0 in {np.dtype(dtype)}, "
+            f"so a zero gradient would make a fresh row NaN; give eps >= {tiny:g}, or keep the "
+            "table float32 and store its rows in 16 bits with precision='fp16'")
+
+
 def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
     value = number_setting(name, value)
     if not np.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
@@ -155,8 +167,17 @@ class Adagrad(Optimizer):
         # docstring inherited
         return np.asarray((state < 0).any(axis=1))
 
+    def check_dtype(self, table: str, dtype: np.dtype) -> None:
+        # docstring inherited
+        problem = _eps_vanishes(self, dtype)
+        if problem is not None:
+            raise ConfigError(f"table {table!r}: {problem}")
+
     def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
         # docstring inherited
+        problem = _eps_vanishes(self, weights.dtype)
+        if problem is not None:  # a table made before new tables were checked (check_dtype)
+            raise DtypeMismatchError(problem)
         rules.adagrad(weights, state, grads, lr=self.lr, eps=self.eps,
                       weight_decay=self.weight_decay)
 
@@ -204,8 +225,17 @@ class RowWiseAdagrad(Optimizer):
         # docstring inherited
         return np.asarray(state[:, 0] < 0)
 
+    def check_dtype(self, table: str, dtype: np.dtype) -> None:
+        # docstring inherited
+        problem = _eps_vanishes(self, dtype)
+        if problem is not None:
+            raise ConfigError(f"table {table!r}: {problem}")
+
     def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
         # docstring inherited
+        problem = _eps_vanishes(self, weights.dtype)
+        if problem is not None:  # a table made before new tables were checked (check_dtype)
+            raise DtypeMismatchError(problem)
         rules.rowwise_adagrad(weights, state[:, 0], grads, lr=self.lr, eps=self.eps,
                               weight_decay=self.weight_decay,
                               decoupled=self.weight_decay_mode == "decoupled")

@@ -309,6 +309,22 @@ def test_power_by_squaring_matches_float64_pow() -> None:
     np.testing.assert_allclose(power_by_squaring(0.999, steps), expected, rtol=1e-13)
 
 
+@pytest.mark.parametrize("make", [optim.Adagrad, optim.RowWiseAdagrad])
+def test_adagrad_refuses_a_half_precision_table_where_its_eps_is_zero(make) -> None:
+    # eps 1e-10 or 1e-8 is 0 in float16: sqrt(0) + 0 made a zero gradient's step 0 / 0
+    w = np.zeros((1, 4), dtype=np.float16)
+    with pytest.raises(DtypeMismatchError, match="eps .* is 0 in float16"):
+        make(0.1).step(w, np.zeros((1, make(0.1).state_width(4)), np.float16), w.copy())
+    with pytest.raises(ConfigError, match="'t'.*is 0 in float16"):
+        embstore.open(None, tables=[embstore.TableSpec("t", dim=4, dtype=np.float16,
+                                                       optimizer=make(0.1))])
+    with embstore.open(None, tables=[embstore.TableSpec(
+            "t", dim=4, dtype=np.float16, optimizer=make(0.1, eps=1e-4))]) as store:
+        grads = np.array([[0.5, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float16)
+        store.apply_gradients("t", np.array([1, 2]), grads)
+        assert np.isfinite(store.lookup("t", np.array([1, 2]))).all()
+
+
 def test_adam_rejects_half_precision_tables() -> None:
     opt = optim.Adam()
     w = np.zeros((1, 4), dtype=np.float16)
