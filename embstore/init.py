@@ -47,6 +47,9 @@ def hash_bits(seed: int, ids: np.ndarray, dim: int, stream: int = 0) -> np.ndarr
     return _mix64(row_key[:, None] + cols[None, :])
 
 
+_MAX_Z = 8.572  # the largest |z| of `Normal`'s Box-Muller over 53-bit uniforms, rounded up
+
+
 def _unit_interval(bits: np.ndarray) -> np.ndarray:
     """float64 uniform in [0, 1) with 53 random bits."""
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
@@ -82,6 +85,13 @@ class Initializer(Named):
     def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
         """Rows array[len(ids), dim] of `dtype` for int64 `ids`; pure in (settings, id)."""
 
+    def value_range(self) -> tuple[float, float] | None:
+        """(lowest, highest): bounds of every value it gives, before the cast to the dtype.
+
+        None where unknown (a table then checks one row's values instead).
+        """
+        return None
+
 
 class Zeros(Initializer):
     """Every element 0."""
@@ -91,6 +101,10 @@ class Zeros(Initializer):
     def __call__(self, ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
         # docstring inherited
         return np.zeros((len(ids), dim), dtype=dtype)
+
+    def value_range(self) -> tuple[float, float]:
+        # docstring inherited
+        return 0.0, 0.0
 
     def config(self) -> dict[str, Any]:
         # docstring inherited
@@ -109,6 +123,10 @@ class Constant(Initializer):
         # docstring inherited
         with np.errstate(over="ignore"):  # a value past the dtype's range is its infinity
             return np.full((len(ids), dim), self.value, dtype=dtype)
+
+    def value_range(self) -> tuple[float, float]:
+        # docstring inherited
+        return self.value, self.value
 
     def config(self) -> dict[str, Any]:
         # docstring inherited
@@ -130,6 +148,10 @@ class Uniform(Initializer):
         # docstring inherited
         u = _unit_interval(hash_bits(self.seed, ids, dim))
         return (self.low + (self.high - self.low) * u).astype(dtype)
+
+    def value_range(self) -> tuple[float, float]:
+        # docstring inherited
+        return self.low, self.high
 
     def config(self) -> dict[str, Any]:
         # docstring inherited
@@ -153,6 +175,10 @@ class Normal(Initializer):
         u2 = _unit_interval(hash_bits(self.seed, ids, dim, stream=2))
         z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
         return (self.mean + self.std * z).astype(dtype)
+
+    def value_range(self) -> tuple[float, float]:
+        # docstring inherited: u1 >= 2**-53 bounds |z| by sqrt(2 * 53 * ln 2) = 8.5718
+        return self.mean - _MAX_Z * self.std, self.mean + _MAX_Z * self.std
 
     def config(self) -> dict[str, Any]:
         # docstring inherited

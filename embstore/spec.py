@@ -257,11 +257,13 @@ class TableSpec:
                       allow_nan=True)
 
     def check_initial_values(self) -> None:
-        """Refuse an init whose first row is not finite where the table forbids it.
+        """Refuse an init that can give a value not finite where the table forbids it.
 
         A row never written reads as its initial value, so NaN there would be served from
-        a table that refuses NaN everywhere else. Checked when a table is created, not when
-        a stored one is read back: a store made before the check must still open.
+        a table that refuses NaN everywhere else. The init's `value_range` is checked where
+        it has one (every id's row then lies within it), else the row of id 0. Checked when
+        a table is created, not when a stored one is read back: a store made before the
+        check must still open.
 
         Raises:
             ConfigError: the init gives NaN or infinity (in float16 too, for fp16 weights)
@@ -271,7 +273,9 @@ class TableSpec:
             return
         try:
             with np.errstate(over="ignore", invalid="ignore"):
-                first = self.init(np.zeros(1, np.int64), self.dim, self.dtype)
+                bounds = self.init.value_range()
+                first = (self.init(np.zeros(1, np.int64), self.dim, self.dtype)
+                         if bounds is None else np.array([bounds]).astype(self.dtype))
                 if self.precision == "fp16":
                     first = first.astype(np.float16)
             finite = bool(np.isfinite(first).all())
@@ -281,7 +285,7 @@ class TableSpec:
         if not finite:
             bad = first.ravel()[~np.isfinite(first.ravel())][0]
             raise ConfigError(
-                f"table {self.name!r}: its init {self.init!r} gives {bad} in "
+                f"table {self.name!r}: its init {self.init!r} can give {bad} in "
                 f"{'float16' if self.precision == 'fp16' else self.dtype}, and the table "
                 "forbids NaN and infinity; give a finite value or allow_nonfinite=True")
 

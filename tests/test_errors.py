@@ -123,6 +123,24 @@ def test_a_new_table_whose_initial_value_it_forbids_is_refused(tmp_path, value, 
         assert not np.isfinite(store.lookup("t", np.array([3]))).any()
 
 
+@pytest.mark.parametrize(("init", "precision", "shown"), [
+    (embstore.init.Uniform(-1e5, 1e5, seed=0), "fp16", "inf in float16"),
+    (embstore.init.Normal(0.0, 2e38, seed=1), "fp32", "inf in float32"),
+    (embstore.init.Normal(0.0, 4e37, seed=1), "fp32", "inf in float32")])
+def test_an_init_refused_by_its_range_not_by_the_row_of_id_zero(init, precision, shown):
+    # id 0's row was all that was checked: these gave it finite values, and other ids inf
+    with pytest.raises(E.ConfigError, match=shown):
+        embstore.open(None, tables=[TableSpec("t", dim=1, init=init, precision=precision)])
+
+
+def test_an_init_within_range_gives_finite_rows_for_every_id():
+    # the widest Normal the check lets through in float16: 8.572 standard deviations
+    init = embstore.init.Normal(0.0, 65504 / 8.6, seed=3)
+    with embstore.open(None, tables=[TableSpec("t", dim=8, init=init,
+                                               precision="fp16")]) as store:
+        assert np.isfinite(store.lookup("t", np.arange(200_000))).all()
+
+
 def test_a_stored_table_with_such_an_initial_value_still_opens(tmp_path):
     # made before the check: its manifest holds the spec, and the store must stay readable
     from embstore.manifest import read_manifest, write_manifest
