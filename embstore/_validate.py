@@ -28,6 +28,9 @@ def _all_finite(values: np.ndarray) -> bool:
     return bool(np.isfinite(values).all())
 
 
+_BOOLS = frozenset({bool, np.bool_})
+
+
 def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
     """`ids` as a C-contiguous 1-D int64 array, or `InvalidIdsError` saying what is wrong.
 
@@ -63,6 +66,11 @@ def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
     kind = ids.dtype.kind
     if kind in "Of" and not isinstance(original, np.ndarray):
         _refuse_ints_past_int64(original, spec)
+    if kind in "iu" and isinstance(original, (list, tuple)) and \
+            not _BOOLS.isdisjoint(map(type, original)):
+        # numpy reads [3, True] as [3, 1]: a flag taken for an id
+        raise InvalidIdsError(f"table {spec.name!r}: ids must be integers, got True or False "
+                              "among them")
     if kind == "b" or kind not in "iu":
         raise InvalidIdsError(
             f"table {spec.name!r}: ids must be integers, got dtype {ids.dtype}; "

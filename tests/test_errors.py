@@ -48,6 +48,8 @@ BAD_IDS = [
     ([-1, 2**63], "9223372036854775808 does not fit"),  # numpy reads floats: astype wraps
     ([1, 2**70], "does not fit in int64"),  # numpy reads objects
     (_NoArray(), "requires grad"),
+    ([3, True], "True or False"),  # numpy reads [3, 1]
+    ((np.int64(3), np.bool_(False)), "True or False"),
 ]
 
 
