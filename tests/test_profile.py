@@ -234,7 +234,8 @@ def test_a_plot_in_another_format_is_drawn_in_it(tmp_path: Path) -> None:
     ("--warmup", "1", "--warmup 1.0: the share of batches that only warm the caches must be "
                       "in [0, 1)"),
     ("--warmup", "nan", "--warmup nan:"),
-    ("--sample-rate", "0", "--sample-rate 0.0: the SHARDS rate must be in (0, 1]"),
+    ("--sample-rate", "0", "--sample-rate 0.0: the SHARDS rate must be in [2**-24, 1]"),
+    ("--sample-rate", "1e-9", "--sample-rate 1e-09: the SHARDS rate must be in"),
     # huge ones: --points filled memory with capacities, --step-calls looped for ever, the
     # others overflowed a float (an internal error)
     ("--points", "100000000", "--points 100000000: capacities per curve must be an "
@@ -311,6 +312,18 @@ def test_a_sample_rate_that_keeps_too_few_ids_claims_no_error_bound(
                  "--sample-rate", "0.01", "--policies", "clock", "--points", "4"]) == 0
     out = capsys.readouterr().out
     assert "shards!" in out and "give a higher --sample-rate" in out, out
+
+
+def test_a_sample_rate_that_keeps_no_id_of_a_table_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # every curve was 0 (no lookup counted, none missed), and plan read it as a perfect cache
+    tables = {"t": [np.arange(200) + 50 * b for b in range(6)]}
+    with pytest.raises(ConfigError, match="'t': sampling at 1e-05 keeps none of its 450 ids"):
+        build_profile(tables, policies=[], sample_rate=1e-5, points=4)
+    save_tables(tmp_path / "t.npz", tables)
+    err = _profile_fails(tmp_path, capsys, str(tmp_path / "t.npz"), "-o",
+                         str(tmp_path / "p.json"), "--sample-rate", "1e-5")
+    assert "keeps none of its 450 ids" in err
 
 
 def test_a_table_with_no_ids_after_the_warmup_is_refused(

@@ -227,8 +227,10 @@ def check_settings(*, samples_per_batch: int = 1, sample_rate: float | None = No
         refuse("--samples-per-batch", samples_per_batch,
                "training samples per batch must be an integer >= 1 and <= 2**53")
     if sample_rate is not None and (isinstance(sample_rate, bool) or not isinstance(
-            sample_rate, (int, float)) or not 0 < sample_rate <= 1):
-        refuse("--sample-rate", sample_rate, "the SHARDS rate must be in (0, 1], e.g. 0.01")
+            sample_rate, (int, float)) or not 2.0 ** -24 <= sample_rate <= 1):
+        # ids are kept by a 24-bit hash: a lower rate keeps none, as a recording refuses
+        refuse("--sample-rate", sample_rate,
+               "the SHARDS rate must be in [2**-24, 1], e.g. 0.01")
     if not is_whole_number(points) or not 2 <= points <= MAX_POINTS:
         # each capacity is a replay per policy: more only cost time (curves are
         # interpolated in log C), and a huge count would not even fit in memory
@@ -319,6 +321,11 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
             raise ConfigError(f"table {name!r} has no ids after its first {skip} batches, "
                               f"which --warmup {warmup:g} gives to warming the caches; lower "
                               "--warmup")
+        kept = int(sample_mask(trace.ids, rate).sum()) if rate < 1 else trace.distinct
+        if not kept:
+            # no lookup would be counted, and 0 / 0 read as no miss: a perfect cache
+            raise ConfigError(f"table {name!r}: sampling at {rate:g} keeps none of its "
+                              f"{trace.distinct} ids; give a higher --sample-rate")
         lru = lru_curve(trace, caps, rate, skip)
         # below two batches' width the order inside a batch decides what LRU keeps, which
         # stack distances do not know: replay those few capacities instead
@@ -342,12 +349,10 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
             "error_bound": 0.0 if rate >= 1 else SHARDS_ERROR_BOUND,
             "reuse": reuse_histogram(trace, rate, skip), "mrc": mrc,
         }
-        if rate < 1:
+        if rate < 1 and kept < MIN_SAMPLED_IDS:
             # a log's rate is the recording's choice, and --sample-rate the caller's: below
             # MIN_SAMPLED_IDS ids the tests bound no error (small tables want a higher rate)
-            kept = int(sample_mask(trace.ids, rate).sum())
-            if kept < MIN_SAMPLED_IDS:
-                out[name]["error_bound"] = None
+            out[name]["error_bound"] = None
         if recorded < 1:
             out[name]["recorded_rate"] = recorded
             out[name]["sampled_ids"] = kept
