@@ -240,6 +240,10 @@ def _bad_trace_files(tmp_path: Path) -> dict[str, Path]:
     np.savez(out["float offsets"], ids=np.arange(10), offsets=np.array([0.0, 5.0, 10.0]))
     out["truncated npz"] = tmp_path / "truncated.npz"
     out["truncated npz"].write_bytes(out["float offsets"].read_bytes()[:100])
+    # offsets that go down, unsigned: np.diff wrapped round and they read as 3 batches
+    out["unsigned offsets going down"] = tmp_path / "unsigned.npz"
+    np.savez(out["unsigned offsets going down"], ids=np.arange(3),
+             offsets=np.array([0, 3, 1, 3], np.uint64))
     return out
 
 
