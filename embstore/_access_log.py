@@ -5,9 +5,11 @@ table, the ids of each batch to an access log at PATH; ``embstore profile PATH``
 it reads a trace. A batch is one `lookup` call. `apply_gradients` and `update` calls that
 follow a lookup of the same table are that step's writes of the rows just looked up, which
 the profile already models (``--step-calls``): they are not logged again. A write with no
-lookup of its own (a table trained by `apply_gradients` alone) is logged as a batch. Writes
-are matched to lookups by count, so a pipeline that looks up the next batch before it writes
-this one is logged right too.
+lookup of its own (a table trained by `apply_gradients` alone) is logged as a batch. A write
+is matched to the oldest lookup not yet written whose ids hold all of its own, and lookups
+before that one had no write (an evaluation): so a pipeline that looks up the next batches
+before it writes this one is logged right, and a lookup that no write follows keeps no
+later write out of the log.
 
 Sampling is spatial, as SHARDS does it (Waldspurger et al., FAST 2015): an id is kept when the
 top 24 bits of its splitmix64 hash fall below RATE x 2**24, in every batch it occurs in. So
@@ -46,6 +48,7 @@ import fcntl
 import json
 import os
 import sys
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -170,7 +173,8 @@ class _TableLog:
         try:
             self.ids_fd = os.open(root / f"{name}.ids", flags, FILE_MODE)
             self.off_fd = os.open(root / f"{name}.offsets", flags, FILE_MODE)
-            self.pending_writes = 0
+            # the ids of lookups not yet written, oldest first (`AccessRecorder.write`)
+            self.unwritten: deque[np.ndarray] = deque(maxlen=_MAX_UNWRITTEN)
             off = np.zeros(1, dtype=np.int64) if fresh else _whole_records(
                 os.pread(self.off_fd, os.fstat(self.off_fd).st_size, 0))
             off, problem = _complete_batches(name, os.fstat(self.ids_fd).st_size // 8, off)
@@ -220,6 +224,28 @@ def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
     while data:
         n = os.pwrite(fd, data, at)
         data, at = data[n:], at + n
+
+
+_MAX_UNWRITTEN = 16  # lookups awaiting their write: a pipeline's depth, with room to spare
+
+
+def _holds(looked_up: np.ndarray, ids: np.ndarray) -> bool:
+    """Whether every id of `ids` is among `looked_up` (a step writes what it looked up)."""
+    if len(ids) == len(looked_up):
+        if np.array_equal(ids, looked_up):  # the usual step: the same ids, in order
+            return True
+        if _multiset_hash(ids) == _multiset_hash(looked_up):  # in another order
+            return True
+    return bool(np.isin(ids, looked_up).all())
+
+
+def _multiset_hash(ids: np.ndarray) -> tuple[int, int]:
+    """An order-free fingerprint of `ids`: their sum, and the sum of a 64-bit mix of each."""
+    x = ids.view(np.uint64)
+    with np.errstate(over="ignore"):
+        mixed = (x ^ (x >> np.uint64(31))) * np.uint64(0x9E3779B97F4A7C15)
+        mixed ^= mixed >> np.uint64(29)
+        return int(x.sum(dtype=np.uint64)), int(mixed.sum(dtype=np.uint64))
 
 
 class AccessRecorder:
@@ -298,26 +324,35 @@ class AccessRecorder:
         """Each recorded table's sampling rate."""
         return {n: log.threshold / (1 << HASH_BITS) for n, log in self._logs.items()}
 
-    def lookup(self, table: str, ids: np.ndarray) -> None:
-        """Log a lookup of `ids` (C-contiguous int64) as a batch of `table`."""
+    def lookup(self, table: str, ids: np.ndarray, looked_up: np.ndarray | None = None
+               ) -> None:
+        """Log `ids` (C-contiguous int64) as a batch of `table`.
+
+        `looked_up`: the ids the store was asked for, where `ids` is the batch as the caller
+        used it (repeats included); the step's write is matched against them.
+        """
         log = self._logs[table]
         self._append(log, ids)
-        log.pending_writes += 1
+        log.unwritten.append((ids if looked_up is None else looked_up).copy())
 
     def lookup_many(self, batches: Sequence[tuple[TableSpec, np.ndarray]],
                     accessed: Mapping[str, Any] | None) -> None:
         """Log checked distinct ids per table, or the batch as used where `accessed` gives it."""
         used = accessed or {}
         for spec, ids in batches:
-            self.lookup(spec.name, ids if spec.name not in used
-                        else as_ids(used[spec.name], spec))
+            if spec.name in used:
+                self.lookup(spec.name, as_ids(used[spec.name], spec), ids)
+            else:
+                self.lookup(spec.name, ids)
 
     def write(self, table: str, ids: np.ndarray) -> None:
         """Log a write (`apply_gradients`, `update`) unless it is a logged lookup's step."""
         log = self._logs[table]
-        if log.pending_writes:
-            log.pending_writes -= 1
-            return
+        for k, looked_up in enumerate(log.unwritten):
+            if _holds(looked_up, ids):
+                for _ in range(k + 1):  # those before it were never written: evaluations
+                    log.unwritten.popleft()
+                return
         self._append(log, ids)
 
     def _append(self, log: _TableLog, ids: np.ndarray) -> None:

@@ -473,7 +473,7 @@ class EmbeddingStore:
             ids = as_ids(ids, t.spec)
             if self._recorder is not None:
                 self._recorder.lookup(table, ids if accessed is None
-                                      else as_ids(accessed, t.spec))
+                                      else as_ids(accessed, t.spec), ids)
             return self._lookup(t, ids, stored=stored)
 
     def _lookup_again(self, table: str, ids: Any) -> np.ndarray:
@@ -526,7 +526,7 @@ class EmbeddingStore:
             t.chain.remember_slots(ids, slots)
             if self._recorder is not None:
                 self._recorder.lookup(table, ids if accessed is None
-                                      else as_ids(accessed, t.spec))
+                                      else as_ids(accessed, t.spec), ids)
             return read(cast(Any, backend).slabs_for_reading(), slots)
 
     def prefetch(self, table: str, ids: Any) -> int:

@@ -136,6 +136,26 @@ def test_a_batch_is_a_lookup_and_its_steps_writes_are_not_logged_again(tmp_path:
                                                        [1, 2, 3], [4, 5, 6]]
 
 
+def test_a_lookup_no_write_follows_keeps_no_later_write_out_of_the_log(tmp_path: Path) -> None:
+    # writes were matched to lookups by count: an evaluation's lookup took the next write,
+    # whatever its ids, and an empty lookup did too
+    grads = np.ones((2, 2), np.float32)
+    with embstore.open(None, tables=[embstore.TableSpec("t", dim=2)],
+                       record_accesses=tmp_path / "log") as store:
+        store.lookup("t", np.array([1, 2]))            # evaluation: no write follows
+        store.update("t", np.array([100, 101]), grads)  # a batch of its own
+        store.lookup("t", np.array([], np.int64))
+        store.apply_gradients("t", np.array([200, 201]), grads)  # and this one
+        store.lookup("t", np.array([3, 4, 5]), accessed=np.array([5, 3, 4, 3]))
+        store.apply_gradients("t", np.array([4, 3]), grads)  # that step's, in its order
+        store.lookup_many({"t": np.array([6, 7])})
+        store.apply_gradients_many({"t": (np.array([7, 6]), grads)})
+        store.flush()
+        log = read_access_log(tmp_path / "log")
+        assert [list(x) for x in log.batches("t")] == [
+            [1, 2], [100, 101], [], [200, 201], [5, 3, 4, 3], [6, 7]]
+
+
 @pytest.mark.parametrize(("accessed", "words"), [([1, 2], "must be a mapping"),
                                                   ({"zz": [1]}, "does not look up")])
 def test_a_bad_accessed_mapping_is_refused_and_logs_nothing(tmp_path: Path, accessed,
