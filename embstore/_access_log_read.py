@@ -50,8 +50,11 @@ class AccessLog:
     rates: dict[str, float]
     """Per table: the share of ids (by hash) the log kept; 1.0 is every id."""
     left_out: dict[str, int] = field(default_factory=dict)
-    """Per table with any: ids logged past its last complete batch, not read (a torn tail:
-    a writer killed mid-batch, or an offsets file cut short, which look alike)."""
+    """Per table with a torn tail: ids its file holds past its last complete batch, not read
+    (a writer killed mid-batch, or an offsets file cut short, which look alike)."""
+    lost_batches: dict[str, int] = field(default_factory=dict)
+    """Per table with any: ends of batches past the ids its file holds (a power cut kept
+    offsets whose ids it lost). Their sizes are not trusted: a damaged record reads alike."""
 
     def batches(self, table: str) -> list[np.ndarray]:
         """The batches of `table`, in order (views of `ids`)."""
@@ -90,9 +93,12 @@ def _merge_ranks(root: Path, logs: list[AccessLog]) -> AccessLog:
     names = sorted({n for log in logs for n in log.ids})
     ids, offsets, rates = {}, {}, {}
     left_out: dict[str, int] = {}
+    lost: dict[str, int] = {}
     for log in logs:
         for name, n in log.left_out.items():
             left_out[name] = left_out.get(name, 0) + n
+        for name, n in log.lost_batches.items():
+            lost[name] = lost.get(name, 0) + n
     for name in names:
         found = {log.rates[name] for log in logs if name in log.rates}
         if len(found) != 1:
@@ -105,7 +111,7 @@ def _merge_ranks(root: Path, logs: list[AccessLog]) -> AccessLog:
         offsets[name] = np.concatenate([[0], np.cumsum([len(b) for b in order])]
                                        ).astype(np.int64)
         rates[name] = found.pop()
-    return AccessLog(ids, offsets, rates, left_out)
+    return AccessLog(ids, offsets, rates, left_out, lost)
 
 
 _DAMAGED = "the log is damaged: record a new one (embstore.open(..., record_accesses=NEW_DIR))"
@@ -341,6 +347,7 @@ def read_access_log(path: str | os.PathLike[str]) -> AccessLog:
     _check_unlisted(root, doc["tables"])
     ids, offsets, rates = {}, {}, {}
     left_out: dict[str, int] = {}
+    lost: dict[str, int] = {}
     for name, t in doc["tables"].items():
         raw = _whole_records(_read_file(root, name, ".ids"))
         off = _whole_records(_read_file(root, name, ".offsets"))
@@ -349,8 +356,10 @@ def read_access_log(path: str | os.PathLike[str]) -> AccessLog:
             raise CorruptStoreError(f"access log {root}: table {name!r}: {problem}; {_DAMAGED}")
         ids[name], offsets[name] = raw[: int(kept[-1])], kept
         rates[name] = t["threshold"] / (1 << HASH_BITS)
-        if len(raw) > kept[-1] or len(kept) < len(off):  # ids past, or batches cut off
-            left_out[name] = max(len(raw), int(off[-1])) - int(kept[-1])
-    return AccessLog(ids, offsets, rates, left_out)
+        if len(raw) > kept[-1]:
+            left_out[name] = len(raw) - int(kept[-1])
+        if len(kept) < len(off):
+            lost[name] = len(off) - len(kept)
+    return AccessLog(ids, offsets, rates, left_out, lost)
 
 

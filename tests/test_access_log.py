@@ -422,6 +422,23 @@ def test_a_torn_tail_is_read_up_to_it_and_profile_says_what_it_left_out(
     assert set(json.loads((tmp_path / "p.json").read_text())["tables"]) == {"item"}
 
 
+@pytest.mark.parametrize("tail", [b"\x01" * 10, np.array([10**6], "<i8").tobytes()])
+def test_a_record_past_the_ids_is_counted_as_one_lost_batch_not_as_its_value_in_ids(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], tail: bytes) -> None:
+    # the note gave 10**6 - 18 (or 72340172838076673 - 18) ids as left out
+    log = tmp_path / "log"
+    small_log(log)
+    with open(log / "user.offsets", "ab") as f:
+        f.write(tail)
+    got = read_access_log(log)
+    assert len(got.batches("user")) == 3 and got.lost_batches == {"user": 1}
+    assert not got.left_out
+    assert main(["profile", str(log), "-o", str(tmp_path / "p.json"), "--points", "3",
+                 "--policies", "clock"]) == 0
+    err = capsys.readouterr().err
+    assert "table 'user': 1 batch ends past the ids its file holds" in err, err
+
+
 def test_a_killed_writers_empty_files_of_a_new_table_are_no_damage(tmp_path: Path) -> None:
     log = tmp_path / "log"
     small_log(log)
@@ -444,7 +461,8 @@ def test_offsets_past_ids_a_power_cut_lost_are_a_torn_tail_read_up_to_it(
     small_log(log)  # user: three batches of 6 ids
     os.truncate(log / "user.ids", 8 * kept_ids + 3)
     got = read_access_log(log)
-    assert len(got.batches("user")) == batches and got.left_out == {"user": 18 - 6 * batches}
+    assert len(got.batches("user")) == batches and got.lost_batches == {"user": 3 - batches}
+    assert got.left_out == ({"user": kept_ids - 6 * batches} if kept_ids > 6 * batches else {})
     assert len(got.batches("item")) == 3
     # a store recording to it again goes on after the last complete batch
     with embstore.open(None, tables=[embstore.TableSpec(n, dim=2) for n in ("user", "item")],

@@ -58,11 +58,17 @@ def read_trace(spec: str, notes: list[str] | None = None
 
     if is_access_log(spec):
         log = read_access_log(spec)
-        for name, n in sorted(log.left_out.items()):
-            if notes is not None:  # lost ids are said, never dropped unseen
-                notes.append(f"table {name!r}: {n} logged ids past its last complete batch "
-                             "were left out (a store killed while recording, or a damaged "
-                             f"{name}.offsets)")
+        for name in sorted(set(log.left_out) | set(log.lost_batches)):
+            if notes is None:
+                continue
+            parts = []  # lost ids are said, never dropped unseen
+            if log.left_out.get(name):
+                parts.append(f"{log.left_out[name]} logged ids past its last complete batch")
+            if log.lost_batches.get(name):
+                parts.append(f"{log.lost_batches[name]} batch ends past the ids its file "
+                             "holds (a power cut lost their ids)")
+            notes.append(f"table {name!r}: {' and '.join(parts)} were left out (a store "
+                         f"killed while recording, or a damaged {name}.offsets)")
         tables = {name: log.batches(name) for name in sorted(log.ids) if len(log.ids[name])}
         if not tables:
             raise ConfigError(f"the access log {spec!r} holds no ids yet; record some batches "
