@@ -248,6 +248,24 @@ def _complete_batches(name: str, ids_count: int, offsets: np.ndarray
     return (offsets[: int(past[0])] if len(past) else offsets), None
 
 
+def _check_sampled(root: Path, name: str, ids: np.ndarray, threshold: int) -> None:
+    """Refuse a sampled table holding ids its rate does not keep (changed ids or header).
+
+    Every logged id's hash falls below the header's threshold; a flipped bit in an id, or
+    a rate edited in the header, breaks that for most ids. An unsampled log cannot tell.
+    """
+    if threshold >= 1 << HASH_BITS or not len(ids):
+        return
+    from ._access_log import sample_mask  # it writes logs with this module's reader
+
+    outside = int(len(ids) - np.count_nonzero(sample_mask(ids, threshold / (1 << HASH_BITS))))
+    if outside:
+        raise CorruptStoreError(
+            f"access log {root}: table {name!r}: {outside} of its {len(ids)} logged ids are not "
+            f"among those its rate ({threshold / (1 << HASH_BITS):g}, in {HEADER_NAME}) keeps: "
+            f"{name}.ids or the header was changed; {_DAMAGED}")
+
+
 def _whole_records(data: bytes) -> np.ndarray:
     """The whole int64 little-endian records of `data` (a torn last one left out)."""
     return np.frombuffer(data, dtype="<i8", count=len(data) // 8).astype(np.int64)
@@ -355,6 +373,7 @@ def read_access_log(path: str | os.PathLike[str]) -> AccessLog:
         if problem is not None:
             raise CorruptStoreError(f"access log {root}: table {name!r}: {problem}; {_DAMAGED}")
         ids[name], offsets[name] = raw[: int(kept[-1])], kept
+        _check_sampled(root, name, ids[name], t["threshold"])
         rates[name] = t["threshold"] / (1 << HASH_BITS)
         if len(raw) > kept[-1]:
             left_out[name] = len(raw) - int(kept[-1])

@@ -439,6 +439,32 @@ def test_a_record_past_the_ids_is_counted_as_one_lost_batch_not_as_its_value_in_
     assert "table 'user': 1 batch ends past the ids its file holds" in err, err
 
 
+def _edit_rate(log: Path, rate: float) -> None:
+    header = _header(log)
+    header["tables"]["user"] = {"rate": rate, "threshold": int(rate * 2**24)}
+    (log / "ACCESS_LOG.json").write_text(json.dumps(header))
+
+
+def test_ids_a_sampled_log_could_not_have_kept_are_damage(tmp_path: Path) -> None:
+    # an id's changed bytes, or a rate edited in the header, were read as accesses: the
+    # profile counted rows never looked up, or scaled them up by the false rate
+    log = tmp_path / "log"
+    record(log, {"user": [np.arange(b * 500, b * 500 + 2000) for b in range(4)]}, sample=0.5)
+    assert len(read_access_log(log).batches("user")) == 4
+    raw = bytearray((log / "user.ids").read_bytes())
+    for k in range(10, 18):  # a high byte of 8 ids: each changed id is kept by chance 0.5
+        raw[8 * k + 6] ^= 0x40
+    (log / "user.ids").write_bytes(bytes(raw))
+    with pytest.raises(CorruptStoreError, match="'user': [1-8] of its .* are not among those "
+                                                "its rate .*0.5.* keeps"):
+        read_access_log(log)
+    fresh = tmp_path / "unsampled"
+    small_log(fresh)
+    _edit_rate(fresh, 0.5)
+    with pytest.raises(CorruptStoreError, match="'user'.*rate"):
+        read_access_log(fresh)
+
+
 def test_a_killed_writers_empty_files_of_a_new_table_are_no_damage(tmp_path: Path) -> None:
     log = tmp_path / "log"
     small_log(log)
