@@ -19,7 +19,16 @@ from .errors import EmbstoreError, StorageIOError, StoreExistsError
 from .manifest import fsync_dir, make_dirs
 
 __all__ = ["discard", "io_error", "make_private", "missing_dirs", "not_a_directory", "publish",
-           "reason"]
+           "reason", "temporary_beside"]
+
+
+def temporary_beside(path: Path) -> Path:
+    """A name for a temporary file beside `path`, to be renamed over it once written.
+
+    Of this call alone (`.<name>.tmp-<pid>-<random>`): a fixed `<name>.tmp` would overwrite
+    and then remove a file of the user's of that name, even an input of the same command.
+    """
+    return path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def missing_dirs(directory: Path) -> list[Path]:
@@ -46,7 +55,7 @@ def make_private(dest: Path, error: Callable[[int, str], OSError] = OSError
     """
     made = missing_dirs(dest.parent)
     # of this call alone: another thread's or process's build of `dest` has a name of its own
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tmp = temporary_beside(dest)
     try:
         make_dirs(dest.parent)  # new parents: their entries must survive with what is published
         tmp.mkdir(mode=0o700)

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from . import registry
+from ._private_dir import temporary_beside
 from .errors import ConfigError, StorageIOError
 from .errors import brief as _short
 from .spec import TABLE_NAME_RULE, TableSpec, TierSpec, is_table_name
@@ -90,7 +91,7 @@ def save_document(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
     except ValueError as exc:  # a NaN or infinity slipped through: refuse, never write it
         raise ConfigError(f"not writing {str(path)!r}: the document holds NaN or an infinity, "
                           "which JSON cannot hold (a bug: please report it)") from exc
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temporary_beside(path)
     try:
         tmp.write_text(text)
         os.replace(tmp, path)

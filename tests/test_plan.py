@@ -577,6 +577,23 @@ def test_a_placement_that_cannot_be_written_is_said_of_the_path_given(
     assert ".tmp" not in err and "Errno" not in err
 
 
+def test_a_users_file_named_like_the_output_and_tmp_is_left_alone(
+        files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # <output>.tmp was the temporary file: a file of that name was overwritten and removed,
+    # even the profile the command read, and a directory of that name failed the write
+    (files / "p.json.tmp").write_bytes((files / "p.json").read_bytes())
+    (files / "out.json.tmp").write_text("precious")
+    (files / "x.json.tmp").mkdir()
+    for profile, out in (("p.json", "out.json"), ("p.json", "x.json"),
+                         ("p.json.tmp", "p.json")):
+        assert main(["plan", str(files / profile), "--tiers", str(files / "t.json"),
+                     "--budget", "dram=1MiB", "-o", str(files / out)]) == 0
+        load_document(files / out, "placement")
+    assert (files / "p.json.tmp").is_file() and (files / "x.json.tmp").is_dir()
+    assert (files / "out.json.tmp").read_text() == "precious"
+    capsys.readouterr()
+
+
 def test_plan_writes_no_placement_that_open_would_refuse(tmp_path: Path, profile: dict[str, Any],
                                                           capsys: pytest.CaptureFixture[str]
                                                           ) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from embstore._access_log import sample_mask
+from embstore._private_dir import temporary_beside
 from embstore.errors import ConfigError
 from embstore.policy import EvictionPolicy
 from embstore.tools.simulator import Trace, parse_policy, run_policies
@@ -284,9 +285,9 @@ def plot_profile(profile: dict[str, Any], path: str | Path) -> None:
     axes[0][-1].legend(fontsize="x-small", ncol=2)
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temporary_beside(path)
     try:
-        fig.savefig(tmp, dpi=120, format=ext)  # the format named, as the file's is ".tmp"
+        fig.savefig(tmp, dpi=120, format=ext)  # the format named: the temporary name has none
         os.replace(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(OSError):  # no partial image, no stray file

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from embstore._private_dir import temporary_beside
 from embstore.layout import store_above
 
 from ._args import (
@@ -161,7 +162,7 @@ def _save_dense(path: Path, state: dict[str, Any]) -> None:
     """torch.save `state` to `path` atomically (temporary file, fsync, rename, fsync dir)."""
     import torch
 
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temporary_beside(path)
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()

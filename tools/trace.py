@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embstore._private_dir import temporary_beside
 from embstore.errors import ConfigError
 from embstore.tools._args import check_output, non_negative_int, positive_int
 
@@ -65,7 +66,7 @@ def _save(out: str, array: np.ndarray) -> None:
     Raises:
         ConfigError: the file cannot be written.
     """
-    tmp = Path(f"{out}.tmp")
+    tmp = temporary_beside(Path(out))
     try:
         with open(tmp, "wb") as f:
             np.save(f, array)
