@@ -60,20 +60,20 @@ from ._access_log_read import (
     _DAMAGED,
     FORMAT,
     HASH_BITS,
-    HASH_SEED,
     HEADER_NAME,
     VERSION,
     AccessLog,
     _check_unlisted,
     _complete_batches,
     _read_header,
+    _sampled,
     _sampling,
     _whole_records,
     is_access_log,
     read_access_log,
+    sample_mask,
+    threshold_of,
 )
-from ._kernels._policy_kernels import ffi as _ffi
-from ._kernels._policy_kernels import lib as _kernels
 from ._validate import as_ids
 from .errors import ConfigError, CorruptStoreError, StorageIOError, StoreLockedError
 from .manifest import DIR_MODE, FILE_MODE, make_dirs, write_atomic
@@ -83,40 +83,6 @@ __all__ = ["HEADER_NAME", "AccessLog", "AccessRecorder", "check_rates", "is_acce
            "read_access_log", "sample_mask"]
 
 _LOCK_NAME = "LOCK"
-
-
-def threshold_of(rate: float) -> int:
-    """The hash threshold of sampling rate `rate` (kept: top bits below it)."""
-    return int(rate * (1 << HASH_BITS))
-
-
-def seed_key(seed: int) -> int:
-    """The xor key of splitmix64 with `seed` (embstore.policies._hashing's hashes use it too)."""
-    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**64
-
-
-def sample_mask(ids: np.ndarray, rate: float, seed: int = HASH_SEED) -> np.ndarray:
-    """Which of `ids` spatial sampling at `rate` keeps (bool[N]); the recorder's with seed 0."""
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    keep = np.empty(len(ids), dtype=np.uint8)
-    _sampled(ids, threshold_of(rate), seed, keep)
-    return keep.view(bool)
-
-
-def _sampled(ids: np.ndarray, threshold: int, seed: int = HASH_SEED,
-             keep: np.ndarray | None = None) -> np.ndarray:
-    """The ids whose hash falls below `threshold`, in order (C kernel: one pass).
-
-    `keep` (uint8[N]), if given, receives whether each id is kept.
-    """
-    if threshold >= 1 << HASH_BITS and keep is None:
-        return ids
-    out = np.empty(len(ids), dtype=np.int64)
-    kept = _kernels.shards_keep(
-        _ffi.cast("int64_t *", ids.ctypes.data), len(ids), seed_key(seed), HASH_BITS,
-        threshold, _ffi.cast("int64_t *", out.ctypes.data),
-        _ffi.NULL if keep is None else _ffi.cast("uint8_t *", keep.ctypes.data))
-    return out[:kept]
 
 
 def check_rates(sample: float | Mapping[str, float]) -> None:

@@ -20,13 +20,15 @@ from typing import Any
 
 import numpy as np
 
+from ._kernels._policy_kernels import ffi as _ffi
+from ._kernels._policy_kernels import lib as _kernels
 from .errors import ConfigError, CorruptStoreError, StorageIOError
 from .errors import brief as _show
 from .manifest import read_bytes_nofollow
 from .spec import is_table_name
 
 __all__ = ["FORMAT", "HASH_BITS", "HASH_SEED", "HEADER_NAME", "VERSION", "AccessLog",
-           "is_access_log", "read_access_log"]
+           "is_access_log", "read_access_log", "sample_mask", "threshold_of"]
 
 HEADER_NAME = "ACCESS_LOG.json"
 FORMAT = "embstore.access_log"
@@ -248,6 +250,40 @@ def _complete_batches(name: str, ids_count: int, offsets: np.ndarray
     return (offsets[: int(past[0])] if len(past) else offsets), None
 
 
+def threshold_of(rate: float) -> int:
+    """The hash threshold of sampling rate `rate` (kept: top bits below it)."""
+    return int(rate * (1 << HASH_BITS))
+
+
+def seed_key(seed: int) -> int:
+    """The xor key of splitmix64 with `seed` (embstore.policies._hashing's hashes use it too)."""
+    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**64
+
+
+def sample_mask(ids: np.ndarray, rate: float, seed: int = HASH_SEED) -> np.ndarray:
+    """Which of `ids` spatial sampling at `rate` keeps (bool[N]); the recorder's with seed 0."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    keep = np.empty(len(ids), dtype=np.uint8)
+    _sampled(ids, threshold_of(rate), seed, keep)
+    return keep.view(bool)
+
+
+def _sampled(ids: np.ndarray, threshold: int, seed: int = HASH_SEED,
+             keep: np.ndarray | None = None) -> np.ndarray:
+    """The ids whose hash falls below `threshold`, in order (C kernel: one pass).
+
+    `keep` (uint8[N]), if given, receives whether each id is kept.
+    """
+    if threshold >= 1 << HASH_BITS and keep is None:
+        return ids
+    out = np.empty(len(ids), dtype=np.int64)
+    kept = _kernels.shards_keep(
+        _ffi.cast("int64_t *", ids.ctypes.data), len(ids), seed_key(seed), HASH_BITS,
+        threshold, _ffi.cast("int64_t *", out.ctypes.data),
+        _ffi.NULL if keep is None else _ffi.cast("uint8_t *", keep.ctypes.data))
+    return out[:kept]
+
+
 def _check_sampled(root: Path, name: str, ids: np.ndarray, threshold: int) -> None:
     """Refuse a sampled table holding ids its rate does not keep (changed ids or header).
 
@@ -256,8 +292,6 @@ def _check_sampled(root: Path, name: str, ids: np.ndarray, threshold: int) -> No
     """
     if threshold >= 1 << HASH_BITS or not len(ids):
         return
-    from ._access_log import sample_mask  # it writes logs with this module's reader
-
     outside = int(len(ids) - np.count_nonzero(sample_mask(ids, threshold / (1 << HASH_BITS))))
     if outside:
         raise CorruptStoreError(

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from embstore._access_log import seed_key
+from embstore._access_log_read import seed_key
 from embstore._kernels._policy_kernels import ffi as _ffi
 from embstore._kernels._policy_kernels import lib as _kernels
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from embstore.errors import ConfigError
 
 from .simulator import SimResult, Trace
 
-__all__ = ["HALF_LIVES", "best_exact_lfu", "exact_lfu"]
+__all__ = ["HALF_LIVES", "add_exact_lfu", "best_exact_lfu", "exact_lfu"]
 
 HALF_LIVES = (5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, math.inf)
 """Half-lives in batches that `best_exact_lfu` tries (inf: reads never age)."""
@@ -96,3 +97,19 @@ def best_exact_lfu(trace: Trace, capacity: int,
     seconds = sum(r.seconds for r, _ in results)
     return SimResult(best.eviction, best.admission, best.capacity, best.accesses,
                      best.lookups, best.misses, seconds), half_life
+
+
+def add_exact_lfu(report: dict[str, Any], trace: Trace) -> None:
+    """Give each capacity of a `simulate_trace` report of `trace` its "exact_lfu" entry.
+
+    A result dict with "miss_vs_belady" and "half_life" (batches; None where reads never
+    age: JSON has no infinity).
+    """
+    for entry in report["capacities"]:
+        counted, half_life = best_exact_lfu(trace, entry["capacity"])
+        belady = entry["belady"]["misses"]
+        row = counted.as_dict()
+        row["miss_vs_belady"] = (counted.misses / belady if belady
+                                 else float("inf") if counted.misses else 1.0)
+        row["half_life"] = half_life if math.isfinite(half_life) else None
+        entry["exact_lfu"] = row

@@ -69,8 +69,11 @@ def _run(args: argparse.Namespace) -> int:
     distinct = max(1, int(trace.distinct))
     capacities = [c.fraction if c.fraction is not None and c.fraction < 1
                   else float(c.as_rows(distinct, args.row_bytes)) for c in args.capacity]
-    report = simulate_trace(trace, policies, admissions, capacities, seed=args.seed,
-                            exact_lfu=args.exact_lfu)
+    report = simulate_trace(trace, policies, admissions, capacities, seed=args.seed)
+    if args.exact_lfu:
+        from embstore.tools._frequency_bound import add_exact_lfu
+
+        add_exact_lfu(report, trace)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

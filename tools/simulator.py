@@ -430,7 +430,7 @@ def _versus(best: SimResult, result: SimResult) -> dict[str, Any]:
 
 def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str],
                    admissions: Sequence[str], capacities: Sequence[float],
-                   seed: int = 0, exact_lfu: bool = False) -> dict[str, Any]:
+                   seed: int = 0) -> dict[str, Any]:
     """Every eviction x admission pair at every capacity, with Belady and the infinite cache.
 
     A synthetic trace (`load_trace("synth:...")`) also gets the popularity oracle: about the
@@ -442,14 +442,11 @@ def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str]
         admissions: admission policy specs.
         capacities: fractions (< 1) of the distinct ids, or counts.
         seed: seed handed to every policy.
-        exact_lfu: also replay a cache of exact decayed counts at its best half-life
-            (`embstore.tools._frequency_bound`): what a frequency policy's estimate could win.
 
     Returns:
         {"accesses", "lookups", "distinct", "batches", "infinite": result dict, "capacities": [
         {"capacity", "belady": result dict, "oracle": result dict (synthetic traces
-        only), "exact_lfu": result dict with "half_life" in batches, null for none (when
-        asked), "policies": [result dicts]}]}; every result but Belady's has "miss_vs_belady".
+        only), "policies": [result dicts]}]}; every result but Belady's has "miss_vs_belady".
 
     Raises:
         ConfigError: a bad policy spec or capacity.
@@ -472,11 +469,5 @@ def simulate_trace(trace: Trace | Sequence[np.ndarray], evictions: Sequence[str]
         entry = {"capacity": capacity, "belady": best.as_dict(), "policies": rows}
         if trace.popularity is not None:
             entry["oracle"] = _versus(best, popularity_oracle(trace, capacity))
-        if exact_lfu:
-            from ._frequency_bound import best_exact_lfu  # it imports this module
-
-            counted, half_life = best_exact_lfu(trace, capacity)
-            entry["exact_lfu"] = {**_versus(best, counted),  # JSON has no inf: null
-                                  "half_life": half_life if half_life < float("inf") else None}
         report["capacities"].append(entry)
     return report
