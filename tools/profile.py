@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -97,17 +98,19 @@ def load_tables(spec: str) -> dict[str, list[np.ndarray]]:
         _refuse_directory(path)
     from embstore.tools.simulator import check_batches, int64_ids, load_trace, read_arrays
 
-    if path.suffix == ".npz" and path.is_file():
+    if path.is_file() and zipfile.is_zipfile(path):  # an .npz, whatever its name
         data = read_arrays(path)
-        names = (sorted({k.rsplit(".", 1)[0] for k in data if k.endswith(".ids")})
+        names = (sorted({k.rsplit(".", 1)[0] for k in data
+                         if k.endswith((".ids", ".offsets"))})
                  if isinstance(data, dict) else [])
         if isinstance(data, dict) and names:
             check_table_names(names, f"trace {spec!r}")
             out = {}
             for name in names:
-                if f"{name}.offsets" not in data:
-                    raise ConfigError(f"trace {spec!r}: table {name!r} has ids but no "
-                                      f"'{name}.offsets'; save both arrays per table")
+                for have, lack in (("ids", "offsets"), ("offsets", "ids")):
+                    if f"{name}.{lack}" not in data:  # never a table left out unsaid
+                        raise ConfigError(f"trace {spec!r}: table {name!r} has {have} but no "
+                                          f"'{name}.{lack}'; save both arrays per table")
                 ids, off = data[f"{name}.ids"], data[f"{name}.offsets"]
                 check_batches(f"{spec}, table {name}", ids, off)
                 ids = int64_ids(ids, f"trace {spec!r}, table {name!r},")
