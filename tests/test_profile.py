@@ -286,6 +286,14 @@ def test_a_directory_that_is_no_access_log_is_refused_in_our_words(
     assert "holds the files of access log tables (user) but no ACCESS_LOG.json" in err
 
 
+@pytest.mark.parametrize(("row_bytes", "says"), [("260,a=5,a=6", "gives table 'a' twice"),
+                                                ("260,516", "gives the default twice")])
+def test_row_bytes_given_twice_are_refused(row_bytes: str, says: str) -> None:
+    # the last one won, unsaid
+    with pytest.raises(ConfigError, match=says):
+        build_profile({"a": [np.arange(4)]}, row_bytes=row_bytes)
+
+
 def test_a_huge_row_size_is_refused_not_overflowed(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # bytes_per_sample overflowed a float: an internal error

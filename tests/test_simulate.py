@@ -279,6 +279,14 @@ def test_bad_synthetic_specs_are_config_errors(spec: str) -> None:
             load_trace(spec)
 
 
+@pytest.mark.parametrize(("spec", "says"), [
+    ("synth:seed=1,seed=2", "seed is given twice"),  # the last one won
+    ("synth:batches=2,seed=-1", "seed must be a whole number >= 0, got -1")])
+def test_a_synthetic_spec_says_what_is_wrong_in_its_terms(spec: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        load_trace(spec)
+
+
 def test_capacities_past_the_distinct_ids_are_the_infinite_cache() -> None:
     # a count far past the trace's ids must not allocate for it (it used to: MemoryError)
     assert parse_capacities([1e10, 5.0], distinct=10) == [10, 5]

@@ -200,6 +200,7 @@ def _row_bytes(text: str | int, names: Sequence[str]) -> dict[str, int]:
     if isinstance(text, int):
         return dict.fromkeys(names, text)
     default, per = 260, {}
+    seen: set[str | None] = set()  # table names given, None for the default
     for item in filter(None, str(text).split(",")):
         key, eq, value = item.rpartition("=")
         try:
@@ -211,6 +212,10 @@ def _row_bytes(text: str | int, names: Sequence[str]) -> dict[str, int]:
         if n > MAX_NUMBER:  # the planner's figures must stay finite floats
             raise ConfigError(f"--row-bytes {text!r}: a row of more than 2**53 bytes is no "
                               "row an embedding table has")
+        if (key if eq else None) in seen:  # which of the two was meant is a guess
+            raise ConfigError(f"--row-bytes {text!r}: gives "
+                              f"{'table ' + repr(key) if eq else 'the default'} twice")
+        seen.add(key if eq else None)
         if eq:
             if key not in names:
                 raise ConfigError(f"--row-bytes names table {key!r}, not in the trace "

@@ -225,6 +225,8 @@ def _synth_kwargs(spec: str) -> dict[str, Any]:
         key = key.strip().replace("-", "_")
         if not eq:
             raise ConfigError(f"trace spec {spec!r}: expected key=value, got {item!r}")
+        if key in kwargs:  # which of the two was meant is a guess
+            raise ConfigError(f"trace spec {spec!r}: {key} is given twice; give it once")
         if key not in _SYNTH_KEYS:
             raise ConfigError(f"trace spec {spec!r}: unknown key {key!r}; known: "
                               f"{', '.join(sorted(_SYNTH_KEYS))} (see "
@@ -234,6 +236,9 @@ def _synth_kwargs(spec: str) -> dict[str, Any]:
         if key != "profile" and (isinstance(value, (bool, str)) or value is None or (
                 want == "a whole number" and not isinstance(value, int))):
             raise ConfigError(f"trace spec {spec!r}: {key} must be {want}, got {text.strip()!r}")
+        if want == "a whole number" and value < 0:  # numpy's own words otherwise
+            raise ConfigError(f"trace spec {spec!r}: {key} must be a whole number >= 0, got "
+                              f"{value}")
         kwargs[key] = value
     return kwargs
 
