@@ -306,7 +306,8 @@ def _plan_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str,
 @pytest.mark.parametrize(("output", "message"), [
     ("p.json", "is also an input"), ("t.json", "is also an input"),
     ("link.json", "is also an input"), ("", "-o is empty"), ("d", "is a directory"),
-    ("nodir/x.json", "nodir' does not exist")])
+    ("nodir/x.json", "nodir' does not exist"),
+    ("t.json/x.json", "t.json' is not a folder")])  # it said the folder did not exist
 def test_plan_refuses_an_output_that_is_an_input_or_no_file(
         files: Path, capsys: pytest.CaptureFixture[str], output: str, message: str) -> None:
     (files / "link.json").symlink_to(files / "p.json")

@@ -239,6 +239,8 @@ def test_a_plot_in_another_format_is_drawn_in_it(tmp_path: Path) -> None:
     ("--step-calls", "-2", "argument --step-calls: '-2' must be at least 1"),
     ("--samples-per-batch", "0", "argument --samples-per-batch: '0' must be at least 1"),
     ("--seed", "-1", "argument --seed: '-1' must be at least 0"),
+    # blamed on the policy spec 'lru' that it reached
+    ("--seed", str(2**64), f"--seed {2**64}: the seed must be an integer >= 0 and < 2**63"),
     ("--points", "1", "--points 1: capacities per curve must be an integer >= 2"),
     ("--warmup", "1", "--warmup 1.0: the share of batches that only warm the caches must be "
                       "in [0, 1)"),

@@ -379,6 +379,8 @@ def check_output(path: str | os.PathLike[str], flag: str,
     if not out.name or text.endswith(os.sep):
         raise ConfigError(f"{flag} {text!r} names no file; give a file name")
     if not out.parent.is_dir():
+        if out.parent.exists():  # a file where the folder should be
+            raise ConfigError(f"{flag} {text!r}: {str(out.parent)!r} is not a folder")
         raise ConfigError(f"{flag} {text!r}: folder {str(out.parent)!r} does not exist; "
                           "create it first")
     for source in inputs:

@@ -256,8 +256,8 @@ def check_settings(*, samples_per_batch: int = 1, sample_rate: float | None = No
     if not is_whole_number(step_calls) or not 1 <= step_calls <= MAX_STEP_CALLS:
         refuse("--step-calls", step_calls, "tier calls per batch must be an integer >= 1 "
                f"and <= {MAX_STEP_CALLS} (3 for training steps, 1 for lookups only)")
-    if not is_whole_number(seed) or seed < 0:
-        refuse("--seed", seed, "the seed must be an integer >= 0")
+    if not is_whole_number(seed) or not 0 <= seed < 2**63:  # policies take an int64 seed
+        refuse("--seed", seed, "the seed must be an integer >= 0 and < 2**63")
 
 
 def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str] = ("clock",),
