@@ -612,3 +612,14 @@ def test_plan_writes_no_placement_that_open_would_refuse(tmp_path: Path, profile
     err = capsys.readouterr().err
     assert rc == 2 and "do not fit a placement" in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("curve", ["bogus", "lru:foo=1", "always"])
+def test_a_profile_curve_of_no_eviction_policy_is_refused_before_planning(
+        profile: dict[str, Any], model: dict[str, Any], curve: str) -> None:
+    # it passed, and failed only where the planner chose that curve, naming no table
+    table = sorted(profile["tables"])[0]
+    bad = json.loads(json.dumps(profile))
+    bad["tables"][table]["mrc"][curve] = bad["tables"][table]["mrc"]["lru"]
+    with pytest.raises(ConfigError, match=f"table {table!r} has a curve of no eviction"):
+        plan(bad, model, parse_budget("dram=1MiB", 260, model))

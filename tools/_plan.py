@@ -179,6 +179,15 @@ def plan(profile: dict[str, Any], model: dict[str, Any], budget: dict[str, int]
     """
     profile, model = load_document(profile, "profile"), load_document(model, "tiers")
     names = sorted(profile["tables"])
+    for name in names:  # every curve, not only those chosen: a bad one is a bad profile
+        for curve in profile["tables"][name]["mrc"]:
+            if curve != "capacities":
+                try:
+                    parse_policy(curve, "eviction")
+                except ConfigError as exc:
+                    raise ConfigError(f"the profile's table {name!r} has a curve of no "
+                                      f"eviction policy this embstore runs ({exc}); profile "
+                                      "the trace again") from None
     opts = [_options(profile["tables"][n], model, budget) for n in names]
     if any(not o for o in opts):
         raise ConfigError("the tier model has no tier a table can live on; measure dram and "
@@ -214,7 +223,9 @@ def plan(profile: dict[str, Any], model: dict[str, Any], budget: dict[str, int]
         if free.any():  # faster for no more memory: the largest saving first
             best = int(np.argmax(np.where(free, d_time, -1.0)))
         else:
-            best = int(np.argmax(np.where(fits, d_time / np.maximum(spend, 1e-300), -1.0)))
+            with np.errstate(over="ignore"):  # seconds saved per byte: inf is the best
+                gain = d_time / np.maximum(spend, 1e-300)
+            best = int(np.argmax(np.where(fits, gain, -1.0)))
         used += d_use[best]
         cur[owner[best]] = best
     return {name: flat[cur[i]] for i, name in enumerate(names)}
