@@ -84,3 +84,17 @@ def test_bench_json_prints_the_figures_as_one_document(capsys):
     assert doc["benchmark"] == "lookup" and doc["exit_code"] == 0
     (table,) = doc["tables"]
     assert table["rows"][0]["ratio"] == 1.0 and all(r["rows_per_s"] > 0 for r in table["rows"])
+
+
+def test_quick_keeps_the_sizes_given_beside_it(capsys, tmp_path):
+    # --quick set its own sizes over those given, unsaid
+    assert main(["bench", "lookup", "--quick", "--rows", "30000"]) == 0
+    assert "loaded 30,000 rows" in capsys.readouterr().out
+    assert main(["bench", "lookup", "--rows", "30000", "--quick", "--repeats", "2"]) == 0
+    assert "loaded 30,000 rows" in capsys.readouterr().out
+    assert main(["bench", "lookup", "--quick"]) == 0
+    assert "loaded 20,000 rows" in capsys.readouterr().out  # its own where none is given
+    out = tmp_path / "tiers.json"
+    assert main(["bench", "tiers", "--quick", "--tiers", "dram", "--large", "1024", "--rows",
+                 "3000", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["tiers"]["dram"]["read"]["bytes_per_s"] > 0

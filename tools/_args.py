@@ -23,7 +23,7 @@ from embstore.spec import parse_bytes
 
 __all__ = ["Amount", "Parser", "add_output_flags", "amount", "check_output", "existing_file",
            "non_negative_float", "non_negative_int", "one_of", "positive_float", "positive_int",
-           "progress", "same_file", "some_of", "tier_chain", "work_dir"]
+           "progress", "quick_sizes", "same_file", "some_of", "tier_chain", "work_dir"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -43,6 +43,7 @@ class Parser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(*args, **kwargs)
         if extras:
             self.subcommand_parser(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        _fill_quick_sizes(self.subcommand_parser(parsed), parsed)
         return parsed
 
     def subcommand_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
@@ -54,6 +55,37 @@ class Parser(argparse.ArgumentParser):
             if not subs or name not in subs[0].choices:
                 return parser
             parser = subs[0].choices[name]
+
+
+_LEFT_OUT = object()  # the default of an option whose value --quick may choose
+
+
+def quick_sizes(parser: argparse.ArgumentParser, **quick: Any) -> None:
+    """Give `--quick` its sizes, for the options named by dest.
+
+    Each that the command line leaves out takes its quick value under `--quick` and its
+    default otherwise (`Parser.parse_args` fills them in). Sizes given on the command line
+    are kept, `--quick` or not (it overrode them, unsaid). Called again for an option, the
+    later quick value wins.
+    """
+    sizes: dict[str, tuple[Any, Any, Any]] = parser.__dict__.setdefault("_quick_sizes", {})
+    for action in parser._actions:
+        if action.dest in quick:
+            default, kind, _ = sizes.get(action.dest, (action.default, action.type, None))
+            sizes[action.dest] = (default, kind, quick[action.dest])
+            action.default = _LEFT_OUT
+    missing = set(quick) - {a.dest for a in parser._actions}
+    if missing:
+        raise ValueError(f"quick_sizes: no options {sorted(missing)}")  # a bug of the caller
+
+
+def _fill_quick_sizes(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> None:
+    for dest, (default, kind, quick) in parser.__dict__.get("_quick_sizes", {}).items():
+        if getattr(parsed, dest, None) is _LEFT_OUT:
+            value = quick if getattr(parsed, "quick", False) else default
+            # argparse converts string defaults through the option's type; so do we
+            setattr(parsed, dest, kind(value) if isinstance(value, str) and callable(kind)
+                    else value)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from embstore.backends._keys import encode_keys
 from embstore.errors import BackendUnavailableError
 from embstore.tools.workload import ZipfIds
 
-from ._args import one_of, positive_int, work_dir
+from ._args import one_of, positive_int, quick_sizes, work_dir
 from ._benchutil import add_size_arguments, interleaved_medians
 
 __all__ = ["add_arguments", "run"]
@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="backends to run (default: every persistent one with a baseline)")
     parser.add_argument("--flush-rows", type=positive_int, default=1000,
                         help="scattered dirty rows per measured flush (1000)")
+    quick_sizes(parser, repeats=3)
 
 
 # a misspelt backend would only be skipped, silently
@@ -442,8 +443,6 @@ def _flush_bytes(backend: Backend, zipf: ZipfIds,
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print the table of rows/s and backend/raw ratios."""
-    if args.quick:
-        args.rows, args.batch, args.repeats = 20_000, 4096, 3
     names = args.backends
     if names is None:
         names = [n for n in registry.backend_names() if n in RAW]

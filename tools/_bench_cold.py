@@ -25,7 +25,7 @@ from embstore import registry
 from embstore._cold_reads import MAX_THREADS
 from embstore.backend import BackendSpec
 
-from ._args import non_negative_int, positive_int, work_dir
+from ._args import non_negative_int, positive_int, quick_sizes, work_dir
 from ._benchutil import print_table
 
 __all__ = ["add_arguments", "cold_read_thread_count", "drop_cached", "run"]
@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "temporary directory)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    quick_sizes(parser, rows=50_000, reads=4, repeats=2)
 
 
 def cold_read_thread_count(text: str) -> int:
@@ -91,8 +92,6 @@ def run(args: argparse.Namespace) -> int:
         print("error: bench cold drops files from the page cache with posix_fadvise, which "
               "this OS lacks")
         return 2
-    if args.quick:
-        args.rows, args.reads, args.repeats = min(args.rows, 50_000), 4, 2
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="embstore-bench-cold-", dir=args.dir) as tmp:

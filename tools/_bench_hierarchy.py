@@ -36,7 +36,7 @@ from embstore import TableSpec, TierSpec, registry
 from embstore.tools.traces import synthesize
 from embstore.tools.workload import ZipfIds
 
-from ._args import one_of, positive_int, some_of
+from ._args import one_of, positive_int, quick_sizes, some_of
 from ._benchutil import interleaved_medians, print_table
 
 OPT = embstore.optim.RowWiseAdagrad(lr=0.01)
@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--e2e-repeats", type=positive_int, default=3,
                         help="end-to-end runs per contender, best kept")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    quick_sizes(parser, rows=20_000, batch=4096, repeats=3, batches=8, e2e_repeats=1)
 
 
 # a backend registered but not installed here is fine: the run says it skipped that one
@@ -262,9 +263,6 @@ def end_to_end(args: argparse.Namespace, root: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run both parts and print their tables."""
-    if args.quick:
-        args.rows, args.batch, args.repeats, args.batches = 20_000, 4096, 3, 8
-        args.e2e_repeats = 1
     with tempfile.TemporaryDirectory(prefix="embstore-bench-") as tmp:
         parts = args.parts.split(",")
         if "hit" in parts:

@@ -46,6 +46,7 @@ from ._args import (
     non_negative_float,
     non_negative_int,
     positive_int,
+    quick_sizes,
     work_dir,
 )
 from ._bench_tiers import measure_tiers
@@ -81,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # a str, not a Path: Path("") is "." and an empty -o must be told apart from a folder
     parser.add_argument("-o", "--output", default=None, help="report JSON")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    quick_sizes(parser, tables=8, batches=24, lookups=2048)
 
 
 def _warmup_share(text: str) -> float:
@@ -190,8 +192,6 @@ def run(args: argparse.Namespace) -> int:
     """Profile, plan, simulate, replay; print and optionally save the report."""
     if args.output is not None:
         check_output(args.output, "-o")  # before minutes of replays, not after
-    if args.quick:
-        args.tables, args.batches, args.lookups = 8, 24, 2048
     params = replace(PROFILES["2021"], tables=args.tables, lookups=args.lookups)
     tables = split_tables(list(synthesize(args.batches, seed=args.seed, params=params)))
     profile = build_profile(tables, policies=[p for p in args.policies.split(",") if p],

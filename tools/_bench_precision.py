@@ -26,8 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Time lookups, updates and steps per precision; print rates, ratios and bytes/row."""
-    if args.quick:
-        args.rows, args.batch, args.repeats = 20_000, 4096, 5
     zipf = ZipfIds(args.rows, args.zipf, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     stores = {}

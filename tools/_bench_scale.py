@@ -30,7 +30,7 @@ import embstore
 from embstore.errors import ConfigError
 from embstore.spec import parse_bytes
 
-from ._args import positive_int
+from ._args import positive_int, quick_sizes
 from ._bench_cold import cold_read_thread_count
 from ._benchutil import zipf_exponent
 
@@ -80,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", help="store directory (default: a temporary one, removed)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: 1M rows behind 64MiB of DRAM, 20 steps")
+    quick_sizes(parser, rows=1_000_000, dram="64MiB", steps=20)
 
 
 class _PeakRSS:
@@ -166,8 +167,6 @@ def _train(store: embstore.EmbeddingStore, args: argparse.Namespace) -> tuple[fl
 
 def run(args: argparse.Namespace) -> int:
     """Load, train, reopen and check; print the figures. Exit 1 if the check fails."""
-    if args.quick:
-        args.rows, args.dram, args.steps = 1_000_000, "64MiB", 20
     dram_bytes = parse_bytes(args.dram)
     tmp = None
     if args.path is None:

@@ -22,7 +22,14 @@ import torch
 
 import embstore
 from embstore.tools import _dlrm
-from embstore.tools._args import MAX_PROCESSES, PROCESSES_WHY, positive_int, whole_up_to
+from embstore.tools._args import (
+    MAX_PROCESSES,
+    PROCESSES_WHY,
+    Parser,
+    positive_int,
+    quick_sizes,
+    whole_up_to,
+)
 from embstore.tools._demo_distributed import train_distributed
 
 
@@ -86,19 +93,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke test: {QUICK_STEPS} steps at 1 and 2 processes")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    quick_sizes(parser, nproc=list(QUICK_NPROC), steps=QUICK_STEPS)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry (``python -m``): parse `argv` and `run`."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])  # which fills in --quick's sizes
     add_arguments(ap)
     return run(ap.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
     """Train at each process count and print the figures."""
-    if args.quick:
-        args.nproc, args.steps = list(QUICK_NPROC), QUICK_STEPS
     rows = []
     for n in args.nproc:
         res = train_distributed(dlrm_job, n, args.steps, timeout_s=600, warmup=3)

@@ -34,7 +34,7 @@ import embstore
 from embstore.index import IdGroups
 from embstore.optim import RowWiseAdagrad
 
-from ._args import non_negative_int, positive_int
+from ._args import non_negative_int, positive_int, quick_sizes
 from ._benchutil import build_table, interleaved_medians, on_threads, print_table, zipf_exponent
 
 LR, EPS = 0.01, 1e-8
@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-accesses", default=None, metavar="RATES",
                         type=_rates, help="also time the step while it records an access "
                                           "log at these sampling rates, e.g. 1,0.1,0.01")
+    quick_sizes(parser, rows=20_000, bags=256, repeats=5)
 
 
 def _rates(text: str) -> list[float]:
@@ -92,8 +93,6 @@ def numpy_step(weights: np.ndarray, acc: np.ndarray, positions: np.ndarray,
 
 def run(args: argparse.Namespace) -> int:
     """Time lookup + apply_gradients against the numpy step; print ids/s and the ratio."""
-    if args.quick:
-        args.rows, args.bags, args.repeats = 20_000, 256, 5
     args.batch = args.bags * args.bag_size
     spec = embstore.TableSpec("t", dim=args.dim, optimizer=RowWiseAdagrad(LR, eps=EPS))
     store, weights, zipf = build_table(args, spec)

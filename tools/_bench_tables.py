@@ -44,7 +44,7 @@ import embstore
 from embstore import _fused
 from embstore.index import IdGroups
 
-from ._args import existing_file, non_negative_int, positive_int, tier_chain
+from ._args import existing_file, non_negative_int, positive_int, quick_sizes, tier_chain
 from ._benchutil import TABLES, rss_bytes
 from .traces import PROFILES, load_locality_stats, synthesize
 
@@ -76,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--path", help="store directory (default: a temporary one, removed)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    quick_sizes(parser, tables=20, samples=16, batches=1)
 
 
 def lookups_per_sample(path: Path) -> tuple[float, str]:
@@ -208,8 +209,6 @@ def run(args: argparse.Namespace) -> int:
 
     Exit 1 if the spot check after the reopen fails.
     """
-    if args.quick:
-        args.tables, args.samples, args.batches = min(args.tables, 20), 16, 1
     per_sample, source = lookups_per_sample(args.stats or DEFAULT_STATS)
     specs, dims = table_shapes(args.tables, args.seed)
     n = len(specs)

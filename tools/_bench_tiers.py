@@ -28,7 +28,7 @@ from embstore.backend import BackendSpec
 from embstore.errors import BackendUnavailableError, ConfigError
 from embstore.placement import KNOWN_TIERS, save_document
 
-from ._args import non_negative_int, positive_int, some_of, work_dir
+from ._args import non_negative_int, positive_int, quick_sizes, some_of, work_dir
 
 __all__ = ["add_arguments", "measure_tiers", "run"]
 
@@ -57,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "temporary directory)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    quick_sizes(parser, rows=20_000, large=2048, repeats=3)
 
 
 def _row_bytes(text: str) -> int:
@@ -160,8 +161,6 @@ def run(args: argparse.Namespace) -> int:
     from ._args import check_output
 
     check_output(args.output, "-o")  # before minutes of measuring, not after
-    if args.quick:
-        args.rows, args.large, args.repeats = 20_000, 2048, 3
     tiers = [t for t in args.tiers.split(",") if t]
     own = args.dir is None
     directory = Path(tempfile.mkdtemp(prefix="embstore-tiers-")) if own else args.dir

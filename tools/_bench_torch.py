@@ -34,7 +34,7 @@ import numpy as np
 import embstore
 from embstore._parallel import available_cores
 
-from ._args import non_negative_int, positive_int, some_of
+from ._args import non_negative_int, positive_int, quick_sizes, some_of
 from ._benchutil import interleaved_medians, print_table, zipf_exponent
 
 LR, EPS = 0.01, 1e-8
@@ -67,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "kernels run on embstore.get_num_threads() (EMBSTORE_NUM_THREADS)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    quick_sizes(parser, rows=20_000, batch=256, repeats=3, demo_rows=5_000, demo_batch=256,
+                demo_chunk=3)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,9 +83,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"embstore bench torch: error: needs torch ({exc}); install the [torch] extra")
         return 2
     parts, dists = args.parts.split(","), args.dist.split(",")
-    if args.quick:
-        args.rows, args.batch, args.repeats = 20_000, 256, 3
-        args.demo_rows, args.demo_batch, args.demo_chunk = 5_000, 256, 3
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     print(f"torch threads: {args.threads} (every contender); OpenMP waits: "

@@ -12,7 +12,7 @@ import numpy as np
 import embstore
 from embstore.tools.workload import ZipfIds
 
-from ._args import non_negative_int, positive_float, positive_int
+from ._args import non_negative_int, positive_float, positive_int, quick_sizes
 
 MAX_ZIPF = 20.0
 """Steepest Zipf exponent taken: already at 20 nearly every draw is the hottest id, while much
@@ -48,6 +48,7 @@ def add_size_arguments(parser: argparse.ArgumentParser, *, rows: int, dim: int =
     parser.add_argument("--seed", type=non_negative_int, default=0)
     add_ids_argument(parser)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    quick_sizes(parser, rows=20_000, batch=4096, repeats=5)
 
 
 def add_ids_argument(parser: argparse.ArgumentParser) -> None:
@@ -123,10 +124,8 @@ def build_table(args: argparse.Namespace, spec: embstore.TableSpec
                 ) -> tuple[embstore.EmbeddingStore, np.ndarray, ZipfIds]:
     """An in-memory store with table `spec` ("t") and a plain array of the same weights.
 
-    Row i of the array is at the id of Zipf rank i (`--quick` shrinks the sizes first).
+    Row i of the array is at the id of Zipf rank i.
     """
-    if args.quick:
-        args.rows, args.batch, args.repeats = 20_000, 4096, 5
     zipf = ZipfIds(args.rows, args.zipf, seed=args.seed)
     kind = getattr(args, "ids", "scattered")
     if kind != "scattered":
