@@ -67,8 +67,9 @@ class DRAMBackend(SlottedBackend):
         # every batch, and probes and removals slow down as clusters grow with the load:
         # it works with room for four times its capacity (load <= 0.25 at capacity; removal
         # ran 2.1x faster at load 0.33 than at 0.66), about 51 bytes of index per cached row.
-        # It takes that room when its first rows outgrow a small start: a store of many
-        # tables pays nothing for the caches of tables it has not used yet
+        # It takes that room as its rows come, 4x at a time, from a small start: a store of
+        # many tables pays nothing for the caches of tables it has not used yet, and a cache
+        # sized past the machine's memory only for the rows it holds
         rows_hint = spec.capacity_bytes // spec.row_bytes if spec.capacity_bytes else 0
         self._index: IdIndex = BucketIdIndex(min(1024, 4 * rows_hint) if rows_hint else 1024,
                                              working_capacity=4 * rows_hint)

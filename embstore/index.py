@@ -257,15 +257,18 @@ class BucketIdIndex(IdIndex):
     MAX_LOAD = 0.93
     GROWN_LOAD = 0.87
     GROWTH = MAX_LOAD / GROWN_LOAD
+    FILL_LOAD = 0.25  # the load of a cache at its size in its working room (`__init__`)
 
     def __init__(self, initial_capacity: int = 1024, *, working_capacity: int = 0) -> None:
         """Make an empty index for `initial_capacity` ids.
 
         Args:
             initial_capacity: ids it holds before it first grows.
-            working_capacity: ids it makes room for at once when it first outgrows
-                `initial_capacity` (a cache's size): an empty table costs little, a used one
-                reaches its working size in one step.
+            working_capacity: entries it makes room for as it fills (a cache: four times
+                its size). Until it has that room it grows 4x whenever its load passes
+                `FILL_LOAD`, so a cache that reaches its size has its working room, and one
+                whose size is far beyond its rows (or the machine) holds room for what it
+                holds. An empty table costs little.
         """
         self._count = 0
         self._high_water = 0
@@ -307,13 +310,15 @@ class BucketIdIndex(IdIndex):
 
     def _reserve(self, n_new: int) -> None:
         need = self._count + n_new
-        if need <= self._nb * 5 * self.MAX_LOAD:
+        filling = self._nb < self._working_buckets
+        if need <= self._nb * 5 * (self.FILL_LOAD if filling else self.MAX_LOAD):
             return
         old_raw, (old, old_nb) = self._raw, self.buckets()
         grown = max(int(need / self.GROWN_LOAD / 5), int(old_nb * self.GROWTH))
-        # toward the working size in steps of at most 4x what the ids need: a cache whose
-        # capacity is far beyond its rows (or the machine) then takes room as rows come
-        self._alloc(max(grown, min(self._working_buckets, 4 * grown)) + 1)
+        if filling:
+            grown = max(grown, min(self._working_buckets,
+                                   max(4 * old_nb, int(need / self.FILL_LOAD / 5))))
+        self._alloc(grown + 1)
         table, nb = self.buckets()
         lib.bk_rehash(old, old_nb, table, nb)
         del old_raw
@@ -363,15 +368,21 @@ class RowSlabs:
         need = (high_water + (1 << self.shift) - 1) >> self.shift
         if need <= len(self._chunks):
             return
-        while len(self._chunks) < need:
+        if need > _MAX_SLOTS >> self.shift:  # past the slots an index hands out
+            raise CapacityError(f"{high_water} rows are more than a table's slots "
+                                f"({_MAX_SLOTS})", "split the table across shards or tiers")
+        added: list[np.ndarray] = []  # all or none: a failure keeps the chunks as they were
+        width = max(self.dim, 1)
+        chunk_bytes = (1 << self.shift) * width * self.dtype.itemsize
+        while len(self._chunks) + len(added) < need:
             # np.empty of a large block maps fresh pages lazily: untouched rows cost no RSS.
             # Chunks start on a cache line: a 256-byte row then spans 4 lines, not 5
-            width = max(self.dim, 1)
-            raw = _allocate((1 << self.shift) * width * self.dtype.itemsize + 64, np.uint8,
+            raw = _allocate(chunk_bytes + 64, np.uint8,
                             f"{1 << self.shift} rows of {self.row_bytes} bytes")
             start = -raw.ctypes.data % 64
-            chunk = raw[start : start + (1 << self.shift) * width * self.dtype.itemsize]
-            self._chunks.append(chunk.view(self.dtype).reshape(1 << self.shift, width))
+            chunk = raw[start : start + chunk_bytes]
+            added.append(chunk.view(self.dtype).reshape(1 << self.shift, width))
+        self._chunks.extend(added)
         self._ptrs = np.array([c.ctypes.data for c in self._chunks], dtype=np.uint64)
 
     def pointer(self) -> object:

@@ -86,6 +86,38 @@ def test_rows_memory_cannot_hold_are_a_capacity_error_and_change_nothing() -> No
 
 
 def test_capacity_error_is_what_a_failed_allocation_raises() -> None:
-    slabs = RowSlabs(1 << 27, np.dtype(np.float32))
+    slabs = RowSlabs(1 << 61, np.dtype(np.float32))  # a row of 2**63 bytes: past numpy's arrays
     with pytest.raises(CapacityError, match="cannot allocate"):
-        slabs.ensure(1 << 40)  # 2**40 rows of 512 MiB
+        slabs.ensure(1)
+    with pytest.raises(CapacityError, match="more than a table's slots"):
+        RowSlabs(64, np.dtype(np.float32)).ensure(1 << 40)
+    assert slabs.nbytes() == 0
+
+
+_PART_OF_THE_CHUNKS = textwrap.dedent("""
+    import resource
+    import numpy as np
+    from embstore.errors import CapacityError
+    from embstore.index import RowSlabs
+
+    slabs = RowSlabs(1 << 22, np.dtype(np.float32))  # 256 MiB chunks of 16 rows
+    slabs.ensure(16)
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[0])
+    room = pages * resource.getpagesize() + (384 << 20)  # one more chunk, not two
+    resource.setrlimit(resource.RLIMIT_AS, (room, room))
+    try:
+        slabs.ensure(48)
+    except CapacityError:
+        print("CapacityError", slabs.nbytes() // (256 << 20))
+    slabs.ensure(32)
+    print("then", slabs.nbytes() // (256 << 20))
+""")
+
+
+def test_a_growth_memory_allows_only_in_part_keeps_the_chunks_as_they_were() -> None:
+    # the chunks it could make stayed, unaddressed by any slot
+    done = subprocess.run([sys.executable, "-c", _PART_OF_THE_CHUNKS], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n") == ["CapacityError 1", "then 2", ""]
