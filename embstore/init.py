@@ -150,7 +150,9 @@ class Uniform(Initializer):
         return (self.low + (self.high - self.low) * u).astype(dtype)
 
     def value_range(self) -> tuple[float, float]:
-        # docstring inherited
+        # docstring inherited: low + (high - low) * u, whose span can overflow a float64
+        if not np.isfinite(self.high - self.low):
+            return -np.inf, np.inf
         return self.low, self.high
 
     def config(self) -> dict[str, Any]:
@@ -178,7 +180,9 @@ class Normal(Initializer):
 
     def value_range(self) -> tuple[float, float]:
         # docstring inherited: u1 >= 2**-53 bounds |z| by sqrt(2 * 53 * ln 2) = 8.5718
-        return self.mean - _MAX_Z * self.std, self.mean + _MAX_Z * self.std
+        with np.errstate(over="ignore"):  # past float64: inf, refused
+            return (float(np.float64(self.mean) - _MAX_Z * np.float64(self.std)),
+                    float(np.float64(self.mean) + _MAX_Z * np.float64(self.std)))
 
     def config(self) -> dict[str, Any]:
         # docstring inherited

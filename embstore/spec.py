@@ -71,6 +71,9 @@ def parse_bytes(text: str) -> int:
     return int(size)
 
 
+_STORED_AS = {"fp16": "float16", "bf16": "bfloat16"}  # weights of a half-precision table
+
+
 @dataclass(frozen=True)
 class TierSpec:
     """One level of a table's tier chain.
@@ -276,8 +279,11 @@ class TableSpec:
                 bounds = self.init.value_range()
                 first = (self.init(np.zeros(1, np.int64), self.dim, self.dtype)
                          if bounds is None else np.array([bounds]).astype(self.dtype))
-                if self.precision == "fp16":
-                    first = first.astype(np.float16)
+                if self.precision != "fp32":  # as stored: rounded to 16 bits
+                    from ._precision import RowCodec
+
+                    first = RowCodec(self.name, self.precision, first.shape[1], 0).quantize(
+                        first.astype(np.float32))
             finite = bool(np.isfinite(first).all())
         except Exception as exc:  # a user's initializer: its error, named
             raise ConfigError(f"table {self.name!r}: its init {self.init!r} failed on one row "
@@ -286,7 +292,7 @@ class TableSpec:
             bad = first.ravel()[~np.isfinite(first.ravel())][0]
             raise ConfigError(
                 f"table {self.name!r}: its init {self.init!r} can give {bad} in "
-                f"{'float16' if self.precision == 'fp16' else self.dtype}, and the table "
+                f"{_STORED_AS.get(self.precision, self.dtype)}, and the table "
                 "forbids NaN and infinity; give a finite value or allow_nonfinite=True")
 
     @property

@@ -128,11 +128,20 @@ def test_a_new_table_whose_initial_value_it_forbids_is_refused(tmp_path, value, 
 @pytest.mark.parametrize(("init", "precision", "shown"), [
     (embstore.init.Uniform(-1e5, 1e5, seed=0), "fp16", "inf in float16"),
     (embstore.init.Normal(0.0, 2e38, seed=1), "fp32", "inf in float32"),
-    (embstore.init.Normal(0.0, 4e37, seed=1), "fp32", "inf in float32")])
+    (embstore.init.Normal(0.0, 4e37, seed=1), "fp32", "inf in float32"),
+    (embstore.init.Constant(3.4e38), "bf16", "inf in bfloat16"),  # finite in float32
+    (embstore.init.Normal(0.0, 1e308, seed=1), "fp32", "inf in float32")])
 def test_an_init_refused_by_its_range_not_by_the_row_of_id_zero(init, precision, shown):
     # id 0's row was all that was checked: these gave it finite values, and other ids inf
     with pytest.raises(E.ConfigError, match=shown):
         embstore.open(None, tables=[TableSpec("t", dim=1, init=init, precision=precision)])
+
+
+def test_a_float64_uniform_whose_span_overflows_is_refused():
+    # low and high are finite, high - low is not: every value was inf or NaN
+    with pytest.raises(E.ConfigError, match="can give"):
+        embstore.open(None, tables=[TableSpec("t", dim=2, dtype=np.float64,
+                                              init=embstore.init.Uniform(-1.7e308, 1.7e308))])
 
 
 def test_an_init_within_range_gives_finite_rows_for_every_id():
