@@ -22,13 +22,22 @@ __all__ = ["discard", "io_error", "make_private", "missing_dirs", "not_a_directo
            "reason", "temporary_beside"]
 
 
+_NAME_MAX = 255  # bytes of a file name on Linux's file systems
+
+
 def temporary_beside(path: Path) -> Path:
     """A name for a temporary file beside `path`, to be renamed over it once written.
 
     Of this call alone (`.<name>.tmp-<pid>-<random>`): a fixed `<name>.tmp` would overwrite
     and then remove a file of the user's of that name, even an input of the same command.
     """
-    return path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tail = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    # a name near the file system's limit (255 bytes) keeps room for the tail: cut short, it
+    # is still of this call alone
+    room = _NAME_MAX - 1 - len(tail)
+    name = os.fsencode(path.name)[:room].decode(errors="ignore") if len(
+        os.fsencode(path.name)) > room else path.name
+    return path.parent / f".{name}{tail}"
 
 
 def missing_dirs(directory: Path) -> list[Path]:

@@ -623,3 +623,14 @@ def test_a_profile_curve_of_no_eviction_policy_is_refused_before_planning(
     bad["tables"][table]["mrc"][curve] = bad["tables"][table]["mrc"]["lru"]
     with pytest.raises(ConfigError, match=f"table {table!r} has a curve of no eviction"):
         plan(bad, model, parse_budget("dram=1MiB", 260, model))
+
+
+def test_a_document_whose_name_is_near_the_limit_is_written(tmp_path: Path,
+                                                            profile: dict[str, Any]) -> None:
+    # its temporary name, 25 bytes longer, was past the file system's 255
+    from embstore.placement import save_document
+
+    path = tmp_path / ("p" * 245 + ".json")
+    save_document(path, profile)
+    assert load_document(path, "profile") == profile
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
