@@ -7,9 +7,9 @@ follow a lookup of the same table are that step's writes of the rows just looked
 the profile already models (``--step-calls``): they are not logged again. A write with no
 lookup of its own (a table trained by `apply_gradients` alone) is logged as a batch. A write
 is matched to the oldest lookup not yet written whose ids hold all of its own, and lookups
-before that one had no write (an evaluation): so a pipeline that looks up the next batches
-before it writes this one is logged right, and a lookup that no write follows keeps no
-later write out of the log.
+before that one had no write (an evaluation): so a pipeline that looks up up to 64 batches
+ahead of the one it writes is logged right, and a lookup that no write follows keeps no
+later write of other ids out of the log (one of ids it looked up reads as its step).
 
 Sampling is spatial, as SHARDS does it (Waldspurger et al., FAST 2015): an id is kept when the
 top 24 bits of its splitmix64 hash fall below RATE x 2**24, in every batch it occurs in. So
@@ -192,7 +192,7 @@ def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
         data, at = data[n:], at + n
 
 
-_MAX_UNWRITTEN = 16  # lookups awaiting their write: a pipeline's depth, with room to spare
+_MAX_UNWRITTEN = 64  # lookups awaiting their write: a pipeline's depth, with room to spare
 
 
 def _holds(looked_up: np.ndarray, ids: np.ndarray) -> bool:

@@ -3,8 +3,9 @@
 A log is what `embstore._access_log.AccessRecorder` writes: a header (``ACCESS_LOG.json``)
 and per table ``<table>.ids`` and ``<table>.offsets``. Reading checks every field of the
 header and every table's offsets, so a damaged log is refused by name rather than read with a
-table, or batches, left out; the one state a killed writer leaves (ids or a last offset past
-the last complete batch) is cut off and counted in `AccessLog.left_out`.
+table, or batches, left out; the one state a killed writer or a power cut leaves (ids or
+offsets past the last complete batch) is cut off and counted: ids in `AccessLog.left_out`,
+batch ends past the ids in `AccessLog.lost_batches`.
 """
 
 from __future__ import annotations
@@ -288,7 +289,8 @@ def _check_sampled(root: Path, name: str, ids: np.ndarray, threshold: int) -> No
     """Refuse a sampled table holding ids its rate does not keep (changed ids or header).
 
     Every logged id's hash falls below the header's threshold; a flipped bit in an id, or
-    a rate edited in the header, breaks that for most ids. An unsampled log cannot tell.
+    a rate edited lower in the header, breaks that for most ids. An unsampled log, or a
+    rate edited higher, cannot be told this way.
     """
     if threshold >= 1 << HASH_BITS or not len(ids):
         return

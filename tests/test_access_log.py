@@ -136,7 +136,24 @@ def test_a_batch_is_a_lookup_and_its_steps_writes_are_not_logged_again(tmp_path:
                                                        [1, 2, 3], [4, 5, 6]]
 
 
-def test_a_lookup_no_write_follows_keeps_no_later_write_out_of_the_log(tmp_path: Path) -> None:
+def test_lookups_far_ahead_of_their_writes_are_each_one_batch(tmp_path: Path) -> None:
+    # a pipeline 20 batches deep: every write is its lookup's step
+    grads = np.ones((2, 2), np.float32)
+    batches = [np.array([2 * b, 2 * b + 1]) for b in range(40)]
+    with embstore.open(None, tables=[embstore.TableSpec("t", dim=2)],
+                       record_accesses=tmp_path / "log") as store:
+        for b in range(60):
+            if b < 40:
+                store.lookup("t", batches[b])
+            if b >= 20:
+                store.apply_gradients("t", batches[b - 20], grads)
+        store.flush()
+    assert [x.tolist() for x in read_access_log(tmp_path / "log").batches("t")] == [
+        b.tolist() for b in batches]
+
+
+def test_a_lookup_no_write_follows_keeps_no_later_write_of_other_ids_out_of_the_log(
+        tmp_path: Path) -> None:
     # writes were matched to lookups by count: an evaluation's lookup took the next write,
     # whatever its ids, and an empty lookup did too
     grads = np.ones((2, 2), np.float32)
