@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from embstore._access_log import sample_mask
 from embstore.errors import ConfigError
 from embstore.placement import load_document
 from embstore.tools._mrc import (
@@ -343,6 +344,12 @@ def test_a_sample_rate_that_keeps_no_id_of_a_table_is_refused(
     err = _profile_fails(tmp_path, capsys, str(tmp_path / "t.npz"), "-o",
                          str(tmp_path / "p.json"), "--sample-rate", "1e-5")
     assert "keeps none of its 450 ids" in err
+    # ids kept, but only in the batches the warm-up leaves out: all curves were 0 as well
+    kept = np.flatnonzero(sample_mask(np.arange(10_000), 0.01))[:3]
+    warm = {"t": [kept, kept + 0] + [np.arange(5000, 5100) + 100 * b for b in range(6)]}
+    warm["t"][2:] = [b[~sample_mask(b, 0.01)] for b in warm["t"][2:]]
+    with pytest.raises(ConfigError, match="keeps none of its .* ids after its first 2 batches"):
+        build_profile(warm, policies=[], sample_rate=0.01, warmup=0.25, points=4)
 
 
 def test_a_table_with_no_ids_after_the_warmup_is_refused(

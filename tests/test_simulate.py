@@ -320,6 +320,9 @@ def test_trace_synth_names_the_file_it_writes_and_refuses_no_file(
     assert not (tmp_path / "..npy").exists() and not Path(f"{tmp_path}.npy").exists()
     assert main(["simulate", str(tmp_path / "t.npy"), "--seed", "-1"]) == 2
     assert "--seed" in capsys.readouterr().err
+    # past int64: it blamed the policy spec 'lru'
+    assert main(["simulate", str(tmp_path / "t.npy"), "--seed", str(2**64)]) == 2
+    assert "--seed 18446744073709551616: the seed must be" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags", [["--policy", ""], ["--policy", ","], ["--admission", ""]])

@@ -291,7 +291,6 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         ConfigError: a bad setting (`check_settings`) or policy spec, no table has ids, or
             one has none after the warm-up batches.
     """
-    from embstore._access_log import sample_mask
     from embstore.tools.simulator import Trace, parse_policy
 
     from ._mrc import (
@@ -301,6 +300,7 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
         lru_curve,
         policy_curve,
         reuse_histogram,
+        sample_trace,
     )
 
     check_settings(samples_per_batch=samples_per_batch, sample_rate=sample_rate,
@@ -335,11 +335,13 @@ def build_profile(tables: dict[str, list[np.ndarray]], *, policies: Sequence[str
             raise ConfigError(f"table {name!r} has no ids after its first {skip} batches, "
                               f"which --warmup {warmup:g} gives to warming the caches; lower "
                               "--warmup")
-        kept = int(sample_mask(trace.ids, rate).sum()) if rate < 1 else trace.distinct
-        if not kept:
+        sub = sample_trace(trace, rate) if rate < 1 else trace
+        kept = sub.distinct
+        if not any(len(u) for u in sub.unique[skip:]):
             # no lookup would be counted, and 0 / 0 read as no miss: a perfect cache
+            after = f" after its first {skip} batches (--warmup)" if skip else ""
             raise ConfigError(f"table {name!r}: sampling at {rate:g} keeps none of its "
-                              f"{trace.distinct} ids; give a higher --sample-rate")
+                              f"{trace.distinct} ids{after}; give a higher --sample-rate")
         lru = lru_curve(trace, caps, rate, skip)
         # below two batches' width the order inside a batch decides what LRU keeps, which
         # stack distances do not know: replay those few capacities instead

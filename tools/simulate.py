@@ -54,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from embstore.tools.simulator import load_trace, simulate_trace
 
+    if args.seed >= 2**63:  # policies take an int64 seed: not theirs to blame
+        raise ConfigError(f"--seed {args.seed}: the seed must be an integer >= 0 and < 2**63")
     policies = [s for s in args.policy.split(",") if s.strip()]
     admissions = [s for s in args.admission.split(",") if s.strip()]
     for flag, specs in (("--policy", policies), ("--admission", admissions)):
