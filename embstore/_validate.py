@@ -31,6 +31,15 @@ def _all_finite(values: np.ndarray) -> bool:
 _BOOLS = frozenset({bool, np.bool_})
 
 
+def _holds_bools(items: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether `items` hold a bool (Python's, numpy's, or a 0-d bool array)."""
+    types = set(map(type, items))
+    if not _BOOLS.isdisjoint(types):
+        return True
+    return np.ndarray in types and any(
+        type(x) is np.ndarray and x.dtype == np.bool_ for x in items)
+
+
 def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
     """`ids` as a C-contiguous 1-D int64 array, or `InvalidIdsError` saying what is wrong.
 
@@ -66,8 +75,7 @@ def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:
     kind = ids.dtype.kind
     if kind in "Of" and not isinstance(original, np.ndarray):
         _refuse_ints_past_int64(original, spec)
-    if kind in "iu" and isinstance(original, (list, tuple)) and \
-            not _BOOLS.isdisjoint(map(type, original)):
+    if kind in "iu" and isinstance(original, (list, tuple)) and _holds_bools(original):
         # numpy reads [3, True] as [3, 1]: a flag taken for an id
         raise InvalidIdsError(f"table {spec.name!r}: ids must be integers, got True or False "
                               "among them")

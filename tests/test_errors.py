@@ -50,6 +50,7 @@ BAD_IDS = [
     (_NoArray(), "requires grad"),
     ([3, True], "True or False"),  # numpy reads [3, 1]
     ((np.int64(3), np.bool_(False)), "True or False"),
+    ([3, np.array(True)], "True or False"),
 ]
 
 
