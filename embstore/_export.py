@@ -71,6 +71,18 @@ def _le(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
 
 
+def _outside_stores(dest: Path, verb: str) -> None:
+    """Refuse a destination inside a store or checkpoint (through links too).
+
+    Raises:
+        ConfigError: naming the store, whose rewrites would delete what is written there.
+    """
+    above = store_above(dest)
+    if above is not None:
+        raise ConfigError(f"{dest} lies inside the store or checkpoint {above}, whose rewrites "
+                          f"would delete it; {verb} to a directory beside it")
+
+
 def _fresh(dest: Path) -> tuple[Path, list[Path]]:
     """A new private directory to build `dest` in, and the parents of `dest` made for it.
 
@@ -123,10 +135,7 @@ def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     root, dest = Path(src), Path(out)
     if not root.is_dir():
         raise StoreNotFoundError(f"{root} is not a store directory")
-    above = store_above(dest)
-    if above is not None:
-        raise ConfigError(f"{dest} lies inside the store or checkpoint {above}, whose rewrites "
-                          "would delete it; export to a directory beside it")
+    _outside_stores(dest, "export")
     read_store(root)  # no store, no LOCK file left in someone else's directory
     fd = lock(root, read_only=True)
     try:
@@ -398,6 +407,7 @@ def import_store(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
         OSError: `dest` cannot be made or written (the message names `dest`).
     """
     root, out = Path(src), Path(dest)
+    _outside_stores(out, "import")
     doc = read_header(root)
     entries = {t["spec"]["name"]: t for t in doc["tables"]}
     specs = [TableSpec.from_json(t["spec"]) for t in doc["tables"]]

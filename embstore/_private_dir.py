@@ -18,8 +18,8 @@ from pathlib import Path
 from .errors import EmbstoreError, StorageIOError, StoreExistsError
 from .manifest import fsync_dir, make_dirs
 
-__all__ = ["discard", "io_error", "make_private", "missing_dirs", "not_a_directory", "publish",
-           "reason", "temporary_beside"]
+__all__ = ["discard", "io_error", "make_private", "missing_dirs", "not_a_directory",
+           "plain_path", "publish", "reason", "temporary_beside"]
 
 
 _NAME_MAX = 255  # bytes of a file name on Linux's file systems
@@ -62,6 +62,7 @@ def make_private(dest: Path, error: Callable[[int, str], OSError] = OSError
             parent is a file, no permission, a read-only file system); the message names
             `dest`, not the private path, and nothing is left behind.
     """
+    dest = plain_path(dest)
     made = missing_dirs(dest.parent)
     # of this call alone: another thread's or process's build of `dest` has a name of its own
     tmp = temporary_beside(dest)
@@ -82,6 +83,7 @@ def publish(tmp: Path, dest: Path, what: str) -> None:
         StoreExistsError: `dest` was published by another build meanwhile (it is kept).
         OSError: the rename failed otherwise.
     """
+    dest = plain_path(dest)  # as make_private named it beside
     try:
         if dest.is_dir() and not dest.is_symlink():
             dest.rmdir()  # an empty directory given as the destination
@@ -95,6 +97,18 @@ def publish(tmp: Path, dest: Path, what: str) -> None:
                                    "choose a new path") from exc
         raise
     fsync_dir(dest.parent)
+
+
+def plain_path(path: Path) -> Path:
+    """`path` with the directories above its last name resolved (links, `.` and `..`).
+
+    `out/../out` names `out` only while `out` exists: removing an empty `out` to rename a
+    build over it would leave nothing to reach it through. The last name itself is kept as
+    given (a link there is refused, not followed).
+    """
+    if path.name in ("", ".", ".."):
+        return Path(os.path.realpath(path))
+    return Path(os.path.realpath(path.parent)) / path.name
 
 
 def not_a_directory(path: Path) -> bool:

@@ -130,9 +130,11 @@ def store_above(path: Path) -> Path | None:
     What is written there is foreign to that store: its rewrites (compact, migrate, repair)
     would delete it.
     """
-    for p in Path(os.path.abspath(path)).parents:
-        if is_store(p):
-            return p
+    # through links too: a link to a store's folder puts what is written there in the store
+    for above in (Path(os.path.abspath(path)).parents, Path(os.path.realpath(path)).parents):
+        for p in above:
+            if is_store(p):
+                return p
     return None
 
 
