@@ -97,6 +97,27 @@ def test_resume_with_other_settings_is_refused(tmp_path,
     assert "rows 20000 (now 30000)" in err and "Traceback" not in err
     assert main(["demo", *SMALL, "--steps", "1", "--path", path, "--all-dram"]) == 2
     assert "without --all-dram" in capsys.readouterr().err
+    # another batch size cuts the click stream otherwise: the resumed run was another run
+    assert main(["demo", *SMALL, "--batch-size", "256", "--steps", "1", "--path", path]) == 2
+    assert "holds a run of --batch-size 512" in capsys.readouterr().err
+
+
+def test_an_empty_path_or_a_plot_over_the_runs_files_is_refused(
+        tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # --path "" trained in the current directory; a plot through a link to dense.pt
+    # replaced it with a PNG, and the next resume failed
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", *SMALL, "--steps", "1", "--path", ""]) == 2
+    assert "--path is empty" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    path = tmp_path / "run"
+    assert _demo(capsys, "--steps", "1", "--path", str(path))[0] == 0
+    (tmp_path / "pic.png").symlink_to(path / "dense.pt")
+    before = (path / "dense.pt").read_bytes()
+    for plot in (tmp_path / "pic.png", path / "store" / "curves.png"):
+        assert main(["demo", *SMALL, "--steps", "1", "--path", str(path), "--plot",
+                     str(plot)]) == 2
+        assert "--plot" in capsys.readouterr().err
+    assert (path / "dense.pt").read_bytes() == before
 
 
 def test_a_kept_run_that_lost_its_store_or_dense_part_is_refused(

@@ -39,6 +39,7 @@ from ._args import (
     check_output,
     non_negative_int,
     positive_int,
+    same_file,
     whole_up_to,
 )
 from ._dlrm import (
@@ -358,6 +359,8 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="embstore-demo-")
         run_dir = Path(tmp.name)
     else:
+        if not args.path:  # Path("") is the current directory
+            return _fail("--path is empty; give a directory for the run")
         run_dir = Path(args.path)
         if run_dir.exists() and not run_dir.is_dir():
             return _fail(f"{run_dir} is a file; give --path a directory")
@@ -366,6 +369,10 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
             return _fail(f"{run_dir} is or lies inside the store {inside}; --path takes a "
                          "directory of the demo's own, which holds its store and dense part")
     store_path, dense_path = run_dir / STORE_DIR, run_dir / DENSE_FILE
+    if args.plot is not None and (same_file(args.plot, dense_path) or store_above(
+            Path(args.plot)) is not None):  # through a link too: the plot would replace it
+        return _fail(f"--plot {args.plot!r} is the run's {DENSE_FILE} or lies in its store; "
+                     "draw the curves beside the run")
     saved = None
     if dense_path.exists():
         try:
@@ -392,6 +399,11 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
                                 if k not in now])
             return _fail(f"{run_dir} holds a run made with other settings: {diff}; "
                          "use the same --rows and --seed, or another --path")
+        if saved.get("batch_size", args.batch_size) != args.batch_size:
+            # the click stream is cut into batches of this size: another would train on
+            # other samples than the run resumed (runs saved before it was kept: unknown)
+            return _fail(f"{run_dir} holds a run of --batch-size {saved['batch_size']}; use "
+                         "it again, or another --path")
         if saved_layout != layout:
             return _fail(f"{run_dir} holds a {saved_layout} store; run again "
                          f"{'with' if saved_layout == 'all-dram' else 'without'} --all-dram")
@@ -487,6 +499,7 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
         stored_rows = {name: store.num_rows(name) for name in store.tables}
         if tmp is None:
             _save_dense(dense_path, {"config": cfg.to_json(), "layout": layout, "step": step,
+                                     "batch_size": args.batch_size,
                                      "model": model.state_dict(), "optimizer": opt.state_dict(),
                                      "history": history})
     wall = time.perf_counter() - t_open
