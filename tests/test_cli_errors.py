@@ -100,6 +100,16 @@ def test_a_store_locked_by_another_handle_is_refused_by_every_command_that_needs
             assert "Traceback" not in out + err and not err, argv
 
 
+@pytest.mark.parametrize("capacity", ["100.0", "1.5", "1e3"])
+def test_a_tier_capacity_that_is_a_number_but_no_whole_row_count_is_refused(capacity, places,
+                                                                            capsys):
+    # a bare number is rows, but these fell through to bytes: dram:100.0 made a 2-row tier
+    argv = ["import", places["X"], places["N"], "--tiers", f"dram:{capacity},lmdb"]
+    assert main(argv) == 2
+    assert f"capacity {capacity!r} is no whole row count" in capsys.readouterr().err
+    assert not (places["root"] / "new").exists()
+
+
 @pytest.mark.parametrize("capacity", ["\u00b2", "\u0663"])  # superscript 2, Arabic-Indic 3
 def test_a_tier_capacity_of_non_ascii_digits_is_refused_by_name(capacity, places, capsys):
     argv = ["import", places["X"], places["N"], "--tiers", f"dram:{capacity},lmdb"]

@@ -357,8 +357,13 @@ def tier_chain(text: str) -> tuple[Any, ...]:
             if not backend or len(rest) > 2:
                 raise ConfigError(f"tier {part!r} is not backend[:capacity[:eviction]]")
             cap: int | str | None = None
-            if rest and rest[0]:
-                cap = int(rest[0]) if rest[0].isascii() and rest[0].isdigit() else rest[0]
+            if rest and rest[0].strip():
+                text_cap = rest[0].strip()
+                if _NUMBER.fullmatch(text_cap) and not text_cap.isdigit():
+                    # a bare number is rows (below it would be read as bytes): 100.0 is none
+                    raise ConfigError(f"capacity {text_cap!r} is no whole row count; write "
+                                      "rows (4096) or bytes with a unit (512MiB)")
+                cap = int(text_cap) if text_cap.isascii() and text_cap.isdigit() else text_cap
                 if isinstance(cap, str):
                     try:
                         parse_bytes(cap)
