@@ -109,6 +109,14 @@ def test_migrate_moves_a_store_and_one_table_to_other_layouts_bit_for_bit(tmp_pa
         assert [t["backend"] for t in d["tables"]["t"]["tiers"]] == ["dram", other]
         store.update("u", np.array([1000]), np.ones((1, 3)))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".s.")]
+    # the whole store again: "u", given a chain of its own above, stayed on it
+    before = _contents(path)
+    assert main(["migrate", str(path), "--tiers", f"dram:16,{other}"]) == 0
+    assert _contents(path) == before and fsck.check(path) == []
+    with embstore.open(path) as store:
+        for table in ("t", "u"):
+            assert [(t["backend"], t["capacity_rows"]) for t in
+                    store.describe()["tables"][table]["tiers"]] == [("dram", 16), (other, None)]
 
 
 @pytest.mark.parametrize("bottom", PERSISTENT)

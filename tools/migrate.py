@@ -82,7 +82,8 @@ def _run(args: argparse.Namespace) -> int:
         specs = [dataclasses.replace(s, tiers=args.tiers) if s.name in args.table else s
                  for s in specs]
         default = tiers
-    else:
+    else:  # the whole store: tables given a chain of their own earlier take this one too
+        specs = [dataclasses.replace(s, tiers=None) for s in specs]
         default = args.tiers
     with progress(args, None, label="migrate") as bar:
         rows = replace_store(args.path, default_tiers=default, specs=specs,
