@@ -370,3 +370,19 @@ def test_a_size_that_could_never_run_is_refused_before_anything_is_allocated(arg
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "is more than" in err, err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    # a segfault in torch; raw numpy errors; 4 GB written to /tmp; a float's digits
+    (["bench", "torch", "--quick", "--threads", "5000"], "more than 1,024"),
+    (["bench", "lookup", "--quick", "--rows", str(10**30)], "more than 2,147,483,647"),
+    (["bench", "backends", "--quick", "--dim", str(10**30)], "more than 2,147,483,647"),
+    (["bench", "scale", "--quick", "--rows", "3G"], "more than 2,147,483,647"),
+    (["bench", "placement", "--quick", "--pmem", "1e300"], "at most all of them"),
+    # the OS killed the process for it: allocations succeed on credit
+    (["bench", "lookup", "--quick", "--rows", "2000000000"], "GiB this machine has available"),
+])
+def test_bench_sizes_past_what_can_run_are_refused_in_one_line(argv, says, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err

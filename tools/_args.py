@@ -22,9 +22,10 @@ from embstore.errors import ConfigError
 from embstore.layout import store_above
 from embstore.spec import parse_bytes
 
-__all__ = ["Amount", "Parser", "add_output_flags", "amount", "check_output", "existing_file",
-           "non_negative_float", "non_negative_int", "one_of", "positive_float", "positive_int",
-           "progress", "quick_sizes", "same_file", "some_of", "tier_chain", "work_dir"]
+__all__ = ["Amount", "Parser", "add_output_flags", "amount", "bench_size", "check_output",
+           "existing_file", "non_negative_float", "non_negative_int", "one_of", "positive_float",
+           "positive_int", "progress", "quick_sizes", "same_file", "some_of", "thread_count",
+           "tier_chain", "work_dir"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -181,6 +182,12 @@ def whole_up_to(most: int, why: str, *, least: int = 1) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is more than {most:,}: {why}")
         return value
     return parse
+
+
+bench_size = whole_up_to(2**31 - 1, "no table holds more rows, and no run more")
+"""A benchmark's size (rows, a batch, repeats, steps): an int from 1 to 2**31 - 1."""
+thread_count = whole_up_to(1024, "more threads than a host runs")
+"""A count of threads: an int from 1 to 1024."""
 
 
 def non_negative_int(text: str) -> int:

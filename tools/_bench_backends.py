@@ -32,7 +32,7 @@ from embstore.backends._keys import encode_keys
 from embstore.errors import BackendUnavailableError
 from embstore.tools.workload import ZipfIds
 
-from ._args import one_of, positive_int, quick_sizes, work_dir
+from ._args import bench_size, one_of, quick_sizes, work_dir
 from ._benchutil import add_size_arguments, interleaved_medians
 
 __all__ = ["add_arguments", "run"]
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "temporary directory)")
     parser.add_argument("--backends", nargs="*", type=_backend_name, default=None,
                         help="backends to run (default: every persistent one with a baseline)")
-    parser.add_argument("--flush-rows", type=positive_int, default=1000,
+    parser.add_argument("--flush-rows", type=bench_size, default=1000,
                         help="scattered dirty rows per measured flush (1000)")
     quick_sizes(parser, repeats=3)
 

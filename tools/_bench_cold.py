@@ -25,7 +25,7 @@ from embstore import registry
 from embstore._cold_reads import MAX_THREADS
 from embstore.backend import BackendSpec
 
-from ._args import non_negative_int, positive_int, quick_sizes, work_dir
+from ._args import bench_size, non_negative_int, positive_int, quick_sizes, work_dir
 from ._benchutil import print_table
 
 __all__ = ["add_arguments", "cold_read_thread_count", "drop_cached", "run"]
@@ -35,14 +35,14 @@ _LOAD_ROWS = 1 << 18
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench cold`."""
-    parser.add_argument("--rows", type=positive_int, default=1_000_000,
+    parser.add_argument("--rows", type=bench_size, default=1_000_000,
                         help="table rows (1,000,000)")
-    parser.add_argument("--dim", type=positive_int, default=64, help="embedding dim (64)")
-    parser.add_argument("--batch", type=positive_int, default=250,
+    parser.add_argument("--dim", type=bench_size, default=64, help="embedding dim (64)")
+    parser.add_argument("--batch", type=bench_size, default=250,
                         help="distinct ids per read (250: the demo's misses per table and step)")
-    parser.add_argument("--reads", type=positive_int, default=20,
+    parser.add_argument("--reads", type=bench_size, default=20,
                         help="reads per timed repeat (20)")
-    parser.add_argument("--repeats", type=positive_int, default=5,
+    parser.add_argument("--repeats", type=bench_size, default=5,
                         help="timed repeats per contender, each on a cold page cache (5)")
     parser.add_argument("--threads", type=_thread_counts, default=[1, 4, 16],
                         help="cold_read_threads of the contenders, comma-separated; the "

@@ -36,7 +36,7 @@ from embstore import TableSpec, TierSpec, registry
 from embstore.tools.traces import synthesize
 from embstore.tools.workload import ZipfIds
 
-from ._args import one_of, positive_int, quick_sizes, some_of
+from ._args import bench_size, one_of, quick_sizes, some_of
 from ._benchutil import interleaved_medians, print_table
 
 OPT = embstore.optim.RowWiseAdagrad(lr=0.01)
@@ -48,11 +48,11 @@ PARTS = ("hit", "e2e")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench hierarchy`."""
-    parser.add_argument("--rows", type=positive_int, default=1_000_000,
+    parser.add_argument("--rows", type=bench_size, default=1_000_000,
                         help="rows for the hit path")
-    parser.add_argument("--batch", type=positive_int, default=65536)
-    parser.add_argument("--repeats", type=positive_int, default=20)
-    parser.add_argument("--batches", type=positive_int, default=48,
+    parser.add_argument("--batch", type=bench_size, default=65536)
+    parser.add_argument("--repeats", type=bench_size, default=20)
+    parser.add_argument("--batches", type=bench_size, default=48,
                         help="trace batches, end to end")
     parser.add_argument("--eviction", type=_policy("eviction"), default="clock",
                         help="DRAM tier eviction, end to end")
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bottom tiers to try")
     parser.add_argument("--parts", default="hit,e2e", type=_parts,
                         help="which parts to run (hit,e2e)")
-    parser.add_argument("--e2e-repeats", type=positive_int, default=3,
+    parser.add_argument("--e2e-repeats", type=bench_size, default=3,
                         help="end-to-end runs per contender, best kept")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     quick_sizes(parser, rows=20_000, batch=4096, repeats=3, batches=8, e2e_repeats=1)

@@ -41,11 +41,11 @@ from embstore.tools.simulator import Trace
 from embstore.tools.traces import PROFILES, synthesize
 
 from ._args import (
+    bench_size,
     check_output,
     existing_file,
     non_negative_float,
     non_negative_int,
-    positive_int,
     quick_sizes,
     work_dir,
 )
@@ -59,15 +59,24 @@ __all__ = ["add_arguments", "run"]
 _DIM = 64  # with row-wise Adagrad's one state float: 260-byte rows, the profile's default
 
 
+def _share(text: str) -> float:
+    """A share of the table bytes, in [0, 1] (more is no budget: every row fits)."""
+    value = non_negative_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 1: a share of the table "
+                                         "bytes is at most all of them")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench placement`."""
-    parser.add_argument("--tables", type=positive_int, default=32, help="synthetic tables (32)")
-    parser.add_argument("--batches", type=positive_int, default=160, help="batches (160)")
-    parser.add_argument("--lookups", type=positive_int, default=8192,
+    parser.add_argument("--tables", type=bench_size, default=32, help="synthetic tables (32)")
+    parser.add_argument("--batches", type=bench_size, default=160, help="batches (160)")
+    parser.add_argument("--lookups", type=bench_size, default=8192,
                         help="lookups per batch (8192)")
-    parser.add_argument("--dram", type=non_negative_float, default=0.05,
+    parser.add_argument("--dram", type=_share, default=0.05,
                         help="DRAM budget as a share of the total table bytes (0.05)")
-    parser.add_argument("--pmem", type=non_negative_float, default=0.25,
+    parser.add_argument("--pmem", type=_share, default=0.25,
                         help="pmem budget as a share of the total table bytes (0.25)")
     parser.add_argument("--tiers", type=existing_file, default=None,
                         help="tier model to plan with (default: measure dram, pmem, rocksdb)")

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ import embstore
 from embstore.errors import ConfigError
 from embstore.spec import parse_bytes
 
-from ._args import positive_int, quick_sizes
+from ._args import bench_size, quick_sizes
 from ._bench_cold import cold_read_thread_count
 from ._benchutil import zipf_exponent
 
@@ -44,9 +45,13 @@ def _count(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"cannot read {text!r} as a count (e.g. 1M, 100M)")
-    value = float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()]
-    if value != int(value) or value < 1:
+    value = Fraction(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[
+        m.group(2).lower()]  # exact: a float gave 10**30 as 1,000,000,000,000,000,019,884,...
+    if value.denominator != 1 or value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole count of at least 1")
+    if value > 2**31 - 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than {2**31 - 1:,}: no table holds "
+                                         "more rows")
     return int(value)
 
 
@@ -65,13 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench scale`."""
     parser.add_argument("--rows", type=_count, default=_count("100M"),
                         help="table rows (100M); 1M for a quick check")
-    parser.add_argument("--dim", type=positive_int, default=64, help="embedding dim (64)")
+    parser.add_argument("--dim", type=bench_size, default=64, help="embedding dim (64)")
     parser.add_argument("--dram", type=_size, default="1GiB", help="DRAM tier size (1GiB)")
     parser.add_argument("--chunk", type=_count, default=_count("1M"),
                         help="rows per bulk-load call (1M)")
-    parser.add_argument("--steps", type=positive_int, default=200, help="training steps (200)")
-    parser.add_argument("--bags", type=positive_int, default=4096, help="bags per step (4096)")
-    parser.add_argument("--bag", type=positive_int, default=20, help="ids per bag (20)")
+    parser.add_argument("--steps", type=bench_size, default=200, help="training steps (200)")
+    parser.add_argument("--bags", type=bench_size, default=4096, help="bags per step (4096)")
+    parser.add_argument("--bag", type=bench_size, default=20, help="ids per bag (20)")
     parser.add_argument("--zipf", type=zipf_exponent, default=1.05,
                         help="Zipf exponent of ids, above 0 (1.05)")
     parser.add_argument("--cold-read-threads", type=cold_read_thread_count, default=None,

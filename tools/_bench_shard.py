@@ -26,7 +26,7 @@ from embstore.tools._args import (
     MAX_PROCESSES,
     PROCESSES_WHY,
     Parser,
-    positive_int,
+    bench_size,
     quick_sizes,
     whole_up_to,
 )
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=whole_up_to(MAX_PROCESSES, PROCESSES_WHY), nargs="+",
                         default=[1, 2, 4],
                         help="process counts to run (1 2 4)")
-    parser.add_argument("--steps", type=positive_int, default=30,
+    parser.add_argument("--steps", type=bench_size, default=30,
                         help="timed steps per run (30)")
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke test: {QUICK_STEPS} steps at 1 and 2 processes")

@@ -34,7 +34,7 @@ import embstore
 from embstore.index import IdGroups
 from embstore.optim import RowWiseAdagrad
 
-from ._args import non_negative_int, positive_int, quick_sizes
+from ._args import bench_size, non_negative_int, quick_sizes
 from ._benchutil import build_table, interleaved_medians, on_threads, print_table, zipf_exponent
 
 LR, EPS = 0.01, 1e-8
@@ -47,16 +47,16 @@ FBGEMM_REFERENCE = {"uniform": 1.2e6, "zipf": 2.7e6}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench step`."""
-    parser.add_argument("--rows", type=positive_int, default=10_000_000,
+    parser.add_argument("--rows", type=bench_size, default=10_000_000,
                         help="table rows (10M)")
-    parser.add_argument("--dim", type=positive_int, default=64, help="embedding dim (64)")
-    parser.add_argument("--bags", type=positive_int, default=4096, help="bags per batch (4096)")
-    parser.add_argument("--bag-size", type=positive_int, default=20, help="ids per bag (20)")
+    parser.add_argument("--dim", type=bench_size, default=64, help="embedding dim (64)")
+    parser.add_argument("--bags", type=bench_size, default=4096, help="bags per batch (4096)")
+    parser.add_argument("--bag-size", type=bench_size, default=20, help="ids per bag (20)")
     parser.add_argument("--dist", choices=("uniform", "zipf"), default="uniform",
                         help="id distribution (uniform)")
     parser.add_argument("--zipf", type=zipf_exponent, default=1.05,
                         help="Zipf exponent, above 0 (1.05)")
-    parser.add_argument("--repeats", type=positive_int, default=15,
+    parser.add_argument("--repeats", type=bench_size, default=15,
                         help="timed steps per contender")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")

@@ -44,7 +44,13 @@ import embstore
 from embstore import _fused
 from embstore.index import IdGroups
 
-from ._args import existing_file, non_negative_int, positive_int, quick_sizes, tier_chain
+from ._args import (
+    bench_size,
+    existing_file,
+    non_negative_int,
+    quick_sizes,
+    tier_chain,
+)
 from ._benchutil import TABLES, rss_bytes
 from .traces import PROFILES, load_locality_stats, synthesize
 
@@ -59,14 +65,14 @@ LR = 0.01
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench tables`."""
-    parser.add_argument("--tables", type=positive_int, default=500, help="tables (500)")
+    parser.add_argument("--tables", type=bench_size, default=500, help="tables (500)")
     parser.add_argument("--tiers", type=tier_chain, default=tier_chain("dram:4096:lru,rocksdb"),
                         help="tier chain of every table, top first "
                              "(dram:4096:lru,rocksdb: 4096 rows of DRAM per table)")
-    parser.add_argument("--samples", type=positive_int, default=256,
+    parser.add_argument("--samples", type=bench_size, default=256,
                         help="samples per batch (256): lookups per table per batch are this "
                              "times the statistics' lookups per sample per table")
-    parser.add_argument("--batches", type=positive_int, default=5,
+    parser.add_argument("--batches", type=bench_size, default=5,
                         help="timed batches per contender (5), after one cold batch")
     parser.add_argument("--stats", type=existing_file, default=None,
                         help="a dlrm_datasets locality_stats.txt (default: the 2021 one in "

@@ -28,7 +28,7 @@ from embstore.backend import BackendSpec
 from embstore.errors import BackendUnavailableError, ConfigError
 from embstore.placement import KNOWN_TIERS, save_document
 
-from ._args import non_negative_int, positive_int, quick_sizes, some_of, work_dir
+from ._args import bench_size, non_negative_int, positive_int, quick_sizes, some_of, work_dir
 
 __all__ = ["add_arguments", "measure_tiers", "run"]
 
@@ -40,15 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # a str, not a Path: Path("") is "." and an empty -o must be told apart from a folder
     parser.add_argument("-o", "--output", default="tiers.json",
                         help="tier model to write (default tiers.json)")
-    parser.add_argument("--rows", type=positive_int, default=400_000,
+    parser.add_argument("--rows", type=bench_size, default=400_000,
                         help="rows loaded per tier")
     parser.add_argument("--row-bytes", type=_row_bytes, default=260,
                         help="bytes per row, a multiple of 4 (default 260)")
-    parser.add_argument("--small", type=positive_int, default=64,
+    parser.add_argument("--small", type=bench_size, default=64,
                         help="rows in a small batch (64)")
-    parser.add_argument("--large", type=positive_int, default=8192,
+    parser.add_argument("--large", type=bench_size, default=8192,
                         help="rows in a large batch (8192)")
-    parser.add_argument("--repeats", type=positive_int, default=15,
+    parser.add_argument("--repeats", type=bench_size, default=15,
                         help="timed batches per size")
     parser.add_argument("--tiers", type=_tier_names, default=",".join(KNOWN_TIERS),
                         help="tiers to measure, comma-separated (default: all)")

@@ -34,7 +34,7 @@ import numpy as np
 import embstore
 from embstore._parallel import available_cores
 
-from ._args import non_negative_int, positive_int, quick_sizes, some_of
+from ._args import bench_size, non_negative_int, quick_sizes, some_of, thread_count
 from ._benchutil import interleaved_medians, print_table, zipf_exponent
 
 LR, EPS = 0.01, 1e-8
@@ -42,11 +42,11 @@ LR, EPS = 0.01, 1e-8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `embstore bench torch`."""
-    parser.add_argument("--rows", type=positive_int, default=10_000_000,
+    parser.add_argument("--rows", type=bench_size, default=10_000_000,
                         help="rows of the step part's table (10,000,000)")
-    parser.add_argument("--dim", type=positive_int, default=64, help="embedding dim (64)")
-    parser.add_argument("--bag", type=positive_int, default=20, help="ids per bag (20)")
-    parser.add_argument("--batch", type=positive_int, default=4096, help="bags per step (4096)")
+    parser.add_argument("--dim", type=bench_size, default=64, help="embedding dim (64)")
+    parser.add_argument("--bag", type=bench_size, default=20, help="ids per bag (20)")
+    parser.add_argument("--batch", type=bench_size, default=4096, help="bags per step (4096)")
     parser.add_argument("--dist", default="uniform,zipf",
                         type=some_of(("uniform", "zipf"), "distribution"),
                         help="id distributions of the step part: uniform, zipf (both)")
@@ -54,15 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Zipf exponent, above 0 (1.05)")
     parser.add_argument("--parts", default="step,demo", type=some_of(("step", "demo"), "part"),
                         help="parts to run: step, demo (both)")
-    parser.add_argument("--repeats", type=positive_int, default=15,
+    parser.add_argument("--repeats", type=bench_size, default=15,
                         help="timed steps per contender (15)")
-    parser.add_argument("--demo-rows", type=positive_int, default=1_000_000,
+    parser.add_argument("--demo-rows", type=bench_size, default=1_000_000,
                         help="ids per feature of the demo model's 8 tables (1,000,000)")
-    parser.add_argument("--demo-batch", type=positive_int, default=2048,
+    parser.add_argument("--demo-batch", type=bench_size, default=2048,
                         help="samples per step of the demo model (2048)")
-    parser.add_argument("--demo-chunk", type=positive_int, default=10,
+    parser.add_argument("--demo-chunk", type=bench_size, default=10,
                         help="demo steps per timed repeat (10)")
-    parser.add_argument("--threads", type=positive_int, default=1,
+    parser.add_argument("--threads", type=thread_count, default=1,
                         help="torch threads of every contender (1); embstore's own DRAM "
                              "kernels run on embstore.get_num_threads() (EMBSTORE_NUM_THREADS)")
     parser.add_argument("--seed", type=non_negative_int, default=0)

@@ -10,9 +10,10 @@ from collections.abc import Callable
 import numpy as np
 
 import embstore
+from embstore.errors import ConfigError
 from embstore.tools.workload import ZipfIds
 
-from ._args import non_negative_int, positive_float, positive_int, quick_sizes
+from ._args import bench_size, non_negative_int, positive_float, quick_sizes
 
 MAX_ZIPF = 20.0
 """Steepest Zipf exponent taken: already at 20 nearly every draw is the hottest id, while much
@@ -35,13 +36,13 @@ def zipf_exponent(text: str) -> float:
 def add_size_arguments(parser: argparse.ArgumentParser, *, rows: int, dim: int = 64,
                        batch: int = 65536, repeats: int = 30) -> None:
     """The options every table benchmark takes."""
-    parser.add_argument("--rows", type=positive_int, default=rows,
+    parser.add_argument("--rows", type=bench_size, default=rows,
                         help=f"table rows (default {rows})")
-    parser.add_argument("--dim", type=positive_int, default=dim,
+    parser.add_argument("--dim", type=bench_size, default=dim,
                         help=f"embedding dim (default {dim})")
-    parser.add_argument("--batch", type=positive_int, default=batch,
+    parser.add_argument("--batch", type=bench_size, default=batch,
                         help=f"ids per batch ({batch})")
-    parser.add_argument("--repeats", type=positive_int, default=repeats,
+    parser.add_argument("--repeats", type=bench_size, default=repeats,
                         help="timed batches per contender")
     parser.add_argument("--zipf", type=zipf_exponent, default=1.05,
                         help="Zipf exponent, above 0 (1.05)")
@@ -120,12 +121,32 @@ def print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
         print(f"  {name:<44}{rate:>14,.0f}{ratio:>8.2f}x")
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (/proc/meminfo), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def build_table(args: argparse.Namespace, spec: embstore.TableSpec
                 ) -> tuple[embstore.EmbeddingStore, np.ndarray, ZipfIds]:
     """An in-memory store with table `spec` ("t") and a plain array of the same weights.
 
     Row i of the array is at the id of Zipf rank i.
     """
+    # the table twice (the store's and the plain array) and the ids: refused before the OS
+    # kills the process for it (allocations succeed on credit and fail only when touched)
+    need = args.rows * (2 * spec.row_width * 4 + 24)
+    free = available_memory()
+    if free is not None and need > free:
+        raise ConfigError(f"--rows {args.rows:,} x --dim {args.dim} needs about "
+                          f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB this "
+                          "machine has available; give smaller sizes")
     zipf = ZipfIds(args.rows, args.zipf, seed=args.seed)
     kind = getattr(args, "ids", "scattered")
     if kind != "scattered":

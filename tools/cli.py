@@ -130,6 +130,10 @@ def _call(args: argparse.Namespace, where: str) -> int:
     except OSError as exc:
         print(f"{where}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except MemoryError as exc:  # sizes past this machine: numpy's words name no flag
+        print(f"{where}: error: not enough memory ({_one_line(exc) or 'an allocation failed'}); "
+              "give smaller sizes", file=sys.stderr)
+        return 2
     except Exception as exc:  # a bug: still one line, the traceback on request
         if os.environ.get("EMBSTORE_TRACEBACK"):
             raise
