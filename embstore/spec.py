@@ -33,15 +33,24 @@ TABLE_NAME_RULE = ("1-128 characters of letters, digits, '_', '.', '-', not star
 """What a table name may be: it names files, so nothing that could reach another directory."""
 
 
-def json_copy(value: Any, what: str, *, allow_nan: bool = False) -> Any:
-    """`value` as JSON gives it back: tuples become lists, numpy scalars are refused.
+def json_copy(value: Any, what: str, *, allow_nan: bool = False,
+              numpy_scalars: bool = False) -> Any:
+    """`value` as JSON gives it back: tuples become lists.
+
+    `numpy_scalars`: numpy scalars become Python's own (np.int64(5) -> 5, as capacity and
+    dim take them), for a value the caller keeps as copied; else they are refused.
 
     Raises:
-        ConfigError: `value` holds what JSON does not keep as it is (numpy scalars, sets,
-            and unless `allow_nan`, NaN or infinity).
+        ConfigError: `value` holds what JSON does not keep as it is (sets, arrays, numpy
+            scalars unless allowed, and unless `allow_nan`, NaN or infinity).
     """
+    def plain(obj: Any) -> Any:  # json calls it for what it cannot write itself
+        if numpy_scalars and isinstance(obj, np.generic) and not isinstance(obj, np.void):
+            return obj.item()
+        raise TypeError(f"{type(obj).__name__} is no JSON value")
+
     try:
-        return json.loads(json.dumps(value, allow_nan=allow_nan))
+        return json.loads(json.dumps(value, allow_nan=allow_nan, default=plain))
     except (TypeError, ValueError, RecursionError):
         finite = "" if allow_nan else "finite "
         raise ConfigError(f"{what} must hold plain JSON values (str, int, {finite}float, bool, "
@@ -131,7 +140,8 @@ class TierSpec:
                                   f"{value!r}")
             # kept as the manifest keeps them (a copy: the caller's dict may change after),
             # so a store reopens with settings equal to those it was made with
-            object.__setattr__(self, key, json_copy(value, f"TierSpec.{key}"))
+            object.__setattr__(self, key, json_copy(value, f"TierSpec.{key}",
+                                                    numpy_scalars=True))
         if self.eviction is None and cap is not None:
             object.__setattr__(self, "eviction", "clock")
 

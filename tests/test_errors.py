@@ -320,7 +320,7 @@ def test_a_path_the_os_refuses_is_a_storage_io_error_and_leaves_nothing(tmp_path
     lambda: TierSpec("dram", capacity=10**30),
     lambda: TierSpec("dram", capacity="99999999TiB"),
     lambda: TierSpec("dram", options=[1]),
-    lambda: TierSpec("rocksdb", options={"sync_writes": np.bool_(True)}),  # not JSON: no manifest
+    lambda: TierSpec("rocksdb", options={"sync_writes": {True}}),  # not JSON: no manifest
     lambda: TierSpec("dram", capacity=4, eviction_options={"window": {0.1}}),
     lambda: TierSpec("lmdb", options={"sync_commits": float("nan")}),  # NaN != NaN on reopen
     lambda: TierSpec("dram", capacity="9" * 400),  # beyond any float
@@ -372,6 +372,11 @@ def test_settings_are_kept_as_the_manifest_keeps_them(tmp_path):
     tier = TierSpec("lmdb", options=options)
     options["sync_commits"] = np.bool_(False)  # the caller's dict changes after: not the spec
     assert tier.options == {"sync_commits": True, "shape": [1, 2]}
+    # numpy scalars in options are numbers as capacity and dim take them (they were refused)
+    assert TierSpec("rocksdb", options={"block_cache_bytes": np.int64(1 << 20)}).options == {
+        "block_cache_bytes": 1 << 20}
+    assert type(TierSpec("dram", capacity=8, eviction="wtinylfu", eviction_options={
+        "window_share": np.float32(0.25)}).eviction_options["window_share"]) is float
     spec = TableSpec("t", dim=4, num_embeddings=np.int64(100), precision=np.str_("fp16"))
     assert type(spec.num_embeddings) is int and type(spec.precision) is str
     nan_init = TableSpec("n", dim=2, init=embstore.init.Constant(float("nan")),
