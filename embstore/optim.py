@@ -74,16 +74,18 @@ class Optimizer(Named):
 
 
 
-def _eps_vanishes(optimizer: Adagrad | RowWiseAdagrad, dtype: np.dtype) -> str | None:
+def _eps_vanishes(optimizer: Adagrad | RowWiseAdagrad | Adam, dtype: np.dtype) -> str | None:
     """Why `optimizer` cannot step a table of `dtype` where its eps rounds to 0 there."""
     if np.dtype(dtype).kind != "f" or np.dtype(dtype).type(optimizer.eps) != 0:
         return None
     tiny = float(np.finfo(dtype).smallest_subnormal)
     # sqrt(G) + eps is then 0 for a row or element never given a gradient, and a zero
     # gradient steps it to 0 / 0
+    half = np.dtype(dtype).itemsize < 4
     return (f"{type(optimizer).__name__}'s eps {optimizer.eps:g} is 0 in {np.dtype(dtype)}, "
-            f"so a zero gradient would make a fresh row NaN; give eps >= {tiny:g}, or keep the "
-            "table float32 and store its rows in 16 bits with precision='fp16'")
+            f"so a zero gradient would make a fresh row NaN; give eps >= {tiny:g}"
+            + (", or keep the table float32 and store its rows in 16 bits with "
+               "precision='fp16'" if half else ""))
 
 
 def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -305,13 +307,13 @@ class Adam(Optimizer):
 
     def check_dtype(self, table: str, dtype: np.dtype) -> None:
         # docstring inherited
-        problem = self._too_narrow(dtype)
+        problem = self._too_narrow(dtype) or _eps_vanishes(self, dtype)
         if problem is not None:
             raise ConfigError(f"table {table!r}: {problem}")
 
     def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
         # docstring inherited
-        problem = self._too_narrow(weights.dtype)
+        problem = self._too_narrow(weights.dtype) or _eps_vanishes(self, weights.dtype)
         if problem is not None:  # a table made before new tables were checked (check_dtype)
             raise DtypeMismatchError(problem)
         dim = weights.shape[1]

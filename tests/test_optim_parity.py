@@ -325,6 +325,17 @@ def test_adagrad_refuses_a_half_precision_table_where_its_eps_is_zero(make) -> N
         assert np.isfinite(store.lookup("t", np.array([1, 2]))).all()
 
 
+def test_adam_refuses_a_table_where_its_eps_is_zero() -> None:
+    # Adam(eps=1e-320) on float32: a fresh row's zero gradient stepped it to 0 / 0
+    with pytest.raises(ConfigError, match="eps .* is 0 in float32"):
+        embstore.open(None, tables=[embstore.TableSpec("t", dim=4,
+                                                       optimizer=optim.Adam(eps=1e-320))])
+    w = np.zeros((1, 4), dtype=np.float32)
+    opt = optim.Adam(eps=1e-320)
+    with pytest.raises(DtypeMismatchError, match="is 0 in float32"):
+        opt.step(w, np.zeros((1, opt.state_width(4)), np.float32), w.copy())
+
+
 def test_adam_rejects_half_precision_tables() -> None:
     opt = optim.Adam()
     w = np.zeros((1, 4), dtype=np.float16)
