@@ -212,3 +212,16 @@ def test_more_processes_refuse_one_process_options(capsys: pytest.CaptureFixture
     rc = main(["demo", "--nproc", "2", "--all-dram"])
     assert rc == 2
     assert "one process only" in capsys.readouterr().err
+
+
+def test_json_figures_are_strict_json_when_the_auc_is_undefined(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # one held-out sample has one class: its AUC is NaN, which was printed as NaN (no JSON)
+    assert main(["demo", "--json", "--eval-samples", "1", "--steps", "2", "--rows", "2000",
+                 "--batch-size", "64"]) == 0
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    figures = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert figures["auc"] is None and figures["digest"]

@@ -173,12 +173,7 @@ def _train(store: embstore.EmbeddingStore, args: argparse.Namespace) -> tuple[fl
 def run(args: argparse.Namespace) -> int:
     """Load, train, reopen and check; print the figures. Exit 1 if the check fails."""
     dram_bytes = parse_bytes(args.dram)
-    tmp = None
-    if args.path is None:
-        tmp = tempfile.mkdtemp(prefix="embstore-scale-", dir=os.environ.get("TMPDIR"))
-        path = Path(tmp) / "store"
-    else:
-        path = Path(args.path)
+    # the specs first: one refused leaves no temporary directory behind
     spec = embstore.TableSpec("t", dim=args.dim,
                               optimizer=embstore.optim.RowWiseAdagrad(lr=0.01))
     row_bytes = spec.row_width * 4
@@ -186,6 +181,12 @@ def run(args: argparse.Namespace) -> int:
                        else {"cold_read_threads": args.cold_read_threads})
     tiers = [embstore.TierSpec("dram", capacity=args.dram),
              embstore.TierSpec("rocksdb", options=rocksdb_options)]
+    tmp = None
+    if args.path is None:
+        tmp = tempfile.mkdtemp(prefix="embstore-scale-", dir=os.environ.get("TMPDIR"))
+        path = Path(tmp) / "store"
+    else:
+        path = Path(args.path)
     print(f"table: {args.rows:,} x {args.dim} float32 + row-wise Adagrad state = "
           f"{args.rows * row_bytes / 2**30:,.1f} GiB; DRAM tier {args.dram} "
           f"({dram_bytes // row_bytes:,} rows); store at {path}")

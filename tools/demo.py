@@ -195,6 +195,17 @@ def _tier_report(store: Any) -> list[dict[str, Any]]:
     return [levels[k] for k in sorted(levels)]
 
 
+def _json_safe(value: Any) -> Any:
+    """`value` with NaN and infinities as null: JSON has neither (an AUC of one class is NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def _plot_file(text: str) -> str:
     """The file `--plot TEXT` will write, refused before training if it cannot be drawn.
 
@@ -302,7 +313,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
                "steps_per_s": result.steps_per_s, "bytes_per_step": result.bytes_per_step,
                "min_bytes_per_step": result.min_bytes_per_step, "digest": result.digest}
     if args.json:
-        print(json.dumps(figures, indent=1))
+        print(json.dumps(_json_safe(figures), indent=1))
     elif losses:
         print(f"loss (mean of up to 20 steps): start {figures['loss_start']:.4f}  end "
               f"{figures['loss_end']:.4f}")
@@ -524,7 +535,7 @@ def _run(args: argparse.Namespace, torch: Any, et: Any) -> int:
         plot_note, interrupted = "Ctrl-C while drawing: no plot was written", True
     if quiet:
         figures["plot"] = None if plot_note or not args.plot else args.plot
-        print(json.dumps(figures), file=out)
+        print(json.dumps(_json_safe(figures)), file=out)
     else:
         if interrupted:
             print(f"stopped at step {step:,} after Ctrl-C"
