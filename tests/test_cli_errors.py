@@ -386,3 +386,12 @@ def test_bench_sizes_past_what_can_run_are_refused_in_one_line(argv, says, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("rates", "says"), [("1,1", "gives a rate twice"),
+                                             ("1e-10", "rates must lie in [2**-24, 1]")])
+def test_bench_step_refuses_recording_rates_before_the_baseline(rates, says, capsys):
+    # both were refused only after the baseline ran, "1,1" as a log held by another store
+    assert main(["bench", "step", "--quick", "--record-accesses", rates]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "argument --record-accesses" in err, err

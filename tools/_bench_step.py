@@ -73,8 +73,11 @@ def _rates(text: str) -> list[float]:
         rates = [float(r) for r in text.split(",") if r.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a list of rates, e.g. 1,0.1") from None
-    if not rates or not all(0 < r <= 1 for r in rates):
-        raise argparse.ArgumentTypeError(f"{text!r}: rates must lie in (0, 1]")
+    if not rates or not all(2.0 ** -24 <= r <= 1 for r in rates):
+        # as a store's record_sample takes them: ids are kept by a 24-bit hash
+        raise argparse.ArgumentTypeError(f"{text!r}: rates must lie in [2**-24, 1]")
+    if len(set(rates)) != len(rates):  # each rate records to a log of its own name
+        raise argparse.ArgumentTypeError(f"{text!r} gives a rate twice")
     return rates
 
 
