@@ -19,7 +19,6 @@ import argparse
 import os
 import re
 import shutil
-import tempfile
 import threading
 import time
 from fractions import Fraction
@@ -33,7 +32,7 @@ from embstore.spec import parse_bytes
 
 from ._args import bench_size, quick_sizes
 from ._bench_cold import cold_read_thread_count
-from ._benchutil import zipf_exponent
+from ._benchutil import bench_store_path, zipf_exponent
 
 __all__ = ["add_arguments", "run"]
 
@@ -181,12 +180,7 @@ def run(args: argparse.Namespace) -> int:
                        else {"cold_read_threads": args.cold_read_threads})
     tiers = [embstore.TierSpec("dram", capacity=args.dram),
              embstore.TierSpec("rocksdb", options=rocksdb_options)]
-    tmp = None
-    if args.path is None:
-        tmp = tempfile.mkdtemp(prefix="embstore-scale-", dir=os.environ.get("TMPDIR"))
-        path = Path(tmp) / "store"
-    else:
-        path = Path(args.path)
+    tmp, path = bench_store_path(args.path, "embstore-scale-")
     print(f"table: {args.rows:,} x {args.dim} float32 + row-wise Adagrad state = "
           f"{args.rows * row_bytes / 2**30:,.1f} GiB; DRAM tier {args.dram} "
           f"({dram_bytes // row_bytes:,} rows); store at {path}")

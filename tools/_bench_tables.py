@@ -27,10 +27,8 @@ dispatch. Each contender gets its own batches, in turn, after a first (cold) bat
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,7 +49,7 @@ from ._args import (
     quick_sizes,
     tier_chain,
 )
-from ._benchutil import TABLES, rss_bytes
+from ._benchutil import TABLES, bench_store_path, rss_bytes
 from .traces import PROFILES, load_locality_stats, synthesize
 
 __all__ = ["add_arguments", "run"]
@@ -229,12 +227,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"a batch: {lookups:,} distinct ids over {n} tables "
           f"({min(len(i) for i, _ in todo[0].values())} to "
           f"{max(len(i) for i, _ in todo[0].values()):,} per table)")
-    tmp = None
-    if args.path is None:
-        tmp = tempfile.mkdtemp(prefix="embstore-tables-", dir=os.environ.get("TMPDIR"))
-        path = Path(tmp) / "store"
-    else:
-        path = Path(args.path)
+    tmp, path = bench_store_path(args.path, "embstore-tables-")
     rows: list[tuple[str, float, str]] = []
     try:
         rss0 = rss_bytes()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -119,6 +121,18 @@ def print_table(title: str, rows: list[tuple[str, float, float]]) -> None:
     print(f"  {'contender':<44}{'rows/s':>14}{'ratio':>9}")
     for name, rate, ratio in rows:
         print(f"  {name:<44}{rate:>14,.0f}{ratio:>8.2f}x")
+
+
+def bench_store_path(given: str | None, prefix: str) -> tuple[str | None, Path]:
+    """Where a benchmark's store goes, and the temporary directory made for it, if any.
+
+    `given`, or `store` in a new temporary directory named `prefix`... under $TMPDIR, which
+    the caller removes.
+    """
+    if given is not None:
+        return None, Path(given)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("TMPDIR"))
+    return tmp, Path(tmp) / "store"
 
 
 def available_memory() -> int | None:
