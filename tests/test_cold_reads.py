@@ -14,6 +14,7 @@ import pytest
 import embstore
 from embstore import _cold_reads, _parallel
 from embstore._cold_reads import MIN_ROWS_PER_CHUNK, ColdReads
+from embstore._rebuild import read_store
 from embstore.backend import BackendSpec
 from embstore.backends.rocksdb import RocksDBBackend
 from embstore.errors import ConfigError
@@ -230,7 +231,8 @@ def test_cold_read_threads_must_be_a_thread_count(tmp_path: Path, bad):
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
 
 
-@pytest.mark.parametrize("bad", _BAD_THREAD_COUNTS)
+# a tier's options keep a numpy scalar as the Python number it is: np.int64(4) is 4 there
+@pytest.mark.parametrize("bad", [b for b in _BAD_THREAD_COUNTS if not isinstance(b, np.generic)])
 def test_a_store_refuses_a_bad_thread_count_and_can_be_made_right_after(tmp_path: Path, bad):
     path = tmp_path / "s"
     with pytest.raises(ConfigError, match="cold_read_threads|JSON"):
@@ -238,6 +240,14 @@ def test_a_store_refuses_a_bad_thread_count_and_can_be_made_right_after(tmp_path
     assert not path.exists()
     with _store_of(path, 2) as store:  # nothing of the refused create holds the store
         store.update("t", np.arange(3), np.ones((3, 8), dtype=np.float32))
+
+
+def test_a_numpy_thread_count_in_a_tiers_options_is_the_count_it_holds(tmp_path: Path):
+    with _store_of(tmp_path / "s", np.int64(4)) as store:
+        store.update("t", np.arange(3), np.ones((3, 8), dtype=np.float32))
+    _, _, (tier,) = read_store(tmp_path / "s")  # as the manifest keeps it
+    assert tier.options == {"cold_read_threads": 4}
+    assert type(tier.options["cold_read_threads"]) is int
 
 
 def _store_of(path: Path, threads: int) -> embstore.EmbeddingStore:
