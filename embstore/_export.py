@@ -48,7 +48,7 @@ from ._rebuild import (
     write_store,
 )
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
-from .layout import lock, store_above
+from .layout import lock, refuse_inside_store
 from .manifest import is_json_int, json_checksum, optional_fields_problem, write_atomic
 from .spec import TableSpec, TierSpec
 
@@ -69,18 +69,6 @@ _MISSING = object()
 
 def _le(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
-
-
-def _outside_stores(dest: Path, verb: str) -> None:
-    """Refuse a destination inside a store or checkpoint (through links too).
-
-    Raises:
-        ConfigError: naming the store, whose rewrites would delete what is written there.
-    """
-    above = store_above(dest)
-    if above is not None:
-        raise ConfigError(f"{dest} lies inside the store or checkpoint {above}, whose rewrites "
-                          f"would delete it; {verb} to a directory beside it")
 
 
 def _fresh(dest: Path) -> tuple[Path, list[Path]]:
@@ -135,7 +123,7 @@ def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     root, dest = Path(src), Path(out)
     if not root.is_dir():
         raise StoreNotFoundError(f"{root} is not a store directory")
-    _outside_stores(dest, "export")
+    refuse_inside_store(dest, "export to a directory beside it")
     read_store(root)  # no store, no LOCK file left in someone else's directory
     fd = lock(root, read_only=True)
     try:
@@ -407,7 +395,7 @@ def import_store(src: str | os.PathLike[str], dest: str | os.PathLike[str], *,
         OSError: `dest` cannot be made or written (the message names `dest`).
     """
     root, out = Path(src), Path(dest)
-    _outside_stores(out, "import")
+    refuse_inside_store(out, "import to a directory beside it")
     doc = read_header(root)
     entries = {t["spec"]["name"]: t for t in doc["tables"]}
     specs = [TableSpec.from_json(t["spec"]) for t in doc["tables"]]

@@ -249,10 +249,7 @@ def _open_directory(directory: Path, specs: list[TableSpec],
                 f"{directory} holds files but no {MANIFEST_NAME}: it is not an embstore store; "
                 "choose an empty or new directory"
             )
-        above = layout.store_above(directory)
-        if above is not None:  # its rewrites (compact, migrate, repair) would delete this one
-            raise ConfigError(f"{directory} lies inside the store or checkpoint {above}; make "
-                              "the new store in a directory beside it")
+        layout.refuse_inside_store(directory, "make the new store in a directory beside it")
         before = set(directory.iterdir()) - leftovers if directory.exists() else None
         make_dirs(directory, 0o700)
     # a reader takes no lock: it reads beside a writer (see EmbeddingStore's docstring)

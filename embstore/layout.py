@@ -31,14 +31,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptStoreError, StorageIOError, StoreLockedError
+from .errors import ConfigError, CorruptStoreError, StorageIOError, StoreLockedError
 from .manifest import FORMAT, MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "foreign_entries",
            "is_store_entry", "lock", "lock_for_reading", "manifest_body", "parked_store",
-           "read_manifest", "recover_swap", "release", "store_above", "table_chain", "tier_dir",
-           "write_manifest", "written_file"]
+           "read_manifest", "recover_swap", "refuse_inside_store", "release", "store_above",
+           "table_chain", "tier_dir", "write_manifest", "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
@@ -131,11 +131,25 @@ def store_above(path: Path) -> Path | None:
     would delete it.
     """
     # through links too: a link to a store's folder puts what is written there in the store
-    for above in (Path(os.path.abspath(path)).parents, Path(os.path.realpath(path)).parents):
-        for p in above:
-            if is_store(p):
-                return p
+    written, real = Path(os.path.abspath(path)).parents, Path(os.path.realpath(path)).parents
+    for p in dict.fromkeys([*written, *real]):  # each folder read once
+        if is_store(p):
+            return p
     return None
+
+
+def refuse_inside_store(path: Path, advice: str, shown: str | None = None) -> None:
+    """Refuse to write at `path` where it lies inside a store or checkpoint (`store_above`).
+
+    What is written there is foreign to that store, whose rewrites would delete it.
+
+    Raises:
+        ConfigError: naming the store; `advice` ends the message, `shown` names `path`.
+    """
+    above = store_above(path)
+    if above is not None:
+        raise ConfigError(f"{path if shown is None else shown} lies inside the store or "
+                          f"checkpoint {above}, whose rewrites would delete it; {advice}")
 
 
 def is_store(directory: Path) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from embstore.errors import ConfigError
-from embstore.layout import store_above
+from embstore.layout import refuse_inside_store
 from embstore.spec import parse_bytes
 
 __all__ = ["Amount", "Parser", "add_output_flags", "amount", "bench_size", "check_output",
@@ -423,10 +423,7 @@ def check_output(path: str | os.PathLike[str], flag: str,
         raise ConfigError(f"{flag} {text!r} is a directory; give a file name in it")
     if not out.name or text.endswith(os.sep):
         raise ConfigError(f"{flag} {text!r} names no file; give a file name")
-    above = store_above(out)
-    if above is not None:  # a store's rewrites delete what is not theirs; or it is theirs
-        raise ConfigError(f"{flag} {text!r} lies inside the store or checkpoint "
-                          f"{str(above)!r}; write it beside the store")
+    refuse_inside_store(out, "write it beside the store", shown=f"{flag} {text!r}")
     if not out.parent.is_dir():
         if out.parent.exists():  # a file where the folder should be
             raise ConfigError(f"{flag} {text!r}: {str(out.parent)!r} is not a folder")
