@@ -45,12 +45,25 @@ class Optimizer(Named):
         """Elements of optimizer state stored after the `dim` weights of each row."""
         return 0
 
+    def dtype_problem(self, dtype: np.dtype) -> str | None:
+        """Why this rule cannot step a table of `dtype`, or None where it can."""
+        return None
+
     def check_dtype(self, table: str, dtype: np.dtype) -> None:
-        """Refuse a new table of `dtype` that this rule cannot step.
+        """Refuse a new table of `dtype` that this rule cannot step (`dtype_problem`).
 
         Raises:
-            ConfigError: the rule needs a wider dtype.
+            ConfigError: the rule needs a wider dtype, or a setting vanishes in this one.
         """
+        problem = self.dtype_problem(np.dtype(dtype))
+        if problem is not None:
+            raise ConfigError(f"table {table!r}: {problem}")
+
+    def _check_step_dtype(self, weights: np.ndarray) -> None:
+        """Refuse to step a table made before new tables were checked (`check_dtype`)."""
+        problem = self.dtype_problem(weights.dtype)
+        if problem is not None:
+            raise DtypeMismatchError(problem)
 
     def initial_state(self, n: int, dim: int, dtype: np.dtype) -> np.ndarray:
         """State of `n` rows that were never updated: array[n, state_width(dim)]."""
@@ -169,17 +182,13 @@ class Adagrad(Optimizer):
         # docstring inherited
         return np.asarray((state < 0).any(axis=1))
 
-    def check_dtype(self, table: str, dtype: np.dtype) -> None:
+    def dtype_problem(self, dtype: np.dtype) -> str | None:
         # docstring inherited
-        problem = _eps_vanishes(self, dtype)
-        if problem is not None:
-            raise ConfigError(f"table {table!r}: {problem}")
+        return _eps_vanishes(self, dtype)
 
     def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
         # docstring inherited
-        problem = _eps_vanishes(self, weights.dtype)
-        if problem is not None:  # a table made before new tables were checked (check_dtype)
-            raise DtypeMismatchError(problem)
+        self._check_step_dtype(weights)
         rules.adagrad(weights, state, grads, lr=self.lr, eps=self.eps,
                       weight_decay=self.weight_decay)
 
@@ -227,17 +236,13 @@ class RowWiseAdagrad(Optimizer):
         # docstring inherited
         return np.asarray(state[:, 0] < 0)
 
-    def check_dtype(self, table: str, dtype: np.dtype) -> None:
+    def dtype_problem(self, dtype: np.dtype) -> str | None:
         # docstring inherited
-        problem = _eps_vanishes(self, dtype)
-        if problem is not None:
-            raise ConfigError(f"table {table!r}: {problem}")
+        return _eps_vanishes(self, dtype)
 
     def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
         # docstring inherited
-        problem = _eps_vanishes(self, weights.dtype)
-        if problem is not None:  # a table made before new tables were checked (check_dtype)
-            raise DtypeMismatchError(problem)
+        self._check_step_dtype(weights)
         rules.rowwise_adagrad(weights, state[:, 0], grads, lr=self.lr, eps=self.eps,
                               weight_decay=self.weight_decay,
                               decoupled=self.weight_decay_mode == "decoupled")
@@ -299,23 +304,16 @@ class Adam(Optimizer):
         return np.asarray((state[:, dim:-1] < 0).any(axis=1) | (steps < 0)
                           | (steps != np.floor(steps)))
 
-    def _too_narrow(self, dtype: np.dtype) -> str | None:
-        if dtype.itemsize >= 4:
-            return None
-        return (f"{type(self).__name__} needs a float32 or float64 table to count steps "
-                f"exactly, got {dtype}; use RowWiseAdagrad or a wider dtype")
-
-    def check_dtype(self, table: str, dtype: np.dtype) -> None:
+    def dtype_problem(self, dtype: np.dtype) -> str | None:
         # docstring inherited
-        problem = self._too_narrow(dtype) or _eps_vanishes(self, dtype)
-        if problem is not None:
-            raise ConfigError(f"table {table!r}: {problem}")
+        if dtype.itemsize < 4:
+            return (f"{type(self).__name__} needs a float32 or float64 table to count steps "
+                    f"exactly, got {dtype}; use RowWiseAdagrad or a wider dtype")
+        return _eps_vanishes(self, dtype)
 
     def step(self, weights: np.ndarray, state: np.ndarray, grads: np.ndarray) -> None:
         # docstring inherited
-        problem = self._too_narrow(weights.dtype) or _eps_vanishes(self, weights.dtype)
-        if problem is not None:  # a table made before new tables were checked (check_dtype)
-            raise DtypeMismatchError(problem)
+        self._check_step_dtype(weights)
         dim = weights.shape[1]
         rules.adam(weights, state[:, :dim], state[:, dim:2 * dim],
                    state[:, 2 * dim:3 * dim] if self.amsgrad else None, state[:, -1], grads,
