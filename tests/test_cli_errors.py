@@ -193,6 +193,7 @@ BAD_BENCH = [
     *[(["torch", flag, "0"], flag) for flag in ("--bag", "--demo-rows", "--demo-batch",
                                                 "--demo-chunk", "--threads")],
     (["placement", "-o", ""], "-o"),  # refused by the run, before it profiles anything
+    (["placement", "--tables", "9", "--lookups", "8"], "--tables 9"),  # by the run too
 ]
 
 
@@ -256,6 +257,18 @@ def test_shard_quick_is_a_short_run_at_one_and_two_processes(monkeypatch, capsys
     assert main(["bench", "shard", "--quick"]) == 0
     assert ran == [(n, _bench_shard.QUICK_STEPS) for n in _bench_shard.QUICK_NPROC]
     assert "nproc 2" in capsys.readouterr().out
+
+
+def test_shard_one_process_says_it_has_nothing_to_exchange(monkeypatch, capsys):
+    from embstore.tools import _bench_shard
+
+    class Result:
+        steps_per_s, bytes_per_step, min_bytes_per_step, losses, digest = 1.0, 0, 0, [0.5], "ab"
+
+    monkeypatch.setattr(_bench_shard, "train_distributed", lambda job, n, steps, **kw: Result())
+    assert main(["bench", "shard", "--nproc", "1", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to exchange" in out and "None" not in out
 
 
 # --- embstore demo --plot: checked before training -----------------------------------------------

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 import embstore
+from embstore.errors import ConfigError
 from embstore.placement import load_document
 from embstore.tools.simulator import Trace
 from embstore.tools.traces import PROFILES, synthesize
@@ -201,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
     """Profile, plan, simulate, replay; print and optionally save the report."""
     if args.output is not None:
         check_output(args.output, "-o")  # before minutes of replays, not after
+    if args.tables > args.lookups:  # the trace gives every table a lookup a batch
+        raise ConfigError(f"--tables {args.tables:,} is more than --lookups {args.lookups:,}: "
+                          "each table takes at least one lookup a batch; give fewer tables "
+                          "or more lookups")
     params = replace(PROFILES["2021"], tables=args.tables, lookups=args.lookups)
     tables = split_tables(list(synthesize(args.batches, seed=args.seed, params=params)))
     profile = build_profile(tables, policies=[p for p in args.policies.split(",") if p],

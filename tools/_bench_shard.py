@@ -119,10 +119,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
     else:
         for r in rows:
-            print(f"nproc {r['nproc']}: {r['steps_per_s']:.2f} steps/s, "
-                  f"{r['bytes_per_step']} B/step exchanged (minimum {r['min_bytes_per_step']}, "
-                  f"x{r['over_minimum']}), loss(last 5) {r['final_loss']}, "
-                  f"digest {r['digest']}")
+            # one process exchanges nothing: there is no minimum to compare with
+            exchanged = (f"{r['bytes_per_step']} B/step exchanged (minimum "
+                         f"{r['min_bytes_per_step']}, x{r['over_minimum']})"
+                         if r["over_minimum"] is not None
+                         else f"{r['bytes_per_step']} B/step exchanged (nothing to exchange)")
+            print(f"nproc {r['nproc']}: {r['steps_per_s']:.2f} steps/s, {exchanged}, "
+                  f"loss(last 5) {r['final_loss']}, digest {r['digest']}")
     return 0
 
 
