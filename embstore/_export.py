@@ -48,7 +48,7 @@ from ._rebuild import (
     write_store,
 )
 from .errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
-from .layout import lock, refuse_inside_store
+from .layout import lock, refuse_inside_store, require_directory
 from .manifest import is_json_int, json_checksum, optional_fields_problem, write_atomic
 from .spec import TableSpec, TierSpec
 
@@ -121,8 +121,7 @@ def export_store(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
         OSError: `out` cannot be made or written (the message names `out`).
     """
     root, dest = Path(src), Path(out)
-    if not root.is_dir():
-        raise StoreNotFoundError(f"{root} is not a store directory")
+    require_directory(root, links=True)
     refuse_inside_store(dest, "export to a directory beside it")
     read_store(root)  # no store, no LOCK file left in someone else's directory
     fd = lock(root, read_only=True)

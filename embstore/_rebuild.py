@@ -32,7 +32,7 @@ from ._lmdb_walk import newest_meta
 from ._lmdb_walk import walk as walk_lmdb
 from ._written import WrittenIds, write_record
 from .backend import Backend, BackendSpec, SupportsBulkLoad
-from .errors import CapacityError, ConfigError, CorruptStoreError, StoreNotFoundError
+from .errors import CapacityError, ConfigError, CorruptStoreError
 from .layout import (
     bottom_dir,
     check_inside,
@@ -44,6 +44,7 @@ from .layout import (
     read_manifest,
     recover_swap,
     release,
+    require_directory,
     table_chain,
     write_manifest,
     written_file,
@@ -103,6 +104,7 @@ def read_store(root: Path) -> tuple[dict[str, Any], list[TableSpec], tuple[TierS
         StoreNotFoundError, CorruptStoreError: no store or a damaged manifest.
         ConfigError: an incremental checkpoint (restore it first).
     """
+    require_directory(Path(root), links=True)
     doc = read_manifest(root)
     if (doc.get("checkpoint") or {}).get("kind") == "incremental":
         raise ConfigError(f"{root} is an incremental checkpoint; materialise it with "
@@ -409,8 +411,7 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
     """
     root = Path(root)
     recover_swap(root)
-    if not root.is_dir() or root.is_symlink():
-        raise StoreNotFoundError(f"{root} is not a store directory")
+    require_directory(root, links=False)
     read_manifest(root)  # no store, no LOCK file left in someone else's directory
     fd = lock(root, read_only=False) if lock_fd is None else lock_fd
     try:

@@ -31,7 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, CorruptStoreError, StorageIOError, StoreLockedError
+from .errors import (
+    ConfigError,
+    CorruptStoreError,
+    StorageIOError,
+    StoreLockedError,
+    StoreNotFoundError,
+)
 from .manifest import FORMAT, MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
 from .spec import TableSpec, TierSpec
 
@@ -150,6 +156,26 @@ def refuse_inside_store(path: Path, advice: str, shown: str | None = None) -> No
     if above is not None:
         raise ConfigError(f"{path if shown is None else shown} lies inside the store or "
                           f"checkpoint {above}, whose rewrites would delete it; {advice}")
+
+
+def require_directory(root: Path, *, links: bool) -> None:
+    """Refuse `root` unless it is a directory (a link to one too, where `links`).
+
+    Rewrites (compact, migrate) refuse links: they put the rebuilt store in place by renaming
+    it, which would replace the link and leave the store it names as it was.
+
+    Raises:
+        StoreNotFoundError: saying what `root` is instead.
+    """
+    if root.is_symlink() and not links:
+        raise StoreNotFoundError(
+            f"{root} is a symbolic link (to {os.readlink(root)}): this rewrites a store by "
+            "renaming its directory, which would replace the link; give the store's own path")
+    if not root.exists():
+        raise StoreNotFoundError(f"{root} does not exist"
+                                 + (" (a broken symbolic link)" if root.is_symlink() else ""))
+    if not root.is_dir():
+        raise StoreNotFoundError(f"{root} is a file, not a store directory")
 
 
 def is_store(directory: Path) -> bool:

@@ -346,3 +346,32 @@ def test_a_full_checkpoint_rewritten_in_place_still_roots_its_incremental_chain(
     assert doc["checkpoint"] == {"step": 0, "kind": "full", "parent": None}
     embstore.restore(tmp_path / "c2", tmp_path / "after")  # used to call c0 "a store"
     assert _contents(tmp_path / "after") == _contents(tmp_path / "before")
+
+
+@pytest.mark.parametrize("command", [["compact"], ["migrate", "--tiers", "lmdb"],
+                                     ["export", "OUT"]])
+@pytest.mark.parametrize("given", ["link", "missing", "file", "broken-link"])
+def test_a_path_that_is_not_a_store_directory_is_refused_saying_what_it_is(tmp_path, capsys,
+                                                                          command, given):
+    store = _fill(tmp_path / "s", "rocksdb", n_steps=2)
+    before = _contents(store)
+    path = tmp_path / given
+    expected = {"link": "is a symbolic link (to ", "missing": "does not exist",
+                "file": "is a file, not a store directory",
+                "broken-link": "does not exist (a broken symbolic link)"}[given]
+    if given == "link":
+        path.symlink_to(store)
+        if command[0] == "export":  # a read: through the link is the store itself
+            expected = "exported"
+    elif given == "file":
+        path.write_text("x")
+    elif given == "broken-link":
+        path.symlink_to(tmp_path / "nowhere")
+    argv = [command[0], str(path),
+            *[str(tmp_path / "out") if a == "OUT" else a for a in command[1:]]]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert expected in out + err, out + err
+    assert code == (0 if expected == "exported" else 2)
+    assert _contents(store) == before and path.is_symlink() == (given.endswith("link"))
