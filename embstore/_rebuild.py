@@ -140,12 +140,10 @@ def store_rows(root: Path, default_tiers: Sequence[TierSpec],
 
     def source(spec: TableSpec) -> tuple[int, Iterator[tuple[np.ndarray, np.ndarray]]]:
         old = by_name[spec.name]
-        expected = None
+        recorded = None
         if (check_written and isinstance(listed, list) and old.name in listed
                 and keeps_written_record(old, default_tiers)):
-            # read once and dropped: a copy's memory stays that of a page, whatever the
-            # table's size (an id-by-id comparison is fsck's; it keeps the record in memory)
-            expected = _record(root, old).count()
+            recorded = _RecordedIds(_record(root, old), old.num_embeddings)
         where = bottom_dir(root, old, default_tiers)
         if not where.is_dir():  # every store of record has its directory from the start
             raise CorruptStoreError(f"table {old.name!r}: its store of record {where} is "
@@ -160,13 +158,13 @@ def store_rows(root: Path, default_tiers: Sequence[TierSpec],
             raise
 
         def pages() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-            scanned = 0
             with backend:
                 for ids, rows in backend.items(page_rows(spec)):
-                    scanned += len(ids)
+                    if recorded is not None:
+                        recorded.seen(ids)
                     yield ids, rows
-                if expected is not None and scanned < expected:
-                    _report_lost(root, old, expected - scanned, backend)
+                if recorded is not None and recorded.missing():
+                    _report_lost(root, old, recorded.missing(), backend)
         return count, ClosablePages(pages(), backend.close)
     return source
 
@@ -204,6 +202,42 @@ def _record(root: Path, spec: TableSpec) -> WrittenIds:
     """The written-id record of table `spec` at `root`, read-only; it must exist."""
     return WrittenIds(written_file(root, spec.name), spec.num_embeddings,
                       lambda: np.zeros(0, np.int64), read_only=True, must_exist=True)
+
+
+class _RecordedIds:
+    """A table's written-id record, checked id by id against a scan of its store of record.
+
+    Counting the rows scanned would not do: a row the medium kept that no flush acknowledged
+    (a writer killed between its rows and its record) would hide a lost one. The record is
+    kept as compactly as it is read: a bounded table's bitmap (a bit an id), an unbounded
+    one's sorted ids (8 bytes an id), not a hash index.
+    """
+
+    def __init__(self, record: WrittenIds, num_embeddings: int | None) -> None:
+        self._expected = record.count()
+        self._range = num_embeddings
+        self._bitmap = record if num_embeddings is not None else None
+        self._sorted = record.ids() if num_embeddings is None else None
+        self._held = 0
+
+    def seen(self, ids: np.ndarray) -> None:
+        """Count the scanned `ids` (distinct across calls) that the record holds."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self._bitmap is not None:
+            assert self._range is not None
+            # a damaged store of record may hold ids outside the table's range: not written
+            held = self._bitmap.holds(ids[(ids >= 0) & (ids < self._range)])
+        else:
+            assert self._sorted is not None
+            if not len(self._sorted):
+                return
+            at = np.minimum(np.searchsorted(self._sorted, ids), len(self._sorted) - 1)
+            held = self._sorted[at] == ids
+        self._held += int(np.count_nonzero(held))
+
+    def missing(self) -> int:
+        """Ids the record holds that the scan has not shown."""
+        return self._expected - self._held
 
 
 def _report_lost(root: Path, spec: TableSpec, missing: int, backend: Backend) -> None:
