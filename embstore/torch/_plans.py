@@ -64,6 +64,3 @@ class ForwardPlan:
     catch_up: Any = None
     """Called as catch_up(module, plan) when a forward takes the staged plan: brings its
     staged rows up to date with writes made after the pipeline handed it over."""
-    error: BaseException | None = None
-    """An error a collective lookup of the plan's rows raised on every rank: the forward
-    served this plan raises it, at its step, as the lookup would have there."""

@@ -263,8 +263,6 @@ class _StoreModule(nn.Module):
         plan = self._staged
         if plan is not None and _same(plan.args, args) and _unchanged(plan.snapshot, args):
             self._staged = None
-            if plan.error is not None:
-                raise plan.error
             if plan.catch_up is not None:
                 plan.catch_up(self, plan)
         else:

@@ -380,16 +380,13 @@ class TrainPipeline(Generic[B]):
         """
         self._refresh(staged, read_at, token)
         for module, plan in staged:
-            if _collective(module):
-                # a sharded store's lookups are collective: every rank makes them on its
-                # training thread, in step order (only the grouping of ids was done ahead).
-                # Every rank fails such a lookup together (one its ids, the others
-                # PeerFailedError): each forward raises it, as it would without a pipeline
-                try:
-                    module.fetch_forward(plan)
-                except EmbstoreError as exc:
-                    plan.error = exc
-            elif self._exact and any(tp.rows is not None for tp in plan.tables):
+            # A sharded store's lookups are collective: every rank makes them on its training
+            # thread, in step order, so only the grouping of its ids was done ahead (nothing
+            # is staged). Its forward looks the rows up itself, as without a pipeline: they
+            # then hold every write made before it (the trainer's own, an earlier module's
+            # backward), which rows read when the batch was handed out would miss
+            if (not _collective(module) and self._exact
+                    and any(tp.rows is not None for tp in plan.tables)):
                 # writes between this step's start and the forward (a trainer's own, or an
                 # earlier module's backward) are caught up when the forward takes the plan
                 plan.catch_up = self._catch_up_hook
