@@ -5,7 +5,8 @@ page from a row source (bounded memory), then writes its manifest and history.
 `replace_store` builds such a copy next to a store and exchanges the two directories with one
 atomic `renameat2(RENAME_EXCHANGE)`, so that SIGKILL at any moment leaves at the store's path
 either the old store or the new one, each complete; a leftover `.<name>.rebuild-*` directory
-of a killed run is removed by the next one.
+of a killed run is removed by the next one, except an old store that a killed run promised to
+keep (a repair's backup, `layout.recover_kept`).
 
 Where the file system cannot exchange directories, the swap is two renames with the old
 store parked at `.<name>.swap-old`; `recover_swap` (called by every rebuild first) puts it
@@ -39,13 +40,16 @@ from .layout import (
     foreign_entries,
     lock,
     manifest_body,
+    mark_keep,
     parked_store,
     parse_manifest,
     read_manifest,
+    recover_kept,
     recover_swap,
     release,
     require_directory,
     table_chain,
+    unmark_keep,
     write_manifest,
     written_file,
 )
@@ -426,7 +430,8 @@ def swap_in(root: Path, new: Path) -> Path:
 def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None,
                   specs: Sequence[TableSpec] | None = None, source: RowSource | None = None,
                   keep_old: Path | None = None, lock_fd: int | None = None,
-                  progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
+                  progress: Callable[[str, int], None] | None = None,
+                  dropped: list[dict[str, Any]] | None = None) -> dict[str, int]:
     """Rewrite the store at `root` (another chain, other rows) and swap it in atomically.
 
     Holds the store's lock throughout. Returns rows per table in the new store.
@@ -436,9 +441,13 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
         default_tiers: the new default chain (default: the store's).
         specs: the new table specs (default: the store's).
         source: the rows (default: each table's store of record as it is).
-        keep_old: move the old store there (a backup); by default it is deleted.
+        keep_old: move the old store there (a backup, beside `root`); by default it is
+            deleted. A kill after the swap leaves it for the next rewrite, fsck or open to
+            move there (`layout.recover_kept`).
         lock_fd: the store's lock, already held exclusively by the caller.
         progress: called as progress(table, rows) after each page.
+        dropped: with `keep_old`, what the rewrite drops (findings as dicts), recorded
+            with the promise to keep the old store, for whoever finishes a killed rewrite.
 
     Raises:
         StoreNotFoundError, StoreLockedError, CorruptStoreError, ConfigError, OSError.
@@ -459,6 +468,7 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
                 f"{root} holds files that embstore did not make ({shown}); rewriting the "
                 "store swaps in a new directory and would delete them: move them out of the "
                 "store directory first")
+        recover_kept(root)  # before the old store a killed repair kept is removed below
         for stale in root.parent.glob(f".{root.name}.rebuild-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = root.parent / f".{root.name}.rebuild-{os.getpid()}-{int(time.time())}"
@@ -468,17 +478,25 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
                                  source or store_rows(root, old_tiers, old_specs), extras=doc,
                                  history=_counters.load(root), progress=progress)
             fsync_dir(root.parent)
+            if keep_old is not None:
+                # a kill from the swap on leaves the old store under a name the next rewrite
+                # removes: the marker says to keep it instead (`layout.recover_kept`)
+                mark_keep(root, keep_old, dropped or [])
             _crash.point("rebuild.before_swap")
             old = swap_in(root, tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            if keep_old is not None:
+                unmark_keep(root)
             raise
+        if keep_old is not None:
+            # under the lock: the next rewrite, once it holds it, removes `.rebuild-*`
+            os.replace(old, keep_old)
+            fsync_dir(keep_old.parent)
+            unmark_keep(root)
     finally:
         if lock_fd is None:
             release(fd)
-    if keep_old is not None:
-        os.replace(old, keep_old)
-        fsync_dir(keep_old.parent)
-    else:
+    if keep_old is None:
         shutil.rmtree(old, ignore_errors=True)
     return counts

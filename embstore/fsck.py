@@ -19,7 +19,10 @@ dropped, and the findings list their ids: those the scanners dropped, and those 
 written-id record held that the new store lacks (rows in RocksDB blocks that could not be
 read, rows the medium had lost before). Where no record names them, the finding says that an
 unknown number more were lost. The new store's record holds the rows it kept, so a dropped
-row reads as never written from then on (the backup keeps what was there). A damaged
+row reads as never written from then on (the backup keeps what was there). The backup's name
+and the dropped ids are recorded beside the store before the swap: a repair killed after it
+leaves them to the next fsck, compact, migrate or open, which keeps the old store under that
+name, and fsck reports it with the dropped ids (`layout.recover_kept`). A damaged
 manifest is not repaired (restore it from a checkpoint). Exit codes of `exit_code` follow
 e2fsck: 0 clean, 1 repaired, 4 problems left, 8 fsck could not run.
 
@@ -65,6 +68,7 @@ from .layout import (
     lock_for_reading,
     parked_store,
     read_manifest,
+    recover_kept,
     recover_swap,
     release,
     table_chain,
@@ -116,15 +120,19 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
             findings.extend(_check_open_table(store, name))
         return findings
     root = Path(store)
-    moved: list[Finding] = []
+    try:
+        moved = _kept_by_a_killed_repair(root)
+    except (OSError, EmbstoreError) as exc:
+        return [Finding(None, f"cannot keep the store a killed repair left at "
+                        f"{root.parent}: {exc}", fatal=True)]
     if parked_store(root).exists():
         parked = Finding(None, "a compact, migrate or repair was interrupted between its two "
                          f"renames: the store lies at {parked_store(root)}; `embstore.open` "
                          "or `embstore fsck --repair` puts it back", file=str(parked_store(root)))
         if not repair:
-            return [parked]
+            return moved + [parked]
         recover_swap(root)
-        moved = [_repaired(parked)]
+        moved.append(_repaired(parked))
     writer: StoreLockedError | None = None
     try:
         if not root.is_dir():
@@ -172,6 +180,23 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
             (release if repair else os.close)(fd)
         if dump_dir is not None:
             shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def _kept_by_a_killed_repair(root: Path) -> list[Finding]:
+    """Findings of a repair killed after its swap, its old store now kept as it promised."""
+    doc = recover_kept(root)
+    if doc is None:
+        return []
+    out = [Finding(None, "a repair was killed after it swapped in the repaired store, before "
+                   f"it reported: the store before it is kept at {doc['kept']}",
+                   file=str(doc["kept"]), repaired=True)]
+    for f in doc.get("dropped") or []:
+        try:
+            out.append(Finding(str(f["table"]), str(f["message"]),
+                               ids=tuple(int(i) for i in f["ids"]), repaired=True))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
 
 
 def _lost_rows(root: Path, parsed: _Parsed, *, live: bool) -> list[Finding]:
@@ -500,19 +525,19 @@ def _repair(root: Path, fd: int, findings: list[Finding], parsed: _Parsed,
     # what the written-id records hold: the ids of rows no scan could read come from there
     held = {spec.name: record_ids(root, spec) for spec in specs}
     complete = closed_cleanly(root, specs, tiers)
+    # listed before the swap and recorded with it: a repair killed after its swap leaves them
+    # for the next fsck to report (`_kept_by_a_killed_repair`)
+    dropped = [found for found in (
+        dropped_finding(spec.name, scans[spec.name], held[spec.name], dump.ids(spec.name),
+                        spec.name in complete, backup)
+        for spec in specs if spec.name in scans) if found is not None]
     try:
-        replace_store(root, source=source, keep_old=backup, lock_fd=fd)
+        replace_store(root, source=source, keep_old=backup, lock_fd=fd,
+                      dropped=[{"table": f.table, "message": f.message, "ids": list(f.ids)}
+                               for f in dropped])
     except (EmbstoreError, OSError) as exc:
         return findings + [Finding(None, f"repair failed, the store is unchanged: {exc}")]
-    out = [_repaired(f) for f in findings]
-    for spec in specs:
-        s = scans.get(spec.name)
-        if s is None:
-            continue
-        found = dropped_finding(spec.name, s, held[spec.name], dump.ids(spec.name),
-                                spec.name in complete, backup)
-        if found is not None:
-            out.append(found)
+    out = [_repaired(f) for f in findings] + dropped
     after, _, _ = _check_path(root, None, progress)
     return out + after
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -38,13 +39,22 @@ from .errors import (
     StoreLockedError,
     StoreNotFoundError,
 )
-from .manifest import FORMAT, MANIFEST_NAME, fsync_dir, read_manifest, write_manifest
+from .manifest import (
+    FORMAT,
+    MANIFEST_NAME,
+    fsync_dir,
+    read_bytes_nofollow,
+    read_manifest,
+    write_atomic,
+    write_manifest,
+)
 from .spec import TableSpec, TierSpec
 
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "foreign_entries",
-           "is_store_entry", "lock", "lock_for_reading", "manifest_body", "parked_store",
-           "read_manifest", "recover_swap", "refuse_inside_store", "release", "store_above",
-           "table_chain", "tier_dir", "write_manifest", "written_file"]
+           "is_store_entry", "keep_marker", "lock", "lock_for_reading", "manifest_body",
+           "mark_keep", "parked_store", "process_alive", "read_manifest", "recover_kept",
+           "recover_swap", "refuse_inside_store", "release", "store_above", "table_chain",
+           "tier_dir", "unmark_keep", "write_manifest", "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
@@ -106,12 +116,100 @@ def parked_store(root: Path) -> Path:
     return root.parent / f".{root.name}.swap-old"
 
 
+def keep_marker(root: Path) -> Path:
+    """Where a rewrite that keeps the old store says, before its swap, where that one goes.
+
+    Its JSON names the old store's directory (device and inode, which a rename keeps), the
+    name it is to be kept under beside `root`, the rewriting process and what the rewrite
+    dropped (`recover_kept`).
+    """
+    return root.parent / f".{root.name}.keep-old"
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (under any user)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_kept(root: Path) -> dict[str, Any] | None:
+    """Keep the old store of a rewrite killed after its swap, as that rewrite promised.
+
+    A killed repair leaves the store before it, the only copy of the rows it dropped, under a
+    temporary name that the next rewrite would delete (`.<name>.rebuild-*`, or the parked
+    `.<name>.swap-old`). Its marker (`keep_marker`) says which directory that is; it is
+    renamed to the backup name the marker gives. Returns the marker's document when such an
+    old store was found (now at `doc["kept"]`), else None. A marker of a process still
+    running is that process's to finish; one whose swap never happened is removed.
+    """
+    marker = keep_marker(root)
+    try:
+        doc = json.loads(read_bytes_nofollow(marker, 1 << 24))
+        ino, dev, name, pid = doc["ino"], doc["dev"], doc["keep"], doc["pid"]
+    except FileNotFoundError:
+        return None
+    except (OSError, CorruptStoreError, ValueError, KeyError, TypeError):
+        return None  # written atomically, so not one of ours: left as it is
+    if not (isinstance(name, str) and "/" not in name and isinstance(pid, int)):
+        return None
+    if pid == os.getpid() or process_alive(pid):
+        return None
+    try:
+        here = os.lstat(root)
+    except FileNotFoundError:
+        return None  # parked with nothing at its path: `recover_swap` puts it back first
+    keep = root.parent / name
+    found = None
+    if (here.st_ino, here.st_dev) != (ino, dev):
+        for candidate in [keep, parked_store(root), *root.parent.glob(f".{root.name}.rebuild-*")]:
+            try:
+                st = os.lstat(candidate)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and (st.st_ino, st.st_dev) == (ino, dev):
+                found = candidate
+                break
+    if found is not None and found != keep:
+        os.replace(found, keep)
+        fsync_dir(keep.parent)  # kept for good before the marker that leads to it goes
+    with contextlib.suppress(FileNotFoundError):
+        marker.unlink()
+    fsync_dir(root.parent)
+    if found is None:
+        return None
+    return {**doc, "kept": str(keep)}
+
+
+def mark_keep(root: Path, keep: Path, dropped: list[dict[str, Any]]) -> None:
+    """Write `keep_marker` for a rewrite of `root` that keeps the old store at `keep`."""
+    here = os.lstat(root)
+    doc = {"ino": here.st_ino, "dev": here.st_dev, "keep": keep.name, "pid": os.getpid(),
+           "dropped": dropped}
+    write_atomic(keep_marker(root), json.dumps(doc).encode())
+
+
+def unmark_keep(root: Path) -> None:
+    """Remove `keep_marker` once the old store is kept under its name."""
+    with contextlib.suppress(FileNotFoundError):
+        keep_marker(root).unlink()
+    fsync_dir(root.parent)
+
+
 def recover_swap(root: Path) -> None:
     """Finish or undo a two-rename swap (embstore._rebuild) that a crash interrupted.
 
     A store parked with nothing at its path goes back (the new copy, unnamed, is dropped by
-    the next rebuild); a parked store beside a store at its path is the old one, removed.
+    the next rebuild); a parked store beside a store at its path is the old one, removed,
+    unless a killed rewrite promised to keep it (`recover_kept` keeps it first).
     """
+    recover_kept(root)
     parked = parked_store(root)
     if not parked.exists():
         return
@@ -368,10 +466,5 @@ def _holder(fd: int) -> int | None:
     if not text.isdigit():
         return None
     pid = int(text)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None  # a writer that died: whoever holds the lock now is no writer of ours
-    except PermissionError:
-        pass  # alive, under another user
-    return pid
+    # a writer that died: whoever holds the lock now is no writer of ours
+    return pid if process_alive(pid) else None

@@ -568,3 +568,44 @@ def test_states_no_step_reaches_past_the_detailed_ones_are_summed_up(tmp_path, b
     assert sorted(f.id for f in findings if f.id is not None) == list(range(50, 70))
     (summed,) = [f for f in findings if f.id is None]
     assert "10 more" in summed.message and "state" in summed.message, summed
+
+
+_KILLED_REPAIR = """
+import sys
+from embstore import _rebuild
+from embstore.tools.cli import main
+if sys.argv[2] == "renames":  # a file system without renameat2(RENAME_EXCHANGE)
+    _rebuild._exchange = lambda root, new: False
+main(["fsck", "--repair", sys.argv[1]])
+"""
+
+
+@pytest.mark.parametrize("swap", ["exchange", "renames"])
+@pytest.mark.parametrize("then", ["fsck", "compact"])
+def test_a_repair_killed_after_its_swap_keeps_its_backup_and_lists_what_it_dropped(
+        tmp_path, swap, then, capsys):
+    path = _store(tmp_path / "s", "pmem")
+    file, at = _live_value_offset(path, "pmem")
+    _flip(file, at + 6)
+    damaged = file.read_bytes()
+    env = {**os.environ, "EMBSTORE_CRASH_AT": "rebuild.after_swap:1"}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_REPAIR, str(path), swap], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    if then == "compact":  # a rewrite first: it must not delete the only copy of row 50
+        assert main(["compact", "--quiet", str(path)]) == 0
+        capsys.readouterr()
+    backups = [p for p in tmp_path.iterdir() if ".fsck-backup-" in p.name]
+    if then == "fsck":
+        assert main(["fsck", "--json", str(path)]) == 1
+        report = json.loads(capsys.readouterr().out)
+        assert any("killed" in f["message"] for f in report["findings"])
+        assert [f["ids"] for f in report["findings"] if f.get("ids")] == [[50]]
+        backups = [p for p in tmp_path.iterdir() if ".fsck-backup-" in p.name]
+    assert len(backups) == 1
+    # the store as it was, damaged row 50 included
+    assert (backups[0] / file.relative_to(path)).read_bytes() == damaged
+    assert sorted(p.name for p in tmp_path.iterdir()
+                  if ".rebuild-" in p.name or ".swap-old" in p.name or ".keep-old" in p.name
+                  ) == []
+    assert main(["fsck", str(path)]) == 0
