@@ -72,6 +72,7 @@ from .layout import (
     recover_swap,
     release,
     table_chain,
+    tier_dir,
     written_file,
 )
 from .spec import TableSpec, TierSpec
@@ -421,6 +422,9 @@ def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], Non
                                                 "rows than the store recorded at its last "
                                                 "close", file=str(d),
                                                 expected=f"{want} rows", found=f"{seen} rows"))
+    if not live:  # the writer's caches are in use, and a read-only open never reads them
+        clean_dirs = {rel for rel in now if rel in recorded and recorded[rel] == now[rel]}
+        findings += _check_caches(root, specs, tiers, clean_dirs)
     cached = any(registry.load_backend(ts.backend).supports_persistence
                  for spec in specs for ts in table_chain(spec, tiers)[:-1]
                  if ts.backend in known_backends)
@@ -430,6 +434,46 @@ def _check_path(root: Path, dump_dir: Path | None, progress: Callable[[str], Non
         found, _ = _native("cross-tier", root, specs, {}, None, True, tiers=tiers)
         findings += found
     return findings, None if blocked else parsed, scans
+
+
+def _check_caches(root: Path, specs: list[TableSpec], tiers: tuple[TierSpec, ...],
+                  clean_dirs: set[str]) -> list[Finding]:
+    """The pmem cache tiers' files, checked record by record as opening the store reads them.
+
+    A damaged one makes the store unopenable. A repair rewrites the store without its caches:
+    where the store was closed cleanly since (`clean_dirs`: stores of record as the last
+    close left them), every cached row is a copy of the store of record's; else a damaged
+    cached row may have been newer than it, and that value is reported lost.
+    """
+    out: list[Finding] = []
+    for spec in specs:
+        clean = str(bottom_dir(root, spec, tiers).relative_to(root)) in clean_dirs
+        for level, ts in enumerate(table_chain(spec, tiers)[:-1]):
+            if ts.backend != "pmem":
+                continue
+            file = tier_dir(root, level, ts.backend, is_bottom=False) / f"{spec.name}.pmem"
+            if not os.path.lexists(file):
+                continue  # nothing cached yet
+            found, scan = scan_pmem(file, spec, None)
+            if not found:
+                continue
+            ids = np.unique(scan.dropped_ids())
+            ids = ids[ids >= 0]
+            shown = f", e.g. id {int(ids[0])}" if len(ids) else ""
+            if clean:
+                what = ("the store was closed cleanly since they were cached, so the store of "
+                        "record holds their rows: a repair rewrites the store without the cache")
+            else:
+                what = ("the store was not closed cleanly since, so a damaged cached row may "
+                        "have been newer than the store of record's, and that value is lost: "
+                        "a repair rewrites the store without the cache, and these ids then "
+                        "read as the store of record holds them")
+            out += found
+            out.append(Finding(spec.name, f"tier {level} (pmem cache) is damaged, which the "
+                               f"store's open refuses ({len(ids)} damaged cached row(s)"
+                               f"{shown}); {what}", file=str(file),
+                               ids=tuple(int(i) for i in ids[:1000])))
+    return out
 
 
 def _lmdb_structure(file: Path) -> list[Finding]:

@@ -14,6 +14,7 @@ import pytest
 
 import embstore
 from embstore import TableSpec, TierSpec, fsck
+from embstore.errors import CorruptStoreError
 from embstore.tools.cli import main
 
 PERSISTENT = ["rocksdb", "lmdb", "pmem"]
@@ -366,6 +367,28 @@ def test_a_clean_cached_copy_that_disagrees_with_the_store_of_record_is_found(tm
     assert [f.id for f in findings] == [3] and "disagrees" in findings[0].message
     assert fsck.exit_code(fsck.check(path, repair=True)) == 1
     assert fsck.check(path) == []
+
+
+def test_a_damaged_pmem_cache_is_found_and_repaired_as_the_open_reads_it(tmp_path, capsys):
+    path = tmp_path / "s"
+    tiers = [TierSpec("pmem", capacity=64), TierSpec("rocksdb")]
+    with embstore.open(path, tables=[TableSpec("t", dim=4)], tiers=tiers) as store:
+        store.update("t", np.arange(20), np.full((20, 4), 1.25, np.float32))
+        store.lookup("t", np.arange(20))
+    from embstore.backends.pmem import DATA_OFFSET, record_size
+    file = path / "cache" / "tier0-pmem" / "t.pmem"
+    _flip(file, DATA_OFFSET + 3 * record_size(16) + 24)  # a value byte of slot 3's record
+    with pytest.raises(CorruptStoreError):
+        embstore.open(path).close()
+    assert main(["fsck", "--json", str(path)]) == 4
+    report = json.loads(capsys.readouterr().out)
+    cache = [f for f in report["findings"] if "pmem cache" in f["message"]]
+    assert len(cache) == 1 and "closed cleanly" in cache[0]["message"]
+    assert main(["fsck", "--repair", str(path)]) == 1
+    capsys.readouterr()
+    assert main(["fsck", str(path)]) == 0
+    with embstore.open(path) as store:
+        assert (store.lookup("t", np.arange(20)) == 1.25).all()
 
 
 def test_repair_keeps_the_rows_before_a_damaged_rocksdb_log_record(tmp_path):
