@@ -121,6 +121,32 @@ def check(store: EmbeddingStore | str | os.PathLike[str], *, repair: bool = Fals
             findings.extend(_check_open_table(store, name))
         return findings
     root = Path(store)
+    if repair:  # its exclusive lock keeps every rewrite out
+        return _check_root(root, True, progress)
+    before = _identity(root)
+    findings = _check_root(root, False, progress)
+    if before is not None and any(not f.note for f in findings) and _identity(root) != before:
+        # a compact, migrate or repair swapped another directory in during the check: what
+        # it read was half of each, and its findings (missing files, a reader failing on
+        # them) are no damage of either store
+        return [Finding(None, f"{root} was rewritten (a compact, migrate or repair swapped a "
+                        "new store in) while it was checked, so the check is void; run fsck "
+                        "again", fatal=True)]
+    return findings
+
+
+def _identity(root: Path) -> tuple[int, int] | None:
+    """The device and inode of the store's directory (a rewrite swaps another one in)."""
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _check_root(root: Path, repair: bool, progress: Callable[[str], None] | None
+                ) -> list[Finding]:
+    """`check` of the store at path `root`."""
     try:
         moved = _kept_by_a_killed_repair(root)
     except (OSError, EmbstoreError) as exc:

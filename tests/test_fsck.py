@@ -632,3 +632,22 @@ def test_a_repair_killed_after_its_swap_keeps_its_backup_and_lists_what_it_dropp
                   if ".rebuild-" in p.name or ".swap-old" in p.name or ".keep-old" in p.name
                   ) == []
     assert main(["fsck", str(path)]) == 0
+
+
+def test_a_store_rewritten_during_its_check_is_no_damage_but_a_check_to_run_again(tmp_path):
+    path = _store(tmp_path / "s", "rocksdb")
+    import shutil
+
+    from embstore import _rebuild
+    migrated = tmp_path / "m"
+    shutil.copytree(path, migrated)
+    assert main(["migrate", "--quiet", str(migrated), "--tiers", "dram:16,lmdb"]) == 0
+
+    def swap(part):  # a migrate beside the check swaps its new directory in, as it does
+        if part.startswith("tier"):
+            assert _rebuild._exchange(path, migrated)
+
+    findings = fsck.check(path, progress=swap)
+    assert len(findings) == 1 and "rewritten" in findings[0].message, findings
+    assert "run fsck again" in findings[0].message and fsck.exit_code(findings) == 8
+    assert fsck.check(path) == []
