@@ -3,7 +3,9 @@
 Each builds `dest` in `.<name>.tmp-<pid>-<random>` beside it (mode 0700: it holds every row)
 and renames it into place once complete (`publish`), so a failure or a crash never leaves a
 half-made `dest`. Two builds of one `dest` at once (threads of one process, or processes) each
-have their own directory, and the second to finish is refused: exactly one is published.
+have their own directory, and the second to finish is refused: exactly one is published. A
+build killed before it published leaves its directory; the next build of the same `dest`
+removes those whose process is gone (`remove_dead_leftovers`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .errors import EmbstoreError, StorageIOError, StoreExistsError
+from .layout import process_alive
 from .manifest import fsync_dir, make_dirs
 
 __all__ = ["discard", "io_error", "make_private", "missing_dirs", "not_a_directory",
-           "plain_path", "publish", "reason", "temporary_beside"]
+           "plain_path", "publish", "reason", "remove_dead_leftovers", "temporary_beside"]
 
 
 _NAME_MAX = 255  # bytes of a file name on Linux's file systems
@@ -32,12 +35,43 @@ def temporary_beside(path: Path) -> Path:
     and then remove a file of the user's of that name, even an input of the same command.
     """
     tail = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    # a name near the file system's limit (255 bytes) keeps room for the tail: cut short, it
-    # is still of this call alone
-    room = _NAME_MAX - 1 - len(tail)
-    name = os.fsencode(path.name)[:room].decode(errors="ignore") if len(
+    return path.parent / f".{_short_name(path, len(tail))}{tail}"
+
+
+def _short_name(path: Path, tail: int) -> str:
+    """The name of `path`, cut to leave `tail` bytes and a dot within a file name's limit.
+
+    A name near the file system's limit (255 bytes) keeps room for the tail: cut short, it
+    is still of one call alone.
+    """
+    room = _NAME_MAX - 1 - tail
+    return os.fsencode(path.name)[:room].decode(errors="ignore") if len(
         os.fsencode(path.name)) > room else path.name
-    return path.parent / f".{name}{tail}"
+
+
+def remove_dead_leftovers(dest: Path) -> list[Path]:
+    """Remove the private directories of `dest` left by processes that died; returns them.
+
+    A build killed before it published leaves `.<name>.tmp-<pid>-<random>`, every row it
+    had copied, that nothing else would remove. Only those of a process no longer running
+    go: another process's build of `dest` may be under way.
+    """
+    removed: list[Path] = []
+    try:
+        names = [n for n in os.listdir(dest.parent) if n.startswith(".") and ".tmp-" in n]
+    except OSError:
+        return removed  # no parent yet: nothing left there
+    for name in names:
+        tail = name[name.rindex(".tmp-"):]
+        pid, _, rest = tail[len(".tmp-"):].partition("-")
+        if (name != f".{_short_name(dest, len(tail))}{tail}" or not pid.isdigit()
+                or len(rest) != 12 or process_alive(int(pid))):
+            continue
+        leftover = dest.parent / name
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover)
+    return removed
 
 
 def missing_dirs(directory: Path) -> list[Path]:
@@ -63,6 +97,7 @@ def make_private(dest: Path, error: Callable[[int, str], OSError] = OSError
             `dest`, not the private path, and nothing is left behind.
     """
     dest = plain_path(dest)
+    remove_dead_leftovers(dest)
     made = missing_dirs(dest.parent)
     # of this call alone: another thread's or process's build of `dest` has a name of its own
     tmp = temporary_beside(dest)

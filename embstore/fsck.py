@@ -67,6 +67,7 @@ from .layout import (
     lock,
     lock_for_reading,
     parked_store,
+    process_alive,
     read_manifest,
     recover_kept,
     recover_swap,
@@ -176,8 +177,13 @@ def _check_root(root: Path, repair: bool, progress: Callable[[str], None] | None
                 fd, writer = None, exc
     except (OSError, StoreLockedError, CorruptStoreError) as exc:
         return moved + [Finding(None, f"cannot open {root}: {exc}", fatal=True)]
-    dump_dir = Path(tempfile.mkdtemp(prefix=f".{root.name}.fsck-rows-", dir=root.parent)) \
-        if repair else None
+    dump_dir = None
+    if repair:
+        _remove_dead_dumps(root)
+        # the pid in its name tells the next repair whether its owner is gone (a kill
+        # leaves it, with rows of the store in it)
+        dump_dir = Path(tempfile.mkdtemp(prefix=f".{root.name}.fsck-rows-{os.getpid()}-",
+                                         dir=root.parent))
     try:
         findings, parsed, scans = _check_path(root, dump_dir, progress, live=writer is not None)
         if not findings and parsed is not None:
@@ -207,6 +213,21 @@ def _check_root(root: Path, repair: bool, progress: Callable[[str], None] | None
             (release if repair else os.close)(fd)
         if dump_dir is not None:
             shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def _remove_dead_dumps(root: Path) -> None:
+    """Remove the row dumps (`.<name>.fsck-rows-<pid>-*`) of repairs whose process is gone."""
+    prefix = f".{root.name}.fsck-rows-"
+    try:
+        names = [n for n in os.listdir(root.parent) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0]
+        leftover = root.parent / name
+        if (pid.isdigit() and not process_alive(int(pid)) and leftover.is_dir()
+                and not leftover.is_symlink()):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _kept_by_a_killed_repair(root: Path) -> list[Finding]:

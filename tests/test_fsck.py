@@ -651,3 +651,18 @@ def test_a_store_rewritten_during_its_check_is_no_damage_but_a_check_to_run_agai
     assert len(findings) == 1 and "rewritten" in findings[0].message, findings
     assert "run fsck again" in findings[0].message and fsck.exit_code(findings) == 8
     assert fsck.check(path) == []
+
+
+def test_the_row_dump_of_a_killed_repair_is_removed_by_the_next_repair(tmp_path):
+    path = _store(tmp_path / "s", "pmem")
+    file, at = _live_value_offset(path, "pmem")
+    _flip(file, at + 6)
+    env = {**os.environ, "EMBSTORE_CRASH_AT": "rebuild.page:1"}
+    proc = subprocess.run([sys.executable, "-m", "embstore.tools.cli", "fsck", "--repair",
+                           str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert [p for p in tmp_path.iterdir() if ".fsck-rows-" in p.name]
+    live = tmp_path / f".s.fsck-rows-{os.getpid()}-abcdefgh"  # a repair still running
+    live.mkdir()
+    assert main(["fsck", "--repair", str(path)]) == 1
+    assert [p for p in tmp_path.iterdir() if ".fsck-rows-" in p.name] == [live]

@@ -173,6 +173,22 @@ def test_sigkill_during_compact_or_migrate_leaves_the_old_or_the_new_store_compl
     assert _contents(path) == before
 
 
+def test_the_private_directory_of_a_killed_import_is_removed_by_the_next_import(tmp_path):
+    path = _fill(tmp_path / "s", "pmem")
+    assert main(["export", str(path), str(tmp_path / "x")]) == 0
+    env = {**os.environ, "EMBSTORE_CRASH_AT": "rebuild.page:1"}
+    argv = [sys.executable, "-m", "embstore.tools.cli", "import", str(tmp_path / "x"),
+            str(tmp_path / "d")]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".d.tmp-")]
+    live = tmp_path / f".d.tmp-{os.getpid()}-0123456789ab"  # an import still under way
+    live.mkdir()
+    assert main(["import", str(tmp_path / "x"), str(tmp_path / "d")]) == 0
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".d.tmp-")] == [live]
+    assert _contents(tmp_path / "d") == _contents(path)
+
+
 def _peak_rss_growth(argv):
     """Peak RSS of `embstore argv` in a fresh process, over its RSS once imports are done."""
     # the high-water mark is reset after the imports (clear_refs 5)
