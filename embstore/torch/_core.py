@@ -252,13 +252,79 @@ def _distinct_grads(tp: TablePlan, grads: np.ndarray, *, summed: bool
     return unique, np.ascontiguousarray(grads)
 
 
-def _table_update(tp: TablePlan, mode: str, grads: tuple[torch.Tensor, ...], saved: list[Any]
+def _max_position_grads(tp: TablePlan, grad: torch.Tensor, saved: Any
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """"max" pooling's gradients one row per (bag, row that won a column of it), bag order.
+
+    Returns (indices into ``tp.groups.unique``, gradients [P, dim]) with the columns a row did
+    not win left zero. Summed in order from zero, they give `_max_grads` bit for bit (the
+    scatter adds each bag's columns in bag order; adding a zero changes no sum that starts
+    from +0.0); the padding row is left out.
+    """
+    assert tp.rows is not None
+    _, bag_size, max_indices = saved
+    n_rows = len(tp.rows)
+    dim = grad.shape[-1]
+    winners = max_indices.detach().cpu().numpy().astype(np.int64, copy=False)
+    won = bag_size.detach().cpu().numpy() > 0  # an empty bag has no winner
+    if not n_rows or not won.any():
+        return np.empty(0, np.int64), np.empty((0, dim), np.float32)
+    bags = np.flatnonzero(won)
+    keys = np.unique((bags[:, None] * n_rows + winners[bags]).reshape(-1))  # bag, then row
+    bag, row = keys // n_rows, keys % n_rows
+    if tp.padding is not None:
+        keep = row != tp.padding
+        bag, row = bag[keep], row[keep]
+    g = grad.detach().cpu().numpy()
+    rows = np.where(winners[bag] == row[:, None], g[bag], np.zeros((), g.dtype))
+    return row, np.ascontiguousarray(rows)
+
+
+def _position_update(tp: TablePlan, mode: str, grads: tuple[torch.Tensor, ...],
+                     saved: list[Any]
+                     ) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor | None]]:
+    """One table's backward as one gradient row per position, in position order.
+
+    Returns (the id of each position, repeats kept and padding positions left out, their
+    gradients, the per-sample weights' grads). For a rank of a sharded store other than rank
+    0: its owners add each position's row in the global position order, as one store given
+    every rank's batch would; summed per id here first, a rank's sum would be added as one
+    term and the result would differ in the last bits.
+    """
+    weight_grads: list[torch.Tensor | None] = []
+    rows_of, parts = [], []
+    for fp, g, sv in zip(tp.features, grads, saved, strict=True):
+        if mode == "max":
+            row, part = _max_position_grads(tp, g, sv)
+            rows_of.append(row)
+            parts.append(part)
+            continue
+        pos, wg = _position_grads(tp, fp, mode, g, sv)
+        inverse = tp.groups.inverse[fp.start: fp.start + len(fp.bags.ids)]
+        part = pos.detach().cpu().numpy()
+        if tp.padding is not None:
+            keep = inverse != tp.padding
+            inverse, part = inverse[keep], part[keep]
+        rows_of.append(inverse)
+        parts.append(part)
+        if fp.bags.per_sample_weights is not None:
+            weight_grads.append(wg)
+    row = rows_of[0] if len(rows_of) == 1 else np.concatenate(rows_of)
+    grad = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return tp.groups.unique[row], np.ascontiguousarray(grad), weight_grads
+
+
+def _table_update(tp: TablePlan, mode: str, grads: tuple[torch.Tensor, ...], saved: list[Any],
+                  *, per_position: bool = False
                   ) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor | None], bool]:
     """One table's backward.
 
     Returns (distinct ids, their gradients, per-sample weights' grads, whether the
-    gradients were seen finite).
+    gradients were seen finite); with `per_position`, the ids of every position and their
+    gradients instead (`_position_update`), not seen finite.
     """
+    if per_position:
+        return (*_position_update(tp, mode, grads, saved), False)
     weight_grads: list[torch.Tensor | None] = []
     if mode == "max":
         total = None
@@ -293,10 +359,11 @@ def _table_update(tp: TablePlan, mode: str, grads: tuple[torch.Tensor, ...], sav
 
 def _apply(store: Any, updates: dict[str, tuple[np.ndarray, np.ndarray]], finite: bool
            ) -> None:
-    """Hand the summed gradients of distinct ids to the store: one call for every table.
+    """Hand the gradients to the store: one call for every table.
 
-    A local store takes them as distinct and, with `finite`, unscanned; any other store
-    (a sharded one) through its public calls.
+    A local store takes them summed per distinct id and, with `finite`, unscanned; any other
+    store (a sharded one) through its public calls, on a sharded store's ranks other than 0
+    one per position (`_position_update`).
     """
     if isinstance(store, EmbeddingStore):
         store._apply_summed_gradients(updates, finite=finite)
@@ -391,6 +458,9 @@ class _TablesFunction(torch.autograd.Function):
             saved.append(sv)
         ctx.store, ctx.tps, ctx.mode, ctx.saved = store, tps, mode, saved
         ctx.collective = bool(getattr(store, "collective", False))
+        # rank 0's sum per id is where the global sum stands after its positions; any later
+        # rank's positions must reach the owners one by one (`_position_update`)
+        ctx.per_position = ctx.collective and getattr(store, "rank", 0) != 0
         ctx.set_materialize_grads(ctx.collective)
         ctx.outputs = [(o.shape, o.dtype, o.device) for o in outs]
         ctx.save_for_backward(_graph_token())
@@ -415,7 +485,8 @@ class _TablesFunction(torch.autograd.Function):
             full = tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None else g
                          for g, (shape, dtype, device)
                          in zip(mine, ctx.outputs[at - n: at], strict=True))
-            unique, distinct, wg, seen_finite = _table_update(tp, ctx.mode, full, saved)
+            unique, distinct, wg, seen_finite = _table_update(tp, ctx.mode, full, saved,
+                                                              per_position=ctx.per_position)
             updates[tp.table] = (unique, distinct)
             weight_grads += wg
             finite = finite and seen_finite

@@ -85,6 +85,13 @@ def test_modules_over_the_world_group_are_bit_identical() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_modules_with_ids_repeating_on_each_rank_are_bit_identical() -> None:
+    # every rank's partial sum of an id went to its owner as one term: the global sum
+    # differed from one store's, which adds the positions one by one in order
+    assert launch.run(sc.modules_with_repeats, 3, timeout_s=100) == [[], [], []]
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_that_stops_calling_times_out_the_others() -> None:
     with pytest.raises(PeerFailedError) as info:
         launch.run(sc.stalls, 2, 3.0, timeout_s=60)
