@@ -36,6 +36,7 @@ from ..errors import (
     PeerFailedError,
     StoreNotFoundError,
 )
+from ..layout import table_chain
 from ..manifest import (
     MANIFEST_NAME,
     json_checksum,
@@ -45,7 +46,7 @@ from ..manifest import (
 )
 from ..policy import real_setting
 from ..spec import TableSpec, TierSpec
-from ..store import EmbeddingStore
+from ..store import DEFAULT_TIERS, EmbeddingStore
 from ._checkpoint import META, checkpoint_sharded
 from ._comm import Comm
 from ._shards import local_spec
@@ -300,7 +301,38 @@ def _settle(comm: Comm, directory: Path | None, tables: list[TableSpec] | None,
         raise ConfigError(f"the plan is for {plan.world_size} ranks, the group has "
                           f"{comm.world}")
     plan.check(specs)
+    _refuse_partial_records(specs, plan, tier_specs)
     return meta, specs, plan, tier_specs
+
+
+def _refuse_partial_records(specs: list[TableSpec], plan: Plan,
+                            tiers: list[TierSpec] | None) -> None:
+    """Refuse a shard whose store of record may drop rows (an admission or eviction policy).
+
+    Such a policy decides on what its own rank sees (its shard's ids, their frequencies, its
+    rows' count against the capacity): one store fed every rank's calls would admit and keep
+    other rows, so the sharded store would give other results than the one store it stands
+    for. Checked on every rank for every rank's chain, so that all refuse alike before
+    anything is made. Cache tiers above the store of record may have any policy: they only
+    change where rows are read from.
+    """
+    default = tiers or DEFAULT_TIERS
+    for spec in specs:
+        for rank in plan.tables[spec.name].ranks:
+            bottom = (plan.chain(rank, spec.name) or table_chain(spec, default))[-1]
+            policy = [f"admission {bottom.admission!r}"] if bottom.admission not in (
+                None, "always") else []
+            if bottom.eviction is not None:
+                policy.append(f"eviction {bottom.eviction!r}" + (
+                    "" if bottom.capacity is None else f" (capacity {bottom.capacity})"))
+            if policy:
+                raise ConfigError(
+                    f"table {spec.name!r}: rank {rank}'s store of record (its last tier, "
+                    f"{bottom.backend}) has {' and '.join(policy)}, which may drop rows; in a "
+                    "sharded store each rank's policy sees only its own shard, so the rows "
+                    "kept would differ from one store's. Give the last tier neither (no "
+                    "capacity, admission 'always') and put a bounded or admitting cache tier "
+                    "above it")
 
 
 def _check_args(directory: Path | None, plan: Plan | None,

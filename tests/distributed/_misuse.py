@@ -177,6 +177,36 @@ def open_refused_on_one_rank(rank: int, world: int, tmp: str) -> list[str]:
     return out
 
 
+def policies_that_drop_rows(rank: int, world: int, tmp: str) -> list[Any]:
+    """A store of record that may drop rows (admission, eviction, a capacity) is refused on
+    every rank before anything is made, wherever its chain comes from; a bounded cache above
+    an unbounded store of record opens.
+    """
+    u = embstore.init.Uniform
+    T = embstore.TierSpec
+    plan = Plan(world, {"a": Placement("row", (0, 1)), "b": Placement("table", (1,))})
+    cached = (T("dram", capacity=4, eviction="lru"), T("rocksdb"))
+    own = [specs()[0], embstore.TableSpec("b", 6, init=u(seed=2), tiers=(T("dram"), T(
+        "dram", eviction="lru")))]
+    on_rank_1 = Plan(world, plan.tables, tiers={1: {"b": (T("dram", capacity=8),)}})
+    out: list[Any] = []
+    for n, (tables, tiers, given) in enumerate([
+            (specs(), [T("dram", admission="probability", admission_options={"p": 0.5})], plan),
+            (specs(), [T("dram", capacity=8)], plan),
+            (own, None, plan),
+            (specs(), None, on_rank_1)]):
+        try:
+            ed.open(f"{tmp}/{n}", tables=tables, tiers=tiers, plan=given, timeout_s=20)
+            out.append("opened")
+        except embstore.errors.ConfigError as exc:
+            out.append("its own shard" in str(exc) and not os.path.exists(f"{tmp}/{n}"))
+    with ed.open(f"{tmp}/ok", tables=specs(), tiers=list(cached), plan=plan,
+                 timeout_s=20) as store:
+        store.update("a", np.arange(10) + 10 * rank, np.ones((10, 4), np.float32))
+        out.append(store.num_rows("a"))
+    return out
+
+
 def checkpointed(rank: int, world: int, path: str, ckpt: str) -> None:
     """A store on disk with rows on both ranks, checkpointed and closed."""
     plan = Plan(world, {"a": Placement("row", (0, 1)),

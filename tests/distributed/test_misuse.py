@@ -37,6 +37,14 @@ def test_open_refused_on_one_rank_fails_every_rank_at_once(tmp_path) -> None:
     assert got[1] == ["ConfigError", "ConfigError", "ConfigError", "0"]
 
 
+@pytest.mark.timeout(60)
+def test_a_store_of_record_that_may_drop_rows_is_refused_on_every_rank(tmp_path) -> None:
+    # each rank's admission or eviction saw only its own shard: the rows kept differed from
+    # one store's
+    got = launch.run(mu.policies_that_drop_rows, 2, str(tmp_path), timeout_s=50)
+    assert got == [[True] * 4 + [20]] * 2
+
+
 def _resign(meta_file, edit) -> None:
     """Edit a sharded checkpoint's record and make its checksum again (a careless tool)."""
     from embstore.manifest import json_checksum
