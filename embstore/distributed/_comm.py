@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, EmbstoreError, PeerFailedError, ShardsDivergedError
 
-__all__ = ["Comm", "as_bytes"]
+__all__ = ["Comm", "as_bytes", "group_timeout"]
 
 _REJECTED = -1
 """The signature a rank sends in place of a call whose input it rejected."""
@@ -33,6 +33,19 @@ _DIVERGED = -2
 def as_bytes(a: np.ndarray) -> np.ndarray:
     """A C-contiguous array viewed as uint8[nbytes]."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> float | None:
+    """The timeout `group` was created with, in seconds; None where torch does not say.
+
+    Read through torch's private backend options (torch has no public getter): a torch
+    that lacks them gives None, and messages then name the group's timeout without a number.
+    """
+    try:
+        backend: Any = (group or dist.group.WORLD)._get_backend(device)  # type: ignore[union-attr]
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
 
 
 def signature(text: str) -> int:
@@ -55,16 +68,17 @@ class Traffic:
 class Comm:
     """The group, this rank's place in it, and the exchanges."""
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float | None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.timeout_s = timeout_s
         self.traffic = Traffic()
         # an NCCL group moves CUDA tensors only: buffers are staged on this rank's GPU
         nccl = dist.get_backend(group) == "nccl"
         self.device = (torch.device("cuda", torch.cuda.current_device()) if nccl
                        else torch.device("cpu"))
+        self.timeout_s = group_timeout(group, self.device) if timeout_s is None else timeout_s
+        """Seconds a collective waits for the others (None: the group's, not known)."""
         self.diverged: str | None = None
         """Why this rank's shards may disagree with the others' (None while they agree)."""
 
@@ -90,9 +104,13 @@ class Comm:
         return PeerFailedError(
             f"rank {self.rank}: the collective {what} failed ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}); another rank died, raised, or "
-            f"did not make the same call within {self.timeout_s:g} s. Every rank must call the "
+            f"did not make the same call within {self._within()}. Every rank must call the "
             "sharded store's methods in the same order; restart all ranks from the last "
             "checkpoint")
+
+    def _within(self) -> str:
+        return ("the group's timeout" if self.timeout_s is None
+                else f"{self.timeout_s:g} s")
 
     def exchange(self, sends: list[np.ndarray], what: str,
                  recv_sizes: list[int] | None = None) -> list[np.ndarray]:

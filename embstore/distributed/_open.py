@@ -56,25 +56,49 @@ from .store import ShardedStore
 __all__ = ["Record", "checkpoint_sharded", "open", "read_record"]
 
 _PLACEHOLDER = TableSpec("_no_shards", dim=1)
+_DEFAULT_TIMEOUT_S = 300.0
+"""Seconds the store's own group waits for the other ranks, where `open` is given none."""
 _META_LIMIT = 1 << 30
 """Largest record read: tables, tiers and plan are JSON of a few hundred bytes a table."""
 
 
-def _comm(group: dist.ProcessGroup | None, timeout_s: float) -> Comm:
-    timeout_s = real_setting("embstore.distributed", "timeout_s", timeout_s, 0, 1e9,
-                             low_open=True)
+def _comm(group: dist.ProcessGroup | None, timeout_s: float | None) -> Comm:
+    """The store's communicator over `group`, else over a gloo group of its own.
+
+    `timeout_s` is the own group's timeout (300 s where None). A caller's group keeps the
+    timeout it was created with: the store cannot give its own calls another one (gloo and
+    NCCL fix it per group), and setting the group's would change the caller's other
+    collectives too (a DDP all-reduce, say). So a `timeout_s` given with `group` is refused
+    on every rank, rather than silently left unused, and errors name the group's timeout.
+    """
+    if timeout_s is not None:  # refused as no duration before anything else
+        timeout_s = real_setting("embstore.distributed", "timeout_s", timeout_s, 0, 1e9,
+                                 low_open=True)
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("embstore.distributed needs torch.distributed initialised: call "
                           "torch.distributed.init_process_group(...) on every rank first")
-    if group is None:  # numpy rows travel on the CPU: a gloo group of its own, with a timeout
-        try:
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        except (RuntimeError, ValueError) as exc:
-            raise PeerFailedError(
-                f"creating the sharded store's process group failed ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); every rank must open the "
-                "sharded store at the same time") from exc
+    if group is not None:
+        comm = Comm(group, None)
+        error = None if timeout_s is None else ConfigError(
+            f"timeout_s={timeout_s!r} cannot apply to the group= given: its collectives wait "
+            f"as long as the group's own timeout ({_seconds(comm.timeout_s)}, set where it was "
+            "created: init_process_group(timeout=...) or new_group(timeout=...)); omit "
+            "timeout_s, or omit group= for a group of the store's own with that timeout")
+        comm.agree(error, "sharded store's timeout")
+        return comm
+    timeout_s = _DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    try:  # numpy rows travel on the CPU: a gloo group of its own, with a timeout
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as exc:
+        raise PeerFailedError(
+            f"creating the sharded store's process group failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); every rank must open the "
+            "sharded store at the same time") from exc
     return Comm(group, timeout_s)
+
+
+def _seconds(timeout_s: float | None) -> str:
+    return "unknown" if timeout_s is None else f"{timeout_s:g} s"
 
 
 class Record(NamedTuple):
@@ -164,7 +188,7 @@ class _Made:
 
 def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = None,
          tiers: list[TierSpec] | None = None, plan: Plan | None = None,
-         group: dist.ProcessGroup | None = None, *, timeout_s: float = 300.0,
+         group: dist.ProcessGroup | None = None, *, timeout_s: float | None = None,
          record_accesses: str | os.PathLike[str] | None = None,
          record_sample: float | Mapping[str, float] = 1.0) -> ShardedStore:
     """Open or create a sharded store; called by every rank of the group.
@@ -177,7 +201,9 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
             over all ranks); its `Plan.tiers` give a rank's shards their own chains.
             Reopening with another plan or world size needs `restore`.
         group: the process group (default: a new gloo group of all ranks with `timeout_s`).
-        timeout_s: seconds a collective waits for the other ranks before PeerFailedError.
+        timeout_s: seconds a collective of the store's own group waits for the other ranks
+            before PeerFailedError (default 300). A `group` given keeps its own timeout:
+            both together are refused.
         record_accesses: a directory where each rank r logs the ids its callers pass, by
             global table, to the access log ``rank<r>`` (as `embstore.open` records them);
             ``embstore profile`` reads the directory as the log of one store called by
@@ -186,7 +212,7 @@ def open(path: str | os.PathLike[str] | None, tables: list[TableSpec] | None = N
 
     Raises:
         ConfigError: torch.distributed not initialised, ranks that disagree, a plan that does
-            not fit the tables or the stored plan.
+            not fit the tables or the stored plan, `timeout_s` with `group`.
     """
     directory = None if path is None else Path(path)
     if not dist.is_available() or not dist.is_initialized():  # no peers to tell: say why first

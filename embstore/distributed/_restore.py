@@ -34,7 +34,8 @@ __all__ = ["restore"]
 
 def restore(src: str | os.PathLike[str], path: str | os.PathLike[str] | None, *,
             plan: Plan | None = None, tiers: list[TierSpec] | None = None,
-            group: dist.ProcessGroup | None = None, timeout_s: float = 300.0) -> ShardedStore:
+            group: dist.ProcessGroup | None = None, timeout_s: float | None = None
+            ) -> ShardedStore:
     """Open a new sharded store at `path` holding the checkpoint `src`, resharded; collective.
 
     The store takes this group's size and `plan` (default: row-wise by hash over all ranks).

@@ -207,6 +207,31 @@ def policies_that_drop_rows(rank: int, world: int, tmp: str) -> list[Any]:
     return out
 
 
+def group_and_timeout(rank: int, world: int) -> list[Any]:
+    """timeout_s with group= is refused on every rank (the group keeps its own), and a rank
+    that stops calling fails the others after the group's timeout, which the error names.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    out: list[Any] = []
+    for mine in (3.0, 3.0 if rank == 0 else None):
+        out.append(outcome(lambda mine=mine: ed.open(None, tables=specs(), group=dist.group.WORLD,
+                                                     timeout_s=mine)))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    store = ed.open(None, tables=specs(), group=group)
+    if rank == 1:
+        time.sleep(4)  # makes no call: rank 0's lookup waits for the group's 2 s
+    else:
+        try:
+            store.lookup("a", np.arange(3))
+        except embstore.errors.PeerFailedError as exc:
+            out.append("within 2 s" in str(exc))
+    store.local.close()
+    return out
+
+
 def checkpointed(rank: int, world: int, path: str, ckpt: str) -> None:
     """A store on disk with rows on both ranks, checkpointed and closed."""
     plan = Plan(world, {"a": Placement("row", (0, 1)),

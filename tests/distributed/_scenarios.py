@@ -230,7 +230,7 @@ def modules_on(rank: int, world: int, device_type: str) -> list[str]:
     ref = embstore.open(None, tables=tables)
     ref_ebc = et.EmbeddingBagCollection(ref, {"a": "t_sgd", "b": "r_adagrad"}).to(device)
     bad = []
-    with ed.open(None, tables=tables, group=dist.group.WORLD, timeout_s=60) as store:
+    with ed.open(None, tables=tables, group=dist.group.WORLD) as store:
         ebc = et.EmbeddingBagCollection(store, {"a": "t_sgd", "b": "r_adagrad"}).to(device)
         for step in range(3):
             feats = []
@@ -324,7 +324,7 @@ def records_accesses(rank: int, world: int, logs: str, ref_log: str) -> None:
     tables = specs()[:2]
     features = {"a": "t_sgd", "b": "r_adagrad", "c": "t_sgd"}  # two features share a table
     ref = embstore.open(None, tables=tables, record_accesses=ref_log) if rank == 0 else None
-    with ed.open(None, tables=tables, group=dist.group.WORLD, timeout_s=60,
+    with ed.open(None, tables=tables, group=dist.group.WORLD,
                  record_accesses=logs) as store:
         assert store.records_accesses
         ebc = et.EmbeddingBagCollection(store, features)

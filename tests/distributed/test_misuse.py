@@ -45,6 +45,14 @@ def test_a_store_of_record_that_may_drop_rows_is_refused_on_every_rank(tmp_path)
     assert got == [[True] * 4 + [20]] * 2
 
 
+@pytest.mark.timeout(60)
+def test_a_timeout_with_a_group_is_refused_and_errors_name_the_groups_timeout() -> None:
+    # the timeout was ignored with group= and the error said "within 300 s"
+    got = launch.run(mu.group_and_timeout, 2, timeout_s=50)
+    assert got[0] == ["ConfigError", "ConfigError", True]
+    assert got[1] == ["ConfigError", "PeerFailedError"]
+
+
 def _resign(meta_file, edit) -> None:
     """Edit a sharded checkpoint's record and make its checksum again (a careless tool)."""
     from embstore.manifest import json_checksum
