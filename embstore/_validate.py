@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,22 @@ def _holds_bools(items: list[Any] | tuple[Any, ...]) -> bool:
         return True
     return np.ndarray in types and any(
         type(x) is np.ndarray and x.dtype == np.bool_ for x in items)
+
+
+def as_requests(requests: Any) -> Mapping[str, Any]:
+    """`requests` of a call of several tables, once seen to be a mapping {table: ...}."""
+    if not isinstance(requests, Mapping):
+        raise InvalidValuesError(
+            f"requests must be a mapping {{table: ...}}, got {type(requests).__name__}")
+    return requests
+
+
+def as_pair(table: str, pair: Any, what: str) -> tuple[Any, Any]:
+    """One table's ``(ids, values)`` of a write of several tables, once seen to be a pair."""
+    if not isinstance(pair, tuple | list) or len(pair) != 2:
+        raise InvalidValuesError(
+            f"table {table!r}: give (ids, {what}) for each table, got {type(pair).__name__}")
+    return pair[0], pair[1]
 
 
 def as_ids(ids: Any, spec: TableSpec) -> np.ndarray:

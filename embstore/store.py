@@ -39,7 +39,7 @@ from . import _counters, _crash, _fused, _prefetch, _write_hooks, _written, layo
 from ._access_log import AccessRecorder
 from ._build import build_chain, opening_tables
 from ._precision import RowCodec
-from ._validate import as_ids, as_rows
+from ._validate import as_ids, as_pair, as_requests, as_rows
 from ._written import WrittenIds
 from .backend import Backend
 from .checkpoint import CheckpointPlan, CopyState, take_checkpoint
@@ -775,10 +775,7 @@ class EmbeddingStore:
     def _requests(self, requests: Mapping[str, Any]) -> list[tuple[_Table, Any]]:
         """(table, its request) of each table of `requests`, all of them known."""
         self._check_open()
-        if not isinstance(requests, Mapping):
-            raise InvalidValuesError(
-                f"requests must be a mapping {{table: ...}}, got {type(requests).__name__}")
-        return [(self._table(name), value) for name, value in requests.items()]
+        return [(self._table(name), value) for name, value in as_requests(requests).items()]
 
     def _pairs(self, requests: Mapping[str, tuple[Any, Any]], what: str, *,
                checked_finite: bool = False) -> list[tuple[_Table, np.ndarray, np.ndarray]]:
@@ -788,12 +785,9 @@ class EmbeddingStore:
         """
         checked = []
         for t, pair in self._requests(requests):
-            if not isinstance(pair, tuple | list) or len(pair) != 2:
-                raise InvalidValuesError(
-                    f"table {t.spec.name!r}: give (ids, {what}) for each table, got "
-                    f"{type(pair).__name__}")
-            ids = as_ids(pair[0], t.spec)
-            checked.append((t, ids, as_rows(pair[1], len(ids), t.spec, what=what,
+            given, values = as_pair(t.spec.name, pair, what)
+            ids = as_ids(given, t.spec)
+            checked.append((t, ids, as_rows(values, len(ids), t.spec, what=what,
                                             checked_finite=checked_finite)))
         self._check_writable()
         return checked

@@ -327,6 +327,11 @@ def _settle(comm: Comm, directory: Path | None, tables: list[TableSpec] | None,
         raise ConfigError(f"the plan is for {plan.world_size} ranks, the group has "
                           f"{comm.world}")
     plan.check(specs)
+    if any(s.name == _PLACEHOLDER.name for s in specs):
+        # a rank that holds no shard keeps this empty table in its local store (a store has
+        # at least one): a user table of that name would be that placeholder on such a rank
+        raise ConfigError(f"table name {_PLACEHOLDER.name!r} is reserved in a sharded store "
+                          "(the empty table of a rank that holds no shard); name it otherwise")
     _refuse_partial_records(specs, plan, tier_specs)
     return meta, specs, plan, tier_specs
 

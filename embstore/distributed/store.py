@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from .._access_log import AccessRecorder
-from .._validate import as_ids, as_rows
+from .._validate import as_ids, as_pair, as_requests, as_rows
 from ..errors import PeerFailedError, ShardsDivergedError, StoreClosedError, UnknownTableError
 from ..index import IdGroups
 from ..optim import RowWiseAdagrad
@@ -224,10 +224,24 @@ class ShardedStore:
 
     def _check(self, requests: Mapping[str, Any]) -> list[str]:
         self._check_open()
-        names = list(requests)
+        names = list(as_requests(requests))
         for name in names:
             self.table_spec(name)
         return names
+
+    def _pairs(self, requests: Mapping[str, tuple[Any, Any]], what: str
+               ) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """Checked (table, ids, values) of each ``{table: (ids, values)}`` of a write.
+
+        The local store's checks, so that both refuse the same input alike.
+        """
+        checked = []
+        for name in self._check(requests):
+            spec = self._specs[name]
+            given, values = as_pair(name, requests[name], what)
+            ids = as_ids(given, spec)
+            checked.append((name, ids, as_rows(values, len(ids), spec, what=what)))
+        return checked
 
     # --- lookups ---------------------------------------------------------------------------
 
@@ -357,10 +371,9 @@ class ShardedStore:
         routes, lasts = [], []
         written: list[tuple[str, np.ndarray]] = []
         with self._inputs("update"):
-            names = self._check(requests)
-            for n in names:
-                ids = as_ids(requests[n][0], self._specs[n])
-                rows = as_rows(requests[n][1], len(ids), self._specs[n])
+            pairs = self._pairs(requests, "rows")
+            names = [n for n, _, _ in pairs]
+            for n, ids, rows in pairs:
                 rt = self._route(n, ids)
                 routes.append(rt)
                 lasts.append(rows[rt.groups.last] if rt.groups.has_duplicates else rows)
@@ -388,10 +401,9 @@ class ShardedStore:
         items: list[list[Any]] = [[] for _ in range(world)]
         written: list[tuple[str, np.ndarray]] = []
         with self._inputs("apply_gradients"):
-            names = self._check(requests)
-            for n in names:
-                ids = as_ids(requests[n][0], self._specs[n])
-                grads = as_rows(requests[n][1], len(ids), self._specs[n], what="gradients")
+            pairs = self._pairs(requests, "gradients")
+            names = [n for n, _, _ in pairs]
+            for n, ids, grads in pairs:
                 self._grad_items(n, ids, grads, items)
                 written.append((n, ids))
             self._record_writes(written)

@@ -232,6 +232,44 @@ def group_and_timeout(rank: int, world: int) -> list[Any]:
     return out
 
 
+def _error(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except embstore.errors.EmbstoreError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def many_calls_checked_as_one_store(rank: int, world: int) -> list[Any]:
+    """Calls of several tables that one store refuses (requests not a mapping, not pairs of
+    (ids, values)) are refused with its error on the rank that makes them, changing nothing;
+    a table named as the placeholder of a rank without shards is refused on every rank.
+    """
+    ids, rows = np.arange(3), np.ones((3, 4), np.float32)
+    calls = [lambda s: s.lookup_many(["a"]),
+             lambda s: s.update_many({"a": ids}),
+             lambda s: s.update_many({"a": (ids, rows, 1)}),
+             lambda s: s.apply_gradients_many({"a": (ids, rows, 1)}),
+             lambda s: s.apply_gradients_many({"a": ids})]
+    good = [lambda s: s.lookup_many({"a": ids}),
+            lambda s: s.update_many({"a": (ids, rows)}),
+            lambda s: s.update_many({"a": (ids, rows)}),
+            lambda s: s.apply_gradients_many({"a": (ids, rows)}),
+            lambda s: s.apply_gradients_many({"a": (ids, rows)})]
+    one = embstore.open(None, tables=specs())
+    out: list[Any] = []
+    with ed.open(None, tables=specs(), timeout_s=20) as store:
+        for bad, fine in zip(calls, good, strict=True):
+            got = _error(lambda bad=bad, fine=fine: (bad if rank == 1 else fine)(store))
+            out.append(got == _error(lambda bad=bad: bad(one)) if rank == 1
+                       else got.split(":")[0])
+        out.append(store.num_rows("a"))
+    plan = Plan(world, {"_no_shards": Placement("table", (1,))})
+    out.append(outcome(lambda: ed.open(None, tables=[embstore.TableSpec("_no_shards", 4)],
+                                       plan=plan, timeout_s=20)))
+    return out
+
+
 def checkpointed(rank: int, world: int, path: str, ckpt: str) -> None:
     """A store on disk with rows on both ranks, checkpointed and closed."""
     plan = Plan(world, {"a": Placement("row", (0, 1)),

@@ -53,6 +53,15 @@ def test_a_timeout_with_a_group_is_refused_and_errors_name_the_groups_timeout() 
     assert got[1] == ["ConfigError", "PeerFailedError"]
 
 
+@pytest.mark.timeout(60)
+def test_calls_of_several_tables_are_checked_as_one_store_checks_them() -> None:
+    # a list raised a raw TypeError, and a third item in a pair was ignored, where one store
+    # refuses both; a table named '_no_shards' was the placeholder of a rank without shards
+    got = launch.run(mu.many_calls_checked_as_one_store, 2, timeout_s=50)
+    assert got[0] == ["PeerFailedError"] * 5 + [0, "ConfigError"]
+    assert got[1] == [True] * 5 + [0, "ConfigError"]
+
+
 def _resign(meta_file, edit) -> None:
     """Edit a sharded checkpoint's record and make its checksum again (a careless tool)."""
     from embstore.manifest import json_checksum
