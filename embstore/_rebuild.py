@@ -468,7 +468,7 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
                 f"{root} holds files that embstore did not make ({shown}); rewriting the "
                 "store swaps in a new directory and would delete them: move them out of the "
                 "store directory first")
-        recover_kept(root)  # before the old store a killed repair kept is removed below
+        recover_kept(root, locked=True)  # before the `.rebuild-*` it may lie in go below
         for stale in root.parent.glob(f".{root.name}.rebuild-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = root.parent / f".{root.name}.rebuild-{os.getpid()}-{int(time.time())}"
@@ -491,7 +491,11 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
             raise
         if keep_old is not None:
             # under the lock: the next rewrite, once it holds it, removes `.rebuild-*`
-            os.replace(old, keep_old)
+            try:
+                os.replace(old, keep_old)
+            except FileNotFoundError:  # kept already by an open that took this repair for dead
+                if not keep_old.is_dir():
+                    raise
             fsync_dir(keep_old.parent)
             unmark_keep(root)
     finally:

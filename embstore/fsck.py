@@ -21,8 +21,9 @@ read, rows the medium had lost before). Where no record names them, the finding 
 unknown number more were lost. The new store's record holds the rows it kept, so a dropped
 row reads as never written from then on (the backup keeps what was there). The backup's name
 and the dropped ids are recorded beside the store before the swap: a repair killed after it
-leaves them to the next fsck, compact, migrate or open, which keeps the old store under that
-name, and fsck reports it with the dropped ids (`layout.recover_kept`). A damaged
+leaves them to the next `fsck --repair`, compact, migrate or open, which keeps the old store
+under that name (`layout.recover_kept`); a check before them reports where the old store lies
+and the dropped ids, and changes nothing. A damaged
 manifest is not repaired (restore it from a checkpoint). Exit codes of `exit_code` follow
 e2fsck: 0 clean, 1 repaired, 4 problems left, 8 fsck could not run.
 
@@ -149,7 +150,7 @@ def _check_root(root: Path, repair: bool, progress: Callable[[str], None] | None
                 ) -> list[Finding]:
     """`check` of the store at path `root`."""
     try:
-        moved = _kept_by_a_killed_repair(root)
+        moved = _kept_by_a_killed_repair(root, repair)
     except (OSError, EmbstoreError) as exc:
         return [Finding(None, f"cannot keep the store a killed repair left at "
                         f"{root.parent}: {exc}", fatal=True)]
@@ -230,14 +231,24 @@ def _remove_dead_dumps(root: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _kept_by_a_killed_repair(root: Path) -> list[Finding]:
-    """Findings of a repair killed after its swap, its old store now kept as it promised."""
-    doc = recover_kept(root)
+def _kept_by_a_killed_repair(root: Path, repair: bool) -> list[Finding]:
+    """Findings of a repair killed after its swap; with `repair`, its old store now kept.
+
+    A check alone changes nothing: it says where the old store lies, which a repair (or any
+    compact or migrate) keeps under its backup name.
+    """
+    doc = recover_kept(root, move=repair)
     if doc is None:
         return []
-    out = [Finding(None, "a repair was killed after it swapped in the repaired store, before "
-                   f"it reported: the store before it is kept at {doc['kept']}",
-                   file=str(doc["kept"]), repaired=True)]
+    if repair:
+        out = [Finding(None, "a repair was killed after it swapped in the repaired store, "
+                       f"before it reported: the store before it is kept at {doc['kept']}",
+                       file=str(doc["kept"]), repaired=True)]
+    else:
+        out = [Finding(None, "a repair was killed after it swapped in the repaired store, "
+                       f"before it reported: the store before it, the only copy of the rows "
+                       f"it dropped, lies at {doc['at']}; `embstore fsck --repair` keeps it "
+                       f"as {doc['kept']}", file=str(doc["at"]))]
     for f in doc.get("dropped") or []:
         try:
             out.append(Finding(str(f["table"]), str(f["message"]),

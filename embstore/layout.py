@@ -126,9 +126,13 @@ def keep_marker(root: Path) -> Path:
     return root.parent / f".{root.name}.keep-old"
 
 
+_PID_MAX = 1 << 22
+"""Linux's largest pid_max: no process has a larger id (and os.kill would overflow)."""
+
+
 def process_alive(pid: int) -> bool:
     """Whether process `pid` exists (under any user)."""
-    if pid <= 0:
+    if not 0 < pid <= _PID_MAX:
         return False
     try:
         os.kill(pid, 0)
@@ -139,15 +143,25 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def recover_kept(root: Path) -> dict[str, Any] | None:
+def recover_kept(root: Path, *, locked: bool = False, move: bool = True
+                 ) -> dict[str, Any] | None:
     """Keep the old store of a rewrite killed after its swap, as that rewrite promised.
 
     A killed repair leaves the store before it, the only copy of the rows it dropped, under a
     temporary name that the next rewrite would delete (`.<name>.rebuild-*`, or the parked
     `.<name>.swap-old`). Its marker (`keep_marker`) says which directory that is; it is
     renamed to the backup name the marker gives. Returns the marker's document when such an
-    old store was found (now at `doc["kept"]`), else None. A marker of a process still
-    running is that process's to finish; one whose swap never happened is removed.
+    old store was found (now at `doc["kept"]`), else None. One whose swap never happened is
+    removed.
+
+    Args:
+        root: the store.
+        locked: the caller holds the store's lock exclusively, so the rewrite that wrote the
+            marker (which held it from before the marker until it kept the old store) is
+            gone whatever its process id now names. Otherwise a marker of a live process is
+            left to it; a reused id only delays the keeping, to a caller that holds the lock.
+        move: without, nothing changes: the document says where the old store lies now
+            (`doc["at"]`), for a check that must not write.
     """
     marker = keep_marker(root)
     try:
@@ -159,7 +173,7 @@ def recover_kept(root: Path) -> dict[str, Any] | None:
         return None  # written atomically, so not one of ours: left as it is
     if not (isinstance(name, str) and "/" not in name and isinstance(pid, int)):
         return None
-    if pid == os.getpid() or process_alive(pid):
+    if not locked and (pid == os.getpid() or process_alive(pid)):
         return None
     try:
         here = os.lstat(root)
@@ -176,8 +190,14 @@ def recover_kept(root: Path) -> dict[str, Any] | None:
             if stat.S_ISDIR(st.st_mode) and (st.st_ino, st.st_dev) == (ino, dev):
                 found = candidate
                 break
+    if not move:
+        return None if found is None else {**doc, "at": str(found), "kept": str(keep)}
     if found is not None and found != keep:
-        os.replace(found, keep)
+        try:
+            os.replace(found, keep)
+        except FileNotFoundError:  # another process kept it first
+            if not keep.is_dir():
+                return None
         fsync_dir(keep.parent)  # kept for good before the marker that leads to it goes
     with contextlib.suppress(FileNotFoundError):
         marker.unlink()
@@ -219,8 +239,8 @@ def recover_swap(root: Path) -> None:
         except FileNotFoundError:
             return  # another process put it back first
         fsync_dir(root.parent)
-    else:
-        shutil.rmtree(parked, ignore_errors=True)
+    elif not keep_marker(root).exists():  # else it may be a killed repair's promised backup:
+        shutil.rmtree(parked, ignore_errors=True)  # left for a rewrite holding the lock
 
 
 # a tier directory is tier<level>-<backend>, and a plugin's backend name may hold '-' or '.'
