@@ -117,8 +117,10 @@ rebuild.exchange_dir_sync  swap_in: fsync_dir after renameat2(RENAME_EXCHANGE)
     [rebuild/lmdb/compact: the store's name not synced].
 rebuild.renames_dir_sync  swap_in: fsync_dir after the two renames (no RENAME_EXCHANGE)
     [rebuild-renames/lmdb/compact].
-rebuild.keep_old_dir_sync  replace_store: fsync_dir after moving the old store to keep_old
-    [rebuild/pmem/fsck-repair: fsck's backup's name not synced].
+rebuild.keep_old_dir_sync  replace_store: fsync_dir after moving the old store to keep_old.
+    Ordering, not durability at a point: unmark_keep syncs the same directory right after, so
+    the backup's name is durable at the repair's point without it; it keeps the rename ahead
+    of the marker's removal, which only a power cut between the two would show.
 export.data_fsync  embstore/_export.py _export_table: fsync of the ids and rows files
     [export/lmdb/export: published before their data was synced].
 demo.dense_fsync, demo.dense_dir_fsync  tools/demo.py _save_dense: fsync of the dense model's
