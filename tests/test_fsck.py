@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -688,3 +689,77 @@ def test_a_huge_process_id_in_a_leftovers_name_is_no_live_process(tmp_path):
     odd = tmp_path / f".out.tmp-{10**20}-abcdefabcdef"
     odd.mkdir()
     assert remove_dead_leftovers(tmp_path / "out") == [odd] and not odd.exists()
+
+
+def test_a_path_that_is_not_a_store_directory_is_named_for_what_it_is(tmp_path):
+    from embstore.errors import StoreNotFoundError
+    from embstore.layout import require_directory
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "d")
+    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
+    require_directory(tmp_path / "d", links=False)
+    require_directory(tmp_path / "link", links=True)
+    for name, links, said in [("link", False, "symbolic link (to "), ("nope", True, "not exist"),
+                              ("broken", True, "broken symbolic link"), ("f", True, "a file")]:
+        with pytest.raises(StoreNotFoundError, match=re.escape(said)):
+            require_directory(tmp_path / name, links=links)
+
+
+def _marker(root, **fields):
+    from embstore.layout import keep_marker
+
+    st = os.lstat(root)
+    doc = {"ino": st.st_ino, "dev": st.st_dev, "keep": ".s.fsck-backup-1", "pid": 2**22 + 1,
+           "dropped": [], **fields}
+    keep_marker(root).write_text(json.dumps(doc))
+    return keep_marker(root)
+
+
+def test_a_keep_marker_is_left_or_dropped_as_what_it_names_allows(tmp_path, monkeypatch):
+    from embstore import layout
+
+    root, old = tmp_path / "s", tmp_path / ".s.rebuild-1-1"
+    root.mkdir()
+    old.mkdir()
+    marker = _marker(root, keep="a/b")  # not a name beside the store: not ours, left alone
+    assert layout.recover_kept(root) is None and marker.exists()
+    _marker(root, pid=os.getpid())  # a live process's: its own to finish, unless locked
+    assert layout.recover_kept(root) is None and marker.exists()
+    _marker(root)  # its swap never happened (the store is the marked directory): dropped
+    assert layout.recover_kept(root) is None and not marker.exists()
+    assert layout.recover_kept(root) is None  # no marker
+    _marker(old)  # the marker of a store whose path is now empty: recover_swap's to mend
+    assert layout.recover_kept(old.parent / "gone") is None
+    # the marked old store, already under its backup name: found there, nothing to move
+    marker = _marker(old)
+    marker.rename(layout.keep_marker(root))
+    kept = tmp_path / ".s.fsck-backup-1"
+    old.rename(kept)
+    doc = layout.recover_kept(root, move=False)
+    assert doc is not None and doc["at"] == doc["kept"] == str(kept)
+    assert layout.recover_kept(root)["kept"] == str(kept) and kept.is_dir()
+    # another process keeps it between the look and the rename
+    kept.rename(old)
+    _marker(old).rename(layout.keep_marker(root))
+
+    def taken(src, dst):
+        raise FileNotFoundError(src)
+
+    monkeypatch.setattr(layout.os, "replace", taken)
+    assert layout.recover_kept(root) is None and old.is_dir()
+
+
+def test_a_killed_repairs_report_skips_dropped_entries_it_cannot_read(tmp_path):
+    from embstore.layout import keep_marker
+
+    root, old = tmp_path / "s", tmp_path / ".s.rebuild-1-1"
+    root.mkdir()
+    old.mkdir()
+    dropped = [{"table": "t", "message": "row 5 damaged", "ids": [5]}, {"table": "t"},
+               {"table": "t", "message": "m", "ids": ["x"]}]
+    _marker(old, dropped=dropped).rename(keep_marker(root))
+    found = fsck._kept_by_a_killed_repair(root, False)
+    assert [f.ids for f in found] == [(), (5,)] and str(old) in found[0].message
+    assert old.is_dir() and keep_marker(root).exists()  # a check moved nothing
