@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .errors import EmbstoreError, StorageIOError, StoreExistsError
-from .layout import process_alive
+from .layout import remove_dead_owned
 from .manifest import fsync_dir, make_dirs
 
 __all__ = ["discard", "io_error", "make_private", "missing_dirs", "not_a_directory",
@@ -56,22 +56,17 @@ def remove_dead_leftovers(dest: Path) -> list[Path]:
     had copied, that nothing else would remove. Only those of a process no longer running
     go: another process's build of `dest` may be under way.
     """
-    removed: list[Path] = []
-    try:
-        names = [n for n in os.listdir(dest.parent) if n.startswith(".") and ".tmp-" in n]
-    except OSError:
-        return removed  # no parent yet: nothing left there
-    for name in names:
+    def owner(name: str) -> int | None:
+        if ".tmp-" not in name:
+            return None
         tail = name[name.rindex(".tmp-"):]
         pid, _, rest = tail[len(".tmp-"):].partition("-")
-        if (name != f".{_short_name(dest, len(tail))}{tail}" or not pid.isdigit()
-                or len(rest) != 12 or process_alive(int(pid))):
-            continue
-        leftover = dest.parent / name
-        if leftover.is_dir() and not leftover.is_symlink():
-            shutil.rmtree(leftover, ignore_errors=True)
-            removed.append(leftover)
-    return removed
+        if name != f".{_short_name(dest, len(tail))}{tail}" or not pid.isdigit() or len(
+                rest) != 12:
+            return None
+        return int(pid)
+
+    return remove_dead_owned(dest.parent, owner)
 
 
 def missing_dirs(directory: Path) -> list[Path]:

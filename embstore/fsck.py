@@ -68,11 +68,11 @@ from .layout import (
     lock,
     lock_for_reading,
     parked_store,
-    process_alive,
     read_manifest,
     recover_kept,
     recover_swap,
     release,
+    remove_dead_owned,
     table_chain,
     tier_dir,
     written_file,
@@ -219,16 +219,12 @@ def _check_root(root: Path, repair: bool, progress: Callable[[str], None] | None
 def _remove_dead_dumps(root: Path) -> None:
     """Remove the row dumps (`.<name>.fsck-rows-<pid>-*`) of repairs whose process is gone."""
     prefix = f".{root.name}.fsck-rows-"
-    try:
-        names = [n for n in os.listdir(root.parent) if n.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
+
+    def owner(name: str) -> int | None:
         pid = name[len(prefix):].split("-", 1)[0]
-        leftover = root.parent / name
-        if (pid.isdigit() and not process_alive(int(pid)) and leftover.is_dir()
-                and not leftover.is_symlink()):
-            shutil.rmtree(leftover, ignore_errors=True)
+        return int(pid) if name.startswith(prefix) and pid.isdigit() else None
+
+    remove_dead_owned(root.parent, owner)
 
 
 def _kept_by_a_killed_repair(root: Path, repair: bool) -> list[Finding]:

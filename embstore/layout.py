@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,8 @@ from .spec import TableSpec, TierSpec
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "foreign_entries",
            "is_store_entry", "keep_marker", "lock", "lock_for_reading", "manifest_body",
            "mark_keep", "parked_store", "process_alive", "read_manifest", "recover_kept",
-           "recover_swap", "refuse_inside_store", "release", "store_above", "table_chain",
-           "tier_dir", "unmark_keep", "write_manifest", "written_file"]
+           "recover_swap", "refuse_inside_store", "release", "remove_dead_owned", "store_above",
+           "table_chain", "tier_dir", "unmark_keep", "write_manifest", "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
@@ -141,6 +141,28 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def remove_dead_owned(parent: Path, owner: Callable[[str], int | None]) -> list[Path]:
+    """Remove the directories in `parent` whose owning process is gone; returns them.
+
+    `owner` gives the process id an entry's name carries, or None for an entry that is not
+    such a directory. A killed command's scratch directory (a row dump, a private build) has
+    nothing else to remove it; a live process's is its own.
+    """
+    removed: list[Path] = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed  # no parent yet: nothing left there
+    for name in names:
+        pid = owner(name)
+        entry = parent / name
+        if (pid is not None and not process_alive(pid) and entry.is_dir()
+                and not entry.is_symlink()):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def recover_kept(root: Path, *, locked: bool = False, move: bool = True
