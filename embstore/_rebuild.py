@@ -220,8 +220,10 @@ class _RecordedIds:
     def __init__(self, record: WrittenIds, num_embeddings: int | None) -> None:
         self._expected = record.count()
         self._range = num_embeddings
+        # a bounded table's record is its bitmap, asked as it is; an unbounded one's index
+        # is traded for its sorted ids
         self._bitmap = record if num_embeddings is not None else None
-        self._sorted = record.ids() if num_embeddings is None else None
+        self._sorted = None if self._bitmap is not None else record.ids()
         self._held = 0
 
     def seen(self, ids: np.ndarray) -> None:
