@@ -11,6 +11,7 @@ from typing import Any
 from . import _counters, _written, layout
 from ._access_log import AccessRecorder, check_rates
 from ._build import check_ignored_settings
+from ._kept import recover_swap
 from ._private_dir import io_error
 from ._rebuild import check_path
 from .errors import (
@@ -226,7 +227,7 @@ def _open_directory(directory: Path, specs: list[TableSpec],
                     attach: Callable[[EmbeddingStore], None] | None) -> EmbeddingStore:
     """`_open` of the store in `directory` (created where it holds none and specs are given)."""
     if not read_only:  # a compact or migrate killed between its two renames; readers write nothing
-        layout.recover_swap(directory)
+        recover_swap(directory)
     if directory.exists() and not directory.is_dir():
         raise StoreNotFoundError(f"{directory} is a file, not a store directory")
     exists = (directory / MANIFEST_NAME).exists()

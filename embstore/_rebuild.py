@@ -6,7 +6,7 @@ page from a row source (bounded memory), then writes its manifest and history.
 atomic `renameat2(RENAME_EXCHANGE)`, so that SIGKILL at any moment leaves at the store's path
 either the old store or the new one, each complete; a leftover `.<name>.rebuild-*` directory
 of a killed run is removed by the next one, except an old store that a killed run promised to
-keep (a repair's backup, `layout.recover_kept`).
+keep (a repair's backup, `_kept.recover_kept`).
 
 Where the file system cannot exchange directories, the swap is two renames with the old
 store parked at `.<name>.swap-old`; `recover_swap` (called by every rebuild first) puts it
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import _counters, _crash, registry
+from ._kept import mark_keep, recover_kept, recover_swap, unmark_keep
 from ._lmdb_walk import newest_meta
 from ._lmdb_walk import walk as walk_lmdb
 from ._written import WrittenIds, write_record
@@ -40,16 +41,12 @@ from .layout import (
     foreign_entries,
     lock,
     manifest_body,
-    mark_keep,
     parked_store,
     parse_manifest,
     read_manifest,
-    recover_kept,
-    recover_swap,
     release,
     require_directory,
     table_chain,
-    unmark_keep,
     write_manifest,
     written_file,
 )
@@ -445,7 +442,7 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
         source: the rows (default: each table's store of record as it is).
         keep_old: move the old store there (a backup, beside `root`); by default it is
             deleted. A kill after the swap leaves it for the next rewrite, fsck or open to
-            move there (`layout.recover_kept`).
+            move there (`_kept.recover_kept`).
         lock_fd: the store's lock, already held exclusively by the caller.
         progress: called as progress(table, rows) after each page.
         dropped: with `keep_old`, what the rewrite drops (findings as dicts), recorded
@@ -482,7 +479,7 @@ def replace_store(root: Path, *, default_tiers: Sequence[TierSpec] | None = None
             fsync_dir(root.parent)
             if keep_old is not None:
                 # a kill from the swap on leaves the old store under a name the next rewrite
-                # removes: the marker says to keep it instead (`layout.recover_kept`)
+                # removes: the marker says to keep it instead (`_kept.recover_kept`)
                 mark_keep(root, keep_old, dropped or [])
             _crash.point("rebuild.before_swap")
             old = swap_in(root, tmp)

@@ -22,8 +22,9 @@ unknown number more were lost. The new store's record holds the rows it kept, so
 row reads as never written from then on (the backup keeps what was there). The backup's name
 and the dropped ids are recorded beside the store before the swap: a repair killed after it
 leaves them to the next `fsck --repair`, compact, migrate or open, which keeps the old store
-under that name (`layout.recover_kept`); a check before them reports where the old store lies
-and the dropped ids, and changes nothing. A damaged
+under that name (`_kept.recover_kept`); a check before them reports where the old store lies
+and the dropped ids, and changes nothing. What kept it notes the killed repair beside the
+store, and every check reports it, the dropped ids too, until a repair has. A damaged
 manifest is not repaired (restore it from a checkpoint). Exit codes of `exit_code` follow
 e2fsck: 0 clean, 1 repaired, 4 problems left, 8 fsck could not run.
 
@@ -52,6 +53,7 @@ from . import _counters, registry
 from ._fsck_common import Finding, RowDump, TableScan
 from ._fsck_pmem import SPEC_MISMATCH, scan_pmem
 from ._fsck_repair import closed_cleanly, dropped_finding, record_ids
+from ._kept import clear_killed_repairs, killed_repairs, recover_kept, recover_swap
 from ._lmdb_walk import newest_meta
 from ._lmdb_walk import walk as walk_lmdb
 from ._rebuild import (
@@ -69,8 +71,6 @@ from .layout import (
     lock_for_reading,
     parked_store,
     read_manifest,
-    recover_kept,
-    recover_swap,
     release,
     remove_dead_owned,
     table_chain,
@@ -152,7 +152,7 @@ def _check_root(root: Path, repair: bool, progress: Callable[[str], None] | None
     try:
         moved = _kept_by_a_killed_repair(root, repair)
     except (OSError, EmbstoreError) as exc:
-        return [Finding(None, f"cannot keep the store a killed repair left at "
+        return [Finding(None, f"cannot keep or list the stores killed repairs left at "
                         f"{root.parent}: {exc}", fatal=True)]
     if parked_store(root).exists():
         parked = Finding(None, "a compact, migrate or repair was interrupted between its two "
@@ -228,23 +228,41 @@ def _remove_dead_dumps(root: Path) -> None:
 
 
 def _kept_by_a_killed_repair(root: Path, repair: bool) -> list[Finding]:
-    """Findings of a repair killed after its swap; with `repair`, its old store now kept.
+    """Findings of repairs killed after their swaps; with `repair`, their old stores now kept.
 
     A check alone changes nothing: it says where the old store lies, which a repair (or any
-    compact or migrate) keeps under its backup name.
+    compact, migrate or writable open) keeps under its backup name. Those others note what
+    they kept (`_kept.killed_repairs`) for every check to report until a repair has.
     """
-    doc = recover_kept(root, move=repair)
-    if doc is None:
-        return []
-    if repair:
-        out = [Finding(None, "a repair was killed after it swapped in the repaired store, "
-                       f"before it reported: the store before it is kept at {doc['kept']}",
-                       file=str(doc["kept"]), repaired=True)]
-    else:
-        out = [Finding(None, "a repair was killed after it swapped in the repaired store, "
-                       f"before it reported: the store before it, the only copy of the rows "
-                       f"it dropped, lies at {doc['at']}; `embstore fsck --repair` keeps it "
-                       f"as {doc['kept']}", file=str(doc["at"]))]
+    out = []
+    doc = recover_kept(root, move=repair, note=False)
+    if doc is not None and repair:
+        out.append(Finding(None, "a repair was killed after it swapped in the repaired store, "
+                           f"before it reported: the store before it is kept at {doc['kept']}",
+                           file=str(doc["kept"]), repaired=True))
+    elif doc is not None:
+        out.append(Finding(None, "a repair was killed after it swapped in the repaired store, "
+                           "before it reported: the store before it, the only copy of the rows "
+                           f"it dropped, lies at {doc['at']}; `embstore fsck --repair` keeps it "
+                           f"as {doc['kept']}", file=str(doc["at"])))
+    noted = killed_repairs(root)
+    for kept in noted:
+        what = ("a repair was killed after it swapped in the repaired store, before it "
+                f"reported: the store before it, the only copy of the rows it dropped, is kept "
+                f"at {kept['kept']}")
+        out.append(Finding(None, what, file=kept["kept"], repaired=True) if repair else
+                   Finding(None, f"{what}; `embstore fsck --repair` reports it once more and "
+                           "clears this note", file=kept["kept"]))
+    for found in ([] if doc is None else [doc]) + noted:
+        out.extend(_dropped_findings(found))
+    if repair and noted:
+        clear_killed_repairs(root)
+    return out
+
+
+def _dropped_findings(doc: dict[str, Any]) -> list[Finding]:
+    """The rows a killed repair dropped, from its marker's document."""
+    out = []
     for f in doc.get("dropped") or []:
         try:
             out.append(Finding(str(f["table"]), str(f["message"]),

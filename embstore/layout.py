@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -42,19 +41,16 @@ from .errors import (
 from .manifest import (
     FORMAT,
     MANIFEST_NAME,
-    fsync_dir,
-    read_bytes_nofollow,
     read_manifest,
-    write_atomic,
     write_manifest,
 )
 from .spec import TableSpec, TierSpec
 
 __all__ = ["LOCK_NAME", "MANIFEST_NAME", "bottom_dir", "check_inside", "foreign_entries",
-           "is_store_entry", "keep_marker", "lock", "lock_for_reading", "manifest_body",
-           "mark_keep", "parked_store", "process_alive", "read_manifest", "recover_kept",
-           "recover_swap", "refuse_inside_store", "release", "remove_dead_owned", "store_above",
-           "table_chain", "tier_dir", "unmark_keep", "write_manifest", "written_file"]
+           "is_store_entry", "lock", "lock_for_reading", "manifest_body", "parked_store",
+           "process_alive", "read_manifest", "refuse_inside_store", "release",
+           "remove_dead_owned", "store_above", "table_chain", "tier_dir", "write_manifest",
+           "written_file"]
 
 LOCK_NAME = "LOCK"
 CACHE_DIR = "cache"
@@ -116,16 +112,6 @@ def parked_store(root: Path) -> Path:
     return root.parent / f".{root.name}.swap-old"
 
 
-def keep_marker(root: Path) -> Path:
-    """Where a rewrite that keeps the old store says, before its swap, where that one goes.
-
-    Its JSON names the old store's directory (device and inode, which a rename keeps), the
-    name it is to be kept under beside `root`, the rewriting process and what the rewrite
-    dropped (`recover_kept`).
-    """
-    return root.parent / f".{root.name}.keep-old"
-
-
 _PID_MAX = 1 << 22
 """Linux's largest pid_max: no process has a larger id (and os.kill would overflow)."""
 
@@ -163,106 +149,6 @@ def remove_dead_owned(parent: Path, owner: Callable[[str], int | None]) -> list[
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
-
-
-def recover_kept(root: Path, *, locked: bool = False, move: bool = True
-                 ) -> dict[str, Any] | None:
-    """Keep the old store of a rewrite killed after its swap, as that rewrite promised.
-
-    A killed repair leaves the store before it, the only copy of the rows it dropped, under a
-    temporary name that the next rewrite would delete (`.<name>.rebuild-*`, or the parked
-    `.<name>.swap-old`). Its marker (`keep_marker`) says which directory that is; it is
-    renamed to the backup name the marker gives. Returns the marker's document when such an
-    old store was found (now at `doc["kept"]`), else None. One whose swap never happened is
-    removed.
-
-    Args:
-        root: the store.
-        locked: the caller holds the store's lock exclusively, so the rewrite that wrote the
-            marker (which held it from before the marker until it kept the old store) is
-            gone whatever its process id now names. Otherwise a marker of a live process is
-            left to it; a reused id only delays the keeping, to a caller that holds the lock.
-        move: without, nothing changes: the document says where the old store lies now
-            (`doc["at"]`), for a check that must not write.
-    """
-    marker = keep_marker(root)
-    try:
-        doc = json.loads(read_bytes_nofollow(marker, 1 << 24))
-        ino, dev, name, pid = doc["ino"], doc["dev"], doc["keep"], doc["pid"]
-    except FileNotFoundError:
-        return None
-    except (OSError, CorruptStoreError, ValueError, KeyError, TypeError):
-        return None  # written atomically, so not one of ours: left as it is
-    if not (isinstance(name, str) and "/" not in name and isinstance(pid, int)):
-        return None
-    if not locked and (pid == os.getpid() or process_alive(pid)):
-        return None
-    try:
-        here = os.lstat(root)
-    except FileNotFoundError:
-        return None  # parked with nothing at its path: `recover_swap` puts it back first
-    keep = root.parent / name
-    found = None
-    if (here.st_ino, here.st_dev) != (ino, dev):
-        for candidate in [keep, parked_store(root), *root.parent.glob(f".{root.name}.rebuild-*")]:
-            try:
-                st = os.lstat(candidate)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISDIR(st.st_mode) and (st.st_ino, st.st_dev) == (ino, dev):
-                found = candidate
-                break
-    if not move:
-        return None if found is None else {**doc, "at": str(found), "kept": str(keep)}
-    if found is not None and found != keep:
-        try:
-            os.replace(found, keep)
-        except FileNotFoundError:  # another process kept it first
-            if not keep.is_dir():
-                return None
-        fsync_dir(keep.parent)  # kept for good before the marker that leads to it goes
-    with contextlib.suppress(FileNotFoundError):
-        marker.unlink()
-    fsync_dir(root.parent)
-    if found is None:
-        return None
-    return {**doc, "kept": str(keep)}
-
-
-def mark_keep(root: Path, keep: Path, dropped: list[dict[str, Any]]) -> None:
-    """Write `keep_marker` for a rewrite of `root` that keeps the old store at `keep`."""
-    here = os.lstat(root)
-    doc = {"ino": here.st_ino, "dev": here.st_dev, "keep": keep.name, "pid": os.getpid(),
-           "dropped": dropped}
-    write_atomic(keep_marker(root), json.dumps(doc).encode())
-
-
-def unmark_keep(root: Path) -> None:
-    """Remove `keep_marker` once the old store is kept under its name."""
-    with contextlib.suppress(FileNotFoundError):
-        keep_marker(root).unlink()
-    fsync_dir(root.parent)
-
-
-def recover_swap(root: Path) -> None:
-    """Finish or undo a two-rename swap (embstore._rebuild) that a crash interrupted.
-
-    A store parked with nothing at its path goes back (the new copy, unnamed, is dropped by
-    the next rebuild); a parked store beside a store at its path is the old one, removed,
-    unless a killed rewrite promised to keep it (`recover_kept` keeps it first).
-    """
-    recover_kept(root)
-    parked = parked_store(root)
-    if not parked.exists():
-        return
-    if not root.exists():
-        try:
-            os.replace(parked, root)
-        except FileNotFoundError:
-            return  # another process put it back first
-        fsync_dir(root.parent)
-    elif not keep_marker(root).exists():  # else it may be a killed repair's promised backup:
-        shutil.rmtree(parked, ignore_errors=True)  # left for a rewrite holding the lock
 
 
 # a tier directory is tier<level>-<backend>, and a plugin's backend name may hold '-' or '.'

@@ -624,24 +624,29 @@ def test_a_repair_killed_after_its_swap_keeps_its_backup_and_lists_what_it_dropp
         capsys.readouterr()
     if then == "open":
         embstore.open(path).close()
-    if then == "fsck":
+    # the killed repair never said what it dropped: every check says so until a repair has,
+    # whether the backup still lies under a temporary name or was kept by what came first
+    for _ in range(2):
         before = sorted(p.name for p in tmp_path.iterdir())
         assert main(["fsck", "--json", str(path)]) == 4  # a check alone changes nothing
         report = json.loads(capsys.readouterr().out)
-        assert any("killed" in f["message"] and "fsck --repair" in f["message"]
-                   for f in report["findings"])
+        said = [f["message"] for f in report["findings"]
+                if f["message"].startswith("a repair was killed")]
+        assert len(said) == 1 and "fsck --repair" in said[0], said
+        assert ("lies at" if then == "fsck" else "is kept at") in said[0]
         assert [f["ids"] for f in report["findings"] if f.get("ids")] == [[50]]
         assert sorted(p.name for p in tmp_path.iterdir()) == before
-        assert main(["fsck", "--json", "--repair", str(path)]) == 1
-        report = json.loads(capsys.readouterr().out)
-        assert [f["ids"] for f in report["findings"] if f.get("ids")] == [[50]]
+    assert main(["fsck", "--json", "--repair", str(path)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [f["ids"] for f in report["findings"] if f.get("ids")] == [[50]]
     backups = [p for p in tmp_path.iterdir() if ".fsck-backup-" in p.name]
     assert len(backups) == 1
+    assert any(str(backups[0]) in f["message"] for f in report["findings"])
     # the store as it was, damaged row 50 included
     assert (backups[0] / file.relative_to(path)).read_bytes() == damaged
     assert sorted(p.name for p in tmp_path.iterdir()
                   if ".rebuild-" in p.name or ".swap-old" in p.name or ".keep-old" in p.name
-                  ) == []
+                  or ".killed-repairs" in p.name) == []
     assert main(["fsck", str(path)]) == 0
 
 
@@ -708,7 +713,7 @@ def test_a_path_that_is_not_a_store_directory_is_named_for_what_it_is(tmp_path):
 
 
 def _marker(root, **fields):
-    from embstore.layout import keep_marker
+    from embstore._kept import keep_marker
 
     st = os.lstat(root)
     doc = {"ino": st.st_ino, "dev": st.st_dev, "keep": ".s.fsck-backup-1", "pid": 2**22 + 1,
@@ -718,41 +723,41 @@ def _marker(root, **fields):
 
 
 def test_a_keep_marker_is_left_or_dropped_as_what_it_names_allows(tmp_path, monkeypatch):
-    from embstore import layout
+    from embstore import _kept
 
     root, old = tmp_path / "s", tmp_path / ".s.rebuild-1-1"
     root.mkdir()
     old.mkdir()
     marker = _marker(root, keep="a/b")  # not a name beside the store: not ours, left alone
-    assert layout.recover_kept(root) is None and marker.exists()
+    assert _kept.recover_kept(root) is None and marker.exists()
     _marker(root, pid=os.getpid())  # a live process's: its own to finish, unless locked
-    assert layout.recover_kept(root) is None and marker.exists()
+    assert _kept.recover_kept(root) is None and marker.exists()
     _marker(root)  # its swap never happened (the store is the marked directory): dropped
-    assert layout.recover_kept(root) is None and not marker.exists()
-    assert layout.recover_kept(root) is None  # no marker
+    assert _kept.recover_kept(root) is None and not marker.exists()
+    assert _kept.recover_kept(root) is None  # no marker
     _marker(old)  # the marker of a store whose path is now empty: recover_swap's to mend
-    assert layout.recover_kept(old.parent / "gone") is None
+    assert _kept.recover_kept(old.parent / "gone") is None
     # the marked old store, already under its backup name: found there, nothing to move
     marker = _marker(old)
-    marker.rename(layout.keep_marker(root))
+    marker.rename(_kept.keep_marker(root))
     kept = tmp_path / ".s.fsck-backup-1"
     old.rename(kept)
-    doc = layout.recover_kept(root, move=False)
+    doc = _kept.recover_kept(root, move=False)
     assert doc is not None and doc["at"] == doc["kept"] == str(kept)
-    assert layout.recover_kept(root)["kept"] == str(kept) and kept.is_dir()
+    assert _kept.recover_kept(root)["kept"] == str(kept) and kept.is_dir()
     # another process keeps it between the look and the rename
     kept.rename(old)
-    _marker(old).rename(layout.keep_marker(root))
+    _marker(old).rename(_kept.keep_marker(root))
 
     def taken(src, dst):
         raise FileNotFoundError(src)
 
-    monkeypatch.setattr(layout.os, "replace", taken)
-    assert layout.recover_kept(root) is None and old.is_dir()
+    monkeypatch.setattr(_kept.os, "replace", taken)
+    assert _kept.recover_kept(root) is None and old.is_dir()
 
 
 def test_a_killed_repairs_report_skips_dropped_entries_it_cannot_read(tmp_path):
-    from embstore.layout import keep_marker
+    from embstore._kept import keep_marker
 
     root, old = tmp_path / "s", tmp_path / ".s.rebuild-1-1"
     root.mkdir()
@@ -763,3 +768,46 @@ def test_a_killed_repairs_report_skips_dropped_entries_it_cannot_read(tmp_path):
     found = fsck._kept_by_a_killed_repair(root, False)
     assert [f.ids for f in found] == [(), (5,)] and str(old) in found[0].message
     assert old.is_dir() and keep_marker(root).exists()  # a check moved nothing
+
+
+def test_a_note_of_killed_repairs_is_reported_once_each_and_a_damaged_one_is_named(tmp_path,
+                                                                                   capsys):
+    from embstore import _kept
+
+    path = _store(tmp_path / "s", "lmdb")
+    kept = tmp_path / ".s.fsck-backup-1"
+    kept.mkdir()
+    doc = {"ino": 1, "dev": 2, "keep": kept.name, "pid": 3, "kept": str(kept),
+           "dropped": [{"table": "t", "message": "row 7 damaged", "ids": [7]}]}
+    _kept._add_killed_repair(path, doc)
+    _kept._add_killed_repair(path, doc)  # a marker whose removal a power cut lost, kept again
+    findings = fsck.check(path)
+    assert [f.ids for f in findings if f.ids] == [(7,)]
+    assert fsck.exit_code(findings) == 4
+    _kept.killed_repairs_note(path).write_text("[{]")
+    assert main(["fsck", str(path)]) == 8
+    out = capsys.readouterr().out
+    assert "killed-repairs cannot be read" in out and "move it aside" in out
+    assert "Traceback" not in out
+    _kept.killed_repairs_note(path).write_text('[{"kept": 5}]')
+    assert main(["fsck", "--repair", str(path)]) == 8
+    assert "not a list of killed repairs" in capsys.readouterr().out
+    _kept.killed_repairs_note(path).unlink()
+    assert main(["fsck", str(path)]) == 0
+
+
+def test_a_damaged_note_of_killed_repairs_is_left_and_the_marker_keeps_saying_it(tmp_path):
+    from embstore import _kept
+
+    root, old, kept = tmp_path / "r", tmp_path / ".r.rebuild-1-1", tmp_path / ".r.fsck-backup-1"
+    root.mkdir()
+    old.mkdir()
+    _marker(old, keep=kept.name).rename(_kept.keep_marker(root))
+    _kept.killed_repairs_note(root).write_text("[{]")
+    assert _kept.recover_kept(root)["kept"] == str(kept) and kept.is_dir()
+    assert _kept.keep_marker(root).exists()  # the damaged note was not overwritten
+    assert _kept.killed_repairs_note(root).read_text() == "[{]"
+    _kept.killed_repairs_note(root).unlink()  # as the check's finding says to
+    assert _kept.recover_kept(root)["kept"] == str(kept)
+    assert not _kept.keep_marker(root).exists()
+    assert [d["kept"] for d in _kept.killed_repairs(root)] == [str(kept)]

@@ -14,8 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from embstore._kept import recover_swap
 from embstore._rebuild import read_store, replace_store
-from embstore.layout import recover_swap
 from embstore.tools._args import add_output_flags, progress
 
 __all__ = ["register", "store_bytes"]

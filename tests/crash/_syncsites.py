@@ -161,26 +161,30 @@ SITES: tuple[Site, ...] = (
          expect=_NAMES),
     Site("checkpoint.restore_tree_sync", "embstore.checkpoint", "restore", "fsync_tree(tmp)",
          point=("checkpoint", "rocksdb", "restore"), expect=_PUBLISHED),
-    Site("rebuild.recover_swap_dir_sync", "embstore.layout", "recover_swap",
+    Site("rebuild.recover_swap_dir_sync", "embstore._kept", "recover_swap",
          "fsync_dir(root.parent)",
          why="redundant: recover_swap runs first in replace_store, which syncs the same "
              "directory again before it swaps (the compact point of the rebuild-renames "
              "workload, which recovers a parked store, stays clean without it)",
          clean=("rebuild-renames", "lmdb")),
-    Site("rebuild.recover_kept_dir_sync", "embstore.layout", "recover_kept",
+    Site("rebuild.recover_kept_dir_sync", "embstore._kept", "recover_kept",
          "fsync_dir(keep.parent)",
          why="only after a repair killed after its swap, which no traced workload does: it "
              "makes the old store's backup name durable before the marker leading to it goes "
              "(tests/test_fsck.py kills a repair there and checks the backup is kept)"),
-    Site("rebuild.recover_kept_marker_sync", "embstore.layout", "recover_kept",
+    Site("rebuild.recover_kept_marker_sync", "embstore._kept", "recover_kept",
          "fsync_dir(root.parent)",
          why="a marker whose removal is lost comes back and finds the old store at its "
              "backup name already, which it leaves there: no state it leads to loses data"),
-    Site("rebuild.unmark_keep_sync", "embstore.layout", "unmark_keep",
+    Site("rebuild.unmark_keep_sync", "embstore._kept", "unmark_keep",
          "fsync_dir(root.parent)",
          why="a marker whose removal is lost comes back and finds the old store at its "
              "backup name already, or the store at its path unswapped, and only removes "
              "itself: no state it leads to loses data"),
+    Site("rebuild.clear_killed_repairs_sync", "embstore._kept", "clear_killed_repairs",
+         "fsync_dir(root.parent)",
+         why="a note whose removal is lost comes back, and the next fsck reports the killed "
+             "repairs it lists once more: no state it leads to loses data"),
     Site("rebuild.new_dir_sync", _R, "replace_store", "fsync_dir(root.parent)",
          why="redundant: the sync after the swap covers the new directory's entry too, and a "
              "swap that survives a power cut implies the entry it swaps in survived (the "

@@ -98,15 +98,18 @@ private_dir.publish_dir_sync  embstore/_private_dir.py publish: fsync_dir after 
 checkpoint.restore_tree_sync  embstore/checkpoint.py restore: fsync_tree before the rename;
     new, it was missing: the copied base checkpoint was published unsynced
     [checkpoint/rocksdb/restore].
-rebuild.recover_swap_dir_sync  embstore/_rebuild.py recover_swap: fsync_dir after putting a
+rebuild.recover_swap_dir_sync  embstore/_kept.py recover_swap: fsync_dir after putting a
     parked store back. Redundant: replace_store, its only caller, syncs the same directory
     again before its swap (stays clean without it: rebuild-renames/lmdb).
-rebuild.recover_kept_dir_sync  embstore/layout.py recover_kept: fsync_dir after keeping the
+rebuild.recover_kept_dir_sync  embstore/_kept.py recover_kept: fsync_dir after keeping the
     old store of a repair killed after its swap under its backup name, before its marker goes.
     Not traced: no workload kills a repair there (tests/test_fsck.py does, without power loss).
 rebuild.recover_kept_marker_sync  recover_kept: fsync_dir after the marker's removal. A lost
     removal brings the marker back, which finds the backup in place and only removes itself.
 rebuild.unmark_keep_sync  unmark_keep: fsync_dir after the marker's removal, as above.
+rebuild.clear_killed_repairs_sync  embstore/_kept.py clear_killed_repairs: fsync_dir after
+    fsck --repair removes the note of repairs killed after their swaps, having reported them.
+    A lost removal brings the note back: the next fsck reports those repairs once more.
 rebuild.new_dir_sync  replace_store: fsync_dir after the rewrite. Redundant: the sync after the
     swap covers the new directory's name, and a swap that survives a power cut implies the
     name it swaps in survived (stays clean without it: rebuild/lmdb).
