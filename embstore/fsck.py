@@ -53,7 +53,13 @@ from . import _counters, registry
 from ._fsck_common import Finding, RowDump, TableScan
 from ._fsck_pmem import SPEC_MISMATCH, scan_pmem
 from ._fsck_repair import closed_cleanly, dropped_finding, record_ids
-from ._kept import clear_killed_repairs, killed_repairs, recover_kept, recover_swap
+from ._kept import (
+    clear_killed_repairs,
+    keep_marker,
+    killed_repairs,
+    recover_kept,
+    recover_swap,
+)
 from ._lmdb_walk import newest_meta
 from ._lmdb_walk import walk as walk_lmdb
 from ._rebuild import (
@@ -154,14 +160,25 @@ def _check_root(root: Path, repair: bool, progress: Callable[[str], None] | None
     except (OSError, EmbstoreError) as exc:
         return [Finding(None, f"cannot keep or list the stores killed repairs left at "
                         f"{root.parent}: {exc}", fatal=True)]
-    if parked_store(root).exists():
+    parked_at = parked_store(root)
+    if parked_at.exists() and not os.path.lexists(root):
         parked = Finding(None, "a compact, migrate or repair was interrupted between its two "
-                         f"renames: the store lies at {parked_store(root)}; `embstore.open` "
-                         "or `embstore fsck --repair` puts it back", file=str(parked_store(root)))
+                         f"renames: the store lies at {parked_at}; `embstore.open` or "
+                         "`embstore fsck --repair` puts it back", file=str(parked_at))
         if not repair:
             return moved + [parked]
         recover_swap(root)
         moved.append(_repaired(parked))
+    elif parked_at.exists() and not keep_marker(root).exists():  # else a repair's, above
+        what = ("a compact, migrate or repair was interrupted right after its swap: the store "
+                f"before it is left at {parked_at}")
+        if repair:
+            recover_swap(root)
+            moved.append(Finding(None, f"{what}, and is removed", file=str(parked_at),
+                                 repaired=True))
+        else:
+            moved.append(Finding(None, f"{what}; a writable open, compact, migrate or "
+                                 "`embstore fsck --repair` removes it", file=str(parked_at)))
     writer: StoreLockedError | None = None
     try:
         if not root.is_dir():

@@ -811,3 +811,25 @@ def test_a_damaged_note_of_killed_repairs_is_left_and_the_marker_keeps_saying_it
     assert _kept.recover_kept(root)["kept"] == str(kept)
     assert not _kept.keep_marker(root).exists()
     assert [d["kept"] for d in _kept.killed_repairs(root)] == [str(kept)]
+
+
+def test_the_old_store_a_swap_left_parked_is_named_as_such_and_the_new_one_still_checked(
+        tmp_path, capsys):
+    import shutil
+
+    path = _store(tmp_path / "s", "pmem")
+    parked = tmp_path / ".s.swap-old"
+    shutil.copytree(path, parked)  # a swap by two renames killed after its second
+    file, at = _live_value_offset(path, "pmem")
+    _flip(file, at + 6)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["fsck", "--json", str(path)]) == 4
+    messages = [f["message"] for f in json.loads(capsys.readouterr().out)["findings"]]
+    assert any("right after its swap" in m and "removes it" in m for m in messages), messages
+    assert not any("puts it back" in m for m in messages)
+    assert len(messages) > 1  # the store at the path was checked too: its damaged row
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert main(["fsck", "--json", "--repair", str(path)]) == 1
+    capsys.readouterr()
+    assert not parked.exists()
+    assert main(["fsck", str(path)]) == 0

@@ -254,7 +254,9 @@ def test_a_crash_while_rebuilding_leaves_the_old_or_the_new_store(tmp_path, back
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, f"{point}:{hit} not reached: {proc.stderr[-2000:]}"
     if point == "rebuild.swap_parked":  # fsck names the store moved aside ...
-        assert any("interrupted" in f.message for f in fsck.check(path))
+        assert any("interrupted between" in f.message for f in fsck.check(path))
+    if point == "rebuild.after_swap" and exchange == "renames":  # ... or the one left behind
+        assert any("right after its swap" in f.message for f in fsck.check(path))
     # ... and with no repair, no manual step, the next open finds a complete store
     embstore.open(path).close()
     check_store(path, STEPS - 1, STEPS - 1)
