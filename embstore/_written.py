@@ -9,16 +9,18 @@ File `<store>/written/<table>.ids` (offsets imported by the corruption tests):
 
     offset  size  field
     0       8     magic b"EMBWRIT1"
-    8       4     kind, uint32 little-endian: 0 a bitmap over [0, num_embeddings), 1 an id list
+    8       4     kind, uint32 little-endian: 0 a bitmap over [0, num_embeddings) (a bounded
+                  table of at most `BITMAP_MAX_IDS` ids), 1 an id list (any other table)
     12      4     CRC-32 (zlib), uint32 little-endian, of bytes 16 to the end
     16      8     n, uint64 little-endian: bits of the bitmap, or ids in the list
     24      ...   body: ceil(n / 8) bytes of bitmap (numpy.packbits, little bit order), or n
                   distinct int64 little-endian ids in ascending order
 
-Cost: a bounded table (num_embeddings set) keeps 1 bit per id of its range on disk and in
-memory (the file's body, which a flush writes as it is); an unbounded one 8 bytes per stored
-row on disk and its hash index in memory (about 16 bytes per row). Lookups pay only for ids
-no tier found (one vectorised probe).
+Cost: a bounded table (num_embeddings set, at most `BITMAP_MAX_IDS`) keeps 1 bit per id of
+its range on disk and in memory (the file's body, which a flush writes as it is); an
+unbounded one, or one of a wider range, 8 bytes per stored row on disk and its hash index in
+memory (about 16 bytes per row). Lookups pay only for ids no tier found (one vectorised
+probe).
 
 Deletes: `<store>/written/<table>.del`, a journal of deleted ids appended (and fsynced)
 before the medium deletes them, entries of
@@ -74,6 +76,17 @@ BITMAP: Final = 0
 IDS: Final = 1
 CRC_OFFSET: Final = 12
 BODY_OFFSET: Final = 24
+BITMAP_MAX_IDS: Final = 1 << 32
+"""The widest id range a bounded table's record keeps as a bitmap (512 MiB of it); a wider
+one keeps a list of its ids, as an unbounded table does (a bitmap of 2**40 ids would take
+128 GiB on disk and in memory, whatever the rows)."""
+
+
+def bitmap_range(num_embeddings: int | None) -> int | None:
+    """The id range of the bitmap a table of `num_embeddings` keeps; None: it keeps a list."""
+    if num_embeddings is None or num_embeddings > BITMAP_MAX_IDS:
+        return None
+    return num_embeddings
 
 
 class WrittenIds:
@@ -96,7 +109,8 @@ class WrittenIds:
                  stored_ids: Callable[[], np.ndarray], *, read_only: bool,
                  must_exist: bool = False, defer_write: bool = False) -> None:
         self.file = file
-        self._n = num_embeddings
+        self._range = num_embeddings
+        self._n = bitmap_range(num_embeddings)  # the bitmap's range; None: a list of ids
         self._read_only = read_only
         self._packed: np.ndarray | None = None  # a bounded table's bitmap, as in the file
         # the bits set in `_packed`, counted on the first `count` (an open must not scan the
@@ -205,6 +219,8 @@ class WrittenIds:
         if len(head) < BODY_OFFSET:
             return BODY_OFFSET  # the parse names a header cut short
         magic, kind, _, n = HEADER.unpack_from(head)
+        if kind == BITMAP and self._n is None and n == self._range and magic == MAGIC:
+            self._n = n  # a wide range's bitmap, written before such ranges took a list
         expected_kind = BITMAP if self._n is not None else IDS
         if magic != MAGIC:
             raise self._damaged("wrong magic")
@@ -289,11 +305,11 @@ class WrittenIds:
     # --- in memory ------------------------------------------------------------------------
 
     def _load(self, ids: np.ndarray) -> None:
+        if self._range is not None and len(ids) and (ids.min() < 0 or ids.max() >= self._range):
+            raise CorruptStoreError(
+                f"written-id record {self.file}: ids outside [0, {self._range}); restore the "
+                "table from a checkpoint")
         if self._n is not None:
-            if len(ids) and (ids.min() < 0 or ids.max() >= self._n):
-                raise CorruptStoreError(
-                    f"written-id record {self.file}: ids outside [0, {self._n}); restore the "
-                    "table from a checkpoint")
             self._packed = _bitmap(self._n, ids)  # counted on the first `count`
         else:
             self._index = IdIndex(max(1024, 2 * len(ids)))
@@ -536,5 +552,5 @@ def write_record(file: Path, num_embeddings: int | None, ids: np.ndarray) -> Non
                                 "restore the table from a checkpoint")
     file.unlink(missing_ok=True)
     file.with_suffix(".del").unlink(missing_ok=True)
-    _write_file(file, num_embeddings, ids)
+    _write_file(file, bitmap_range(num_embeddings), ids)
 

@@ -306,6 +306,42 @@ def test_a_bounded_tables_record_takes_one_bit_per_id_in_memory_too(tmp_path):
     assert peak < 2**27, f"peak {peak / 2**20:.0f} MiB"
 
 
+@pytest.mark.parametrize("backend", PERSISTENT)
+def test_a_table_of_a_range_too_wide_for_a_bitmap_keeps_a_list_and_still_catches_a_loss(
+        tmp_path, backend):
+    # 2**62 ids (a hashed feature's range): a bitmap would take 512 PiB, and the open failed
+    # with numpy's MemoryError; the record keeps the rows' ids instead
+    wide = 2**62
+    spec = embstore.TableSpec("t", dim=DIM, num_embeddings=wide)
+    ids = np.array([0, 7, wide - 1])
+    with embstore.open(tmp_path / "s", tables=[spec],
+                       tiers=[embstore.TierSpec("dram", capacity=2),
+                              embstore.TierSpec(backend)]) as store:
+        store.update("t", ids, np.ones((3, DIM), np.float32))
+    assert written_file(tmp_path / "s", "t").stat().st_size == _written.BODY_OFFSET + 8 * 3
+    _drop_from_medium(tmp_path / "s", backend, ids[2:])
+    with embstore.open(tmp_path / "s") as store:
+        with pytest.raises(CorruptStoreError, match=f"id {wide - 1} was written"):
+            store.lookup("t", ids)
+        assert store.lost_rows("t").tolist() == [wide - 1]
+    assert [f.id for f in fsck.check(tmp_path / "s")] == [wide - 1]
+
+
+def test_a_bitmap_written_for_a_range_now_kept_as_a_list_is_still_read(tmp_path, monkeypatch):
+    _make(tmp_path / "s", "rocksdb", bounded=True)  # a bitmap of ROWS + NEVER ids
+    size = written_file(tmp_path / "s", "t").stat().st_size
+    _drop_from_medium(tmp_path / "s", "rocksdb", np.array([1234]))
+    monkeypatch.setattr(_written, "BITMAP_MAX_IDS", ROWS // 2)  # such a range takes a list now
+    with embstore.open(tmp_path / "s") as store:
+        with pytest.raises(CorruptStoreError, match="id 1234 was written"):
+            store.lookup("t", np.array([1234]))
+        store.update("t", np.array([ROWS]), np.ones((1, DIM), np.float32))
+    assert written_file(tmp_path / "s", "t").stat().st_size == size  # kept as it was
+    with embstore.open(tmp_path / "s") as store:
+        assert store.lost_rows("t").tolist() == [1234]
+        np.testing.assert_array_equal(store.lookup("t", np.array([ROWS])), np.ones((1, DIM)))
+
+
 @pytest.mark.parametrize("n", [1, 7, 9, 8 * _written._CHUNK_BYTES + 3])
 @pytest.mark.parametrize("density", [0.0, 0.01, 0.5, 1.0])
 def test_a_packed_bitmap_holds_exactly_its_ids_across_chunks(n, density):
