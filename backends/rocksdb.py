@@ -585,11 +585,15 @@ class RocksDBBackend(KeyValueBackend):
 
     def _close(self) -> None:
         # Drop every reference to the column family first: rocksdict closes the database only
-        # when no object refers to it.
-        self._cf.close()
-        del self._cf, self._cf_handle, self._shared
-        self._db = None
-        _HANDLES.release(self._key, _Shared.close)
+        # when no object refers to it. Released even where closing the column family fails
+        # (its write-back of a full disk): a handle kept borrowed would hold the database's
+        # files, and the disk space of a removed directory, open until the process ends.
+        try:
+            self._cf.close()
+        finally:
+            del self._cf, self._cf_handle, self._shared
+            self._db = None
+            _HANDLES.release(self._key, _Shared.close)
 
 
 @contextlib.contextmanager
@@ -700,7 +704,7 @@ class _Shared:
 
     def close(self) -> None:
         """Close the database (the last table of the directory was closed)."""
-        self.db.close()
-        self.db = None
+        db, self.db = self.db, None  # dropped even where closing fails: that frees it
+        db.close()
         if self.writable_dir is not None and self.writable_dir.exists():
             restrict_modes(self.writable_dir)  # closing may have written a new log or manifest

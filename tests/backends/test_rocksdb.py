@@ -185,6 +185,26 @@ def test_the_database_is_closed_once_every_table_of_the_directory_is(tmp_path):
     db.close()
 
 
+
+def test_a_table_whose_close_fails_still_lets_the_database_go(tmp_path):
+    # a full disk fails the column family's close ("Writer has previous error"): the error
+    # is raised, and the directory's database is closed all the same, not held (with the
+    # disk space of its files) until the process ends
+    path = tmp_path / "tier"
+    a = _open(path, table="a")
+    a.put(np.arange(3, dtype=np.int64), _rows(3))
+
+    class _FailingClose:
+        def close(self) -> None:
+            raise RuntimeError("IO error: Writer has previous error.")
+
+    a._cf = _FailingClose()
+    with pytest.raises(CorruptStoreError, match="closing"):
+        a.close()
+    db, cf = _raw_cf(path, "a")  # rocksdict can open the directory: no handle is left
+    del cf
+    db.close()
+
 # --- scans and counts ---------------------------------------------------------------------
 
 def test_len_follows_puts_and_deletes(tmp_path):
