@@ -36,7 +36,7 @@ Tombstone file layout (`<table>.deleted`):
 from __future__ import annotations
 
 import os
-import shutil
+import stat
 import struct
 import uuid
 from collections.abc import Callable, Iterator
@@ -457,8 +457,7 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
     base = chain[-1][0]
     tmp, made = make_private(dest, StorageIOError)
     try:
-        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(LOCK_NAME),
-                        dirs_exist_ok=True)  # not synced
+        _copy_base(base, tmp)  # not synced
         doc = read_manifest(tmp)
         tables = {t["name"]: TableSpec.from_json(t) for t in doc["tables"]}
         tiers = tuple(TierSpec.from_json(t) for t in doc["tiers"])
@@ -498,6 +497,58 @@ def restore(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
             raise io_error(exc, dest, "write") from exc
         raise
     return dest
+
+
+def _copy_base(base: Path, tmp: Path) -> None:
+    """Copy the full checkpoint `base` into the empty directory `tmp`, without syncing.
+
+    Only folders and regular files, as a checkpoint holds (lock files left out: each open
+    makes its own). Not `shutil.copytree`, which gathers every failure into one
+    `shutil.Error` with no errno, so a full disk read as "Error", and which follows links
+    and blocks on a pipe put in a file's place.
+
+    Raises:
+        CorruptStoreError: `base` holds a link, a device or a pipe, or a file it cannot read.
+        OSError: `tmp` cannot be written (a full disk), with its errno.
+    """
+    for dirpath, dirnames, filenames in os.walk(base):
+        here = Path(dirpath)
+        for name in sorted(dirnames + filenames):
+            src = here / name
+            dst = tmp / src.relative_to(base)
+            if name == LOCK_NAME:
+                dirnames[:] = [d for d in dirnames if d != name]
+                continue
+            try:
+                fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as exc:  # a link (ELOOP), or a file the OS will not let us read
+                raise _not_copied(base, src, exc.strerror or str(exc)) from exc
+            try:
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISDIR(mode):
+                    dst.mkdir(mode=0o700)
+                elif not stat.S_ISREG(mode):
+                    raise _not_copied(base, src, "not a regular file")
+                else:
+                    with open(dst, "xb") as out:
+                        os.chmod(dst, stat.S_IMODE(mode))
+                        while True:
+                            try:
+                                chunk = os.read(fd, 1 << 20)
+                            except OSError as exc:
+                                raise _not_copied(base, src, exc.strerror or str(exc)
+                                                  ) from exc
+                            if not chunk:
+                                break
+                            out.write(chunk)
+            finally:
+                os.close(fd)
+
+
+def _not_copied(base: Path, src: Path, why: str) -> CorruptStoreError:
+    return CorruptStoreError(f"{base}: cannot copy {src} ({why}); a checkpoint holds only "
+                             "folders and regular files: the checkpoint is damaged: restore "
+                             "another one")
 
 
 def _check_sealed(where: Path, doc: dict[str, Any], table: str, stored: int, digest: int,

@@ -277,6 +277,24 @@ def test_missing_or_truncated_tombstones_are_corrupt_not_raw_errors(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("put", ["link", "pipe"])
+@pytest.mark.parametrize("file", ["tier0-pmem/t.pmem", "written/t.ids"])
+def test_a_link_or_pipe_in_place_of_a_base_file_is_damage_named_in_the_checkpoint(
+        tmp_path, put, file):
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=[TierSpec("pmem")]) as store:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+        store.checkpoint(tmp_path / "c0")
+    target = tmp_path / "c0" / file
+    target.unlink()
+    if put == "link":
+        target.symlink_to(tmp_path / "nowhere")
+    else:
+        os.mkfifo(target)  # followed, a copy would block on it
+    with pytest.raises(E.CorruptStoreError, match=f"cannot copy {target}"):
+        embstore.restore(tmp_path / "c0", tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c0", "s"]
+
 def test_restore_refuses_lost_rows_swapped_files_and_parents_put_in_place(tmp_path):
     import shutil
 

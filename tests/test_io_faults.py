@@ -212,6 +212,27 @@ def test_a_really_full_file_system_gives_a_clear_error_and_no_sigbus(small_fs, b
         proc.stdout
 
 
+@pytest.mark.parametrize("backend", ["rocksdb", "lmdb", "pmem"])
+def test_a_checkpoint_or_restore_into_a_full_file_system_fails_and_frees_its_space(
+        small_fs, tmp_path, backend):
+    # a checkpoint that fails for space leaves nothing, not even the space its files took
+    # (a database kept open holds its removed files); a restore says the disk is full
+    tables = [embstore.TableSpec("t", dim=256, optimizer=embstore.optim.Adam(lr=0.1))]
+    ids = np.arange(4000)  # 12 MiB of rows and state: more than the 8 MiB file system
+    with embstore.open(tmp_path / "s", tables=tables,
+                       tiers=[embstore.TierSpec(backend)]) as store:
+        store.update("t", ids, np.ones((len(ids), 256), np.float32))
+        with pytest.raises(EmbstoreError):
+            store.checkpoint(small_fs / "ckpt")
+        assert list(small_fs.iterdir()) == []
+        fs = os.statvfs(small_fs)
+        assert fs.f_bfree == fs.f_blocks
+        store.checkpoint(tmp_path / "ckpt")
+    with pytest.raises(StorageIOError, match="No space left") as info:
+        embstore.restore(tmp_path / "ckpt", small_fs / "r")
+    assert info.value.errno == errno.ENOSPC
+    assert list(small_fs.iterdir()) == []
+
 def _compact_run(tmp: Path, backend: str, nth: int, code: int, persistent: bool,
                  monkeypatch: pytest.MonkeyPatch) -> int:
     """One compaction whose new copy fails at its `nth` I/O; returns the faults that fired."""
