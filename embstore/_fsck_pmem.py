@@ -129,6 +129,14 @@ def _scan_fd(fd: int, fmt: Any, spec: TableSpec, where: str, dump: RowDump | Non
             or state is None:
         return findings, scan, head  # records cannot be read with a header like this
     _, watermark, reserve = state
+    if (size - fmt.DATA_OFFSET) // rec > fmt.MAX_SLOTS:
+        # never written so (the slot index is 32-bit): grown by damage, e.g. a truncate out
+        # to a terabyte, which the table's open refuses too; a scan would read it all
+        findings.append(Finding(t, f"the file holds more than the {fmt.MAX_SLOTS} slots a "
+                                "table file has at most (grown by damage or not embstore's)",
+                                file=where, expected=f"<= {fmt.DATA_OFFSET} + "
+                                f"{fmt.MAX_SLOTS} * {rec} bytes", found=f"{size} bytes"))
+        return findings, scan, head
     extra = (size - fmt.DATA_OFFSET) % rec
     if extra:
         findings.append(Finding(t, "the file ends inside a record (cut short or grown "

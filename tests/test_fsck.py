@@ -275,6 +275,23 @@ def test_a_file_cut_at_a_record_boundary_plus_minus_one_is_found(tmp_path, botto
     assert fsck.exit_code(findings) == 4
 
 
+def test_a_pmem_file_grown_past_the_slots_it_can_hold_is_found_without_reading_it(
+        tmp_path, monkeypatch):
+    from embstore import _fsck_pmem
+
+    path = _store(tmp_path / "s", "pmem", n=20)
+    os.truncate(path / "tier1-pmem" / "t.pmem", 1 << 40)  # sparse: the open refuses it
+    read_at = _fsck_pmem.read_at
+
+    def bounded(fd: int, offset: int, size: int) -> bytes:
+        assert offset + size < 1 << 30, "fsck reads the terabyte of zeros"
+        return read_at(fd, offset, size)
+
+    monkeypatch.setattr(_fsck_pmem, "read_at", bounded)
+    findings = fsck.check(path)
+    assert any("more than the 2147483647 slots" in f.message for f in findings), findings
+    assert fsck.exit_code(findings) == 4
+
 def _last_log_record(file):
     """Offset of the last record of a RocksDB log file (records: crc, length u16, type)."""
     raw = file.read_bytes()
