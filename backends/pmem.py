@@ -173,7 +173,9 @@ class PmemBackend(Backend):
             "place); restore the table's file from a checkpoint (`embstore fsck` lists "
             "what is damaged)")
         try:
-            self._fd = os.open(self._file, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # O_NONBLOCK: a named pipe put in the file's place would block the open until a
+            # writer came (it changes nothing for a regular file)
+            self._fd = os.open(self._file, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except IsADirectoryError:
             raise not_a_file from None
         if not stat.S_ISREG(os.fstat(self._fd).st_mode):

@@ -170,7 +170,8 @@ def pmem_state(file: Path) -> int | None:
     fmt = importlib.import_module("embstore.backends._pmem_format")  # the format's owner
     STATE, STATE_OFFSETS = fmt.STATE, fmt.STATE_OFFSETS  # noqa: N806
 
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    # O_NONBLOCK: a named pipe in the file's place would block the open for a writer
+    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         head = read_at(fd, 0, 4096)
     finally:

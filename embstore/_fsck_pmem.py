@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +93,15 @@ def scan_pmem(file: Path, spec: TableSpec, dump: RowDump | None, *, live: bool =
     fmt = _fmt()
     t, where = spec.name, str(file)
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a named pipe in the file's place would block the open for a writer
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         return [Finding(t, f"cannot open the table file: {exc.strerror}", file=where)], \
             TableScan()
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return [Finding(t, "the table file is not a regular file (a pipe or a device was put "
+                        "in its place)", file=where)], TableScan()
     try:
         for _ in range(fmt.READER_SCANS if live else 1):
             findings, scan, head = _scan_fd(fd, fmt, spec, where, dump)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -668,3 +669,48 @@ def test_a_directory_in_place_of_the_table_file_is_named_as_such(tmp_path, read_
     (tmp_path / "t.pmem").mkdir()
     with pytest.raises(CorruptStoreError, match="t.pmem is not a regular file"):
         _open(tmp_path, read_only=read_only)
+
+
+@contextlib.contextmanager
+def _unblocked_after(fifo: Path, seconds: float) -> Iterator[list[bool]]:
+    """Yield a list that gets True each time an open of `fifo` for reading had to be let go.
+
+    Every `seconds`, the pipe is opened for writing, which lets a blocked reader go on.
+    """
+    let_go: list[bool] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.wait(seconds):
+            with contextlib.suppress(OSError):  # ENXIO: nobody waits on it, as it should be
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                let_go.append(True)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        yield let_go
+    finally:
+        stop.set()
+        thread.join()
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_named_pipe_in_place_of_the_table_file_is_refused_not_waited_on(tmp_path,
+                                                                         read_only):
+    # the open blocked until a writer came to the pipe: `open` and fsck hung for ever
+    import embstore
+    from embstore import fsck
+
+    tiers = [embstore.TierSpec("pmem")]
+    with embstore.open(tmp_path / "s", tables=[embstore.TableSpec("t", dim=DIM)],
+                       tiers=tiers) as store:
+        store.update("t", np.arange(3), np.ones((3, DIM), np.float32))
+    file = tmp_path / "s" / "tier0-pmem" / "t.pmem"
+    file.unlink()
+    os.mkfifo(file)
+    with _unblocked_after(file, 5) as let_go:
+        with pytest.raises(CorruptStoreError, match="t.pmem is not a regular file"):
+            _open(file.parent, read_only=read_only)
+        assert fsck.exit_code(fsck.check(tmp_path / "s")) == 4
+    assert not let_go
