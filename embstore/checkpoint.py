@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _crash, registry
-from ._private_dir import discard, io_error, make_private, publish
+from ._private_dir import discard, io_error, make_private, plain_path, publish
 from ._written import write_record
 from .backend import Backend, BackendSpec
 from .checksum import crc32c, row_checksums
@@ -343,7 +343,8 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
         write_manifest(tmp, body)
         _crash.point("checkpoint.before_publish")
         publish(tmp, dest, "the checkpoint")
-        source.end_checkpoint(dest)
+        # the parent of the next incremental one, by a path a later chdir leaves right
+        source.end_checkpoint(plain_path(dest))
     except BaseException as exc:
         # also where begin_checkpoint failed or end_checkpoint(dest) was cut short: ending
         # an ended or never begun checkpoint does nothing

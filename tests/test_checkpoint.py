@@ -627,6 +627,28 @@ def test_a_chain_whose_manifest_fields_do_not_hold_together_is_refused(tmp_path,
     assert not (tmp_path / "r").exists()
 
 
+def test_an_incremental_checkpoint_after_a_chdir_follows_its_real_parent(tmp_path,
+                                                                        monkeypatch):
+    # the handle kept its last checkpoint's path as given: after a chdir, a relative path
+    # named another folder, and another store's checkpoint there became the parent
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")
+    with embstore.open(tmp_path / "b" / "s", tables=[_spec()]) as other:
+        other.update("t", np.arange(10), np.full((10, 4), 9, np.float32))
+        other.checkpoint("k0")
+    with embstore.open(tmp_path / "a" / "s", tables=[_spec()]) as store:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+        monkeypatch.chdir(tmp_path / "a")
+        store.checkpoint("k0")
+        store.update("t", [1], np.zeros((1, 4), np.float32))
+        monkeypatch.chdir(tmp_path / "b")
+        store.checkpoint(tmp_path / "a" / "k1", incremental=True)
+        expected = _contents(store)
+    embstore.restore(tmp_path / "a" / "k1", tmp_path / "r")
+    with embstore.open(tmp_path / "r", read_only=True) as restored:
+        assert _contents(restored) == expected
+
 def test_an_incremental_checkpoint_whose_parent_was_removed_says_so(tmp_path):
     import shutil
 
