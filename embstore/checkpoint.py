@@ -397,11 +397,22 @@ def checkpoint_chain(src: Path) -> list[tuple[Path, dict[str, Any]]]:
         chain.append((path, doc))
         if info["kind"] == "full":
             return chain
-        parent = (path.parent / info["parent"]).resolve()
+        parent = _parent_path(path, info["parent"])
         if parent in seen or not parent.exists():
             raise CorruptStoreError(f"{path}: its parent checkpoint {parent} is missing")
         seen.add(parent)
         path = parent
+
+
+def _parent_path(path: Path, parent: str) -> Path:
+    """Where the parent `parent` (a path relative to the folder of checkpoint `path`) lies.
+
+    Relative to the folder the checkpoint was written in, where `path` is a link to it
+    (a `latest` link elsewhere), and else to the link's folder: a chain put together from
+    links beside each other.
+    """
+    real = (path.resolve().parent / parent).resolve()
+    return real if real.exists() else (path.parent / parent).resolve()
 
 
 def _check_link(path: Path, doc: dict[str, Any], info: Any) -> None:

@@ -627,6 +627,23 @@ def test_a_chain_whose_manifest_fields_do_not_hold_together_is_refused(tmp_path,
     assert not (tmp_path / "r").exists()
 
 
+def test_an_incremental_checkpoint_restores_through_a_link_to_it(tmp_path):
+    # its parent was looked for beside the link: "its parent checkpoint ... is missing"
+    (tmp_path / "ckpts").mkdir()
+    with embstore.open(tmp_path / "s", tables=[_spec()]) as store:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+        store.checkpoint(tmp_path / "ckpts" / "c0")
+        store.update("t", [1], np.zeros((1, 4), np.float32))
+        store.checkpoint(tmp_path / "ckpts" / "c1", incremental=True)
+        expected = _contents(store)
+    (tmp_path / "latest").symlink_to(tmp_path / "ckpts" / "c1")
+    (tmp_path / "latest-relative").symlink_to("ckpts/c1")
+    for link in ("latest", "latest-relative"):
+        embstore.restore(tmp_path / link, tmp_path / f"r-{link}")
+        with embstore.open(tmp_path / f"r-{link}", read_only=True) as restored:
+            assert _contents(restored) == expected
+
+
 def test_an_incremental_checkpoint_after_a_chdir_follows_its_real_parent(tmp_path,
                                                                         monkeypatch):
     # the handle kept its last checkpoint's path as given: after a chdir, a relative path
