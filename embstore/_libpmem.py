@@ -11,6 +11,7 @@ present, so CI can test both paths.
 from __future__ import annotations
 
 import enum
+import errno
 import mmap
 import os
 import warnings
@@ -241,8 +242,8 @@ def map_file(lib: LibPmem | None, path: str, fd: int, size: int, *,
              writable: bool) -> Mapping:
     """Map the whole file, with libpmem when `lib` is given, else with mmap.
 
-    mmap also serves a reader that may not open the file for writing, which pmem_map_file
-    always does.
+    mmap also serves a reader that may not open the file for writing (no permission, or a
+    read-only file system), which pmem_map_file always does.
 
     Args:
         lib: libpmem from `load()`, or None for the mmap fallback.
@@ -257,7 +258,9 @@ def map_file(lib: LibPmem | None, path: str, fd: int, size: int, *,
     if lib is not None:
         try:
             return PmemMapping(lib, path)
-        except PermissionError:
-            if writable:
+        except OSError as exc:
+            # no permission to write the file, or a read-only file system (a checkpoint on
+            # a read-only mount): a reader maps it read-only instead
+            if writable or not (isinstance(exc, PermissionError) or exc.errno == errno.EROFS):
                 raise
     return MmapMapping(fd, size, writable=writable)

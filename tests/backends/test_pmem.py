@@ -133,6 +133,31 @@ def test_libpmem_maps_the_file_when_the_library_is_present(tmp_path, monkeypatch
     assert isinstance(stats["is_pmem"], bool)
 
 
+
+def test_a_reader_on_a_read_only_file_system_maps_with_mmap(tmp_path, monkeypatch):
+    # pmem_map_file opens the file for writing: on a read-only mount (a checkpoint on a
+    # read-only snapshot) it fails with EROFS, which a reader took for a device error
+    from embstore.errors import StorageIOError
+
+    monkeypatch.delenv(_libpmem.FORCE_MMAP_ENV, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", _libpmem.PmemFallbackWarning)
+        if _libpmem.load() is None:
+            pytest.skip("libpmem is not installed")
+    with _open(tmp_path) as b:
+        b.put(_ids(1, 2), _rows(2))
+
+    def read_only_fs(self: object, lib: object, path: str) -> None:
+        raise OSError(errno.EROFS, "pmem_map_file: open: Read-only file system", path)
+
+    monkeypatch.setattr(_libpmem.PmemMapping, "__init__", read_only_fs)
+    with _open(tmp_path, read_only=True) as reader:
+        rows, found = reader.get(_ids(1, 2))
+        assert found.all() and not reader.statistics()["libpmem"]
+    np.testing.assert_array_equal(rows, _rows(2))
+    with pytest.raises(StorageIOError, match="Read-only file system"):
+        _open(tmp_path)
+
 _PMEM_CHILD = r"""
 import sys
 import numpy as np
