@@ -327,8 +327,8 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
         body["checkpoint"] = {"step": None if step is None else int(step),
                               "kind": "incremental" if incremental else "full",
                               "parent": None if not incremental or plan.parent is None
-                              else os.path.relpath(plan.parent.resolve(),
-                                                   dest.parent.resolve())}
+                              else os.path.relpath(os.path.realpath(plan.parent),
+                                                   os.path.realpath(dest.parent))}
         parent_id = None
         if incremental and plan.parent is not None:
             try:
@@ -411,8 +411,9 @@ def _parent_path(path: Path, parent: str) -> Path:
     (a `latest` link elsewhere), and else to the link's folder: a chain put together from
     links beside each other.
     """
-    real = (path.resolve().parent / parent).resolve()
-    return real if real.exists() else (path.parent / parent).resolve()
+    # os.path.realpath, not Path.resolve, which raises RuntimeError on a link loop
+    real = Path(os.path.realpath(Path(os.path.realpath(path)).parent / parent))
+    return real if real.exists() else Path(os.path.realpath(path.parent / parent))
 
 
 def _check_link(path: Path, doc: dict[str, Any], info: Any) -> None:

@@ -644,6 +644,27 @@ def test_an_incremental_checkpoint_restores_through_a_link_to_it(tmp_path):
             assert _contents(restored) == expected
 
 
+def test_a_parent_checkpoint_replaced_by_a_link_loop_is_damage_not_a_runtime_error(tmp_path):
+    # Path.resolve raised RuntimeError("Symlink loop") out of restore and checkpoint
+    import shutil
+
+    def loop(name: str) -> None:
+        shutil.rmtree(tmp_path / name)
+        (tmp_path / name).symlink_to(name)
+
+    with embstore.open(tmp_path / "s", tables=[_spec()]) as store:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+        store.checkpoint(tmp_path / "c0")
+        store.update("t", [1], np.zeros((1, 4), np.float32))
+        store.checkpoint(tmp_path / "c1", incremental=True)
+        loop("c0")
+        with pytest.raises(E.CorruptStoreError, match="its parent checkpoint .* is missing"):
+            embstore.restore(tmp_path / "c1", tmp_path / "r")
+        loop("c1")  # the parent of the next incremental checkpoint
+        with pytest.raises(E.EmbstoreError):
+            store.checkpoint(tmp_path / "c2", incremental=True)
+    assert not (tmp_path / "r").exists() and not (tmp_path / "c2").exists()
+
 def test_an_incremental_checkpoint_after_a_chdir_follows_its_real_parent(tmp_path,
                                                                         monkeypatch):
     # the handle kept its last checkpoint's path as given: after a chdir, a relative path
