@@ -139,7 +139,8 @@ class PmemMapping:
         self.path = path
         mapped_len = ffi.new("size_t *")
         is_pmem = ffi.new("int *")
-        addr = lib.pmem_map_file(path.encode(), 0, 0, 0, mapped_len, is_pmem)
+        # the name as the OS holds it: a non-UTF-8 name decodes with surrogate escapes
+        addr = lib.pmem_map_file(os.fsencode(path), 0, 0, 0, mapped_len, is_pmem)
         if addr == ffi.NULL:
             raise _os_error(lib, "pmem_map_file", path)
         self._addr: Any = addr

@@ -158,6 +158,19 @@ def test_a_reader_on_a_read_only_file_system_maps_with_mmap(tmp_path, monkeypatc
     with pytest.raises(StorageIOError, match="Read-only file system"):
         _open(tmp_path)
 
+
+def test_a_table_in_a_folder_with_a_non_utf8_name_opens_on_both_mappings(tmp_path, mapping):
+    # libpmem was given the name encoded as UTF-8, which a surrogate escape cannot be: a
+    # CorruptStoreError "the files are damaged" for a new table
+    folder = tmp_path / os.fsdecode(b"tier\xff")
+    with _open(folder) as b:
+        b.put(_ids(1, 2), _rows(2))
+        assert b.statistics()["libpmem"] is (mapping == "libpmem")
+    with _open(folder, read_only=True) as reader:
+        rows, found = reader.get(_ids(1, 2))
+    assert found.all()
+    np.testing.assert_array_equal(rows, _rows(2))
+
 _PMEM_CHILD = r"""
 import sys
 import numpy as np
