@@ -191,6 +191,8 @@ class CheckpointPlan:
     """Per table, the rows to copy (for progress reports)."""
     gradient_steps: dict[str, int] = field(default_factory=dict)
     """Per half-precision table, its optimizer steps at T0 (seeds its rounding)."""
+    parent_id: str | None = None
+    """The seal id `parent` was written with (None: not known)."""
 
 
 class CheckpointSource(Protocol):
@@ -220,8 +222,10 @@ class CheckpointSource(Protocol):
                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The saved T0 rows of `table` (ids, rows, found), after its last page."""
 
-    def end_checkpoint(self, dest: Path | None) -> None:
+    def end_checkpoint(self, dest: Path | None, seal_id: str | None = None) -> None:
         """Stop saving pre-images; `dest` is the finished checkpoint, None after a failure.
+
+        `seal_id`: the finished checkpoint's seal id, the parent id of the next incremental.
 
         Does nothing where no checkpoint is begun: after a failed `begin_checkpoint`, or a
         second time.
@@ -338,13 +342,19 @@ def take_checkpoint(source: CheckpointSource, dest: str | os.PathLike[str], *,
                     f"the checkpoint {plan.parent} this incremental one would follow is gone "
                     "(moved or removed); take a full checkpoint") from None
             parent_id = (parent_doc.get("checkpoint_seal") or {}).get("id")
-        body["checkpoint_seal"] = {"id": uuid.uuid4().hex, "parent_id": parent_id,
-                                   "tables": seal}
+            if plan.parent_id is not None and parent_id != plan.parent_id:
+                # another checkpoint put in its place (another store's, or a later one of
+                # the same path): linked to it, a restore would materialise its rows
+                raise ConfigError(
+                    f"the checkpoint {plan.parent} this incremental one would follow was "
+                    "replaced by another since it was taken; take a full checkpoint")
+        seal_id = uuid.uuid4().hex
+        body["checkpoint_seal"] = {"id": seal_id, "parent_id": parent_id, "tables": seal}
         write_manifest(tmp, body)
         _crash.point("checkpoint.before_publish")
         publish(tmp, dest, "the checkpoint")
         # the parent of the next incremental one, by a path a later chdir leaves right
-        source.end_checkpoint(plain_path(dest))
+        source.end_checkpoint(plain_path(dest), seal_id)
     except BaseException as exc:
         # also where begin_checkpoint failed or end_checkpoint(dest) was cut short: ending
         # an ended or never begun checkpoint does nothing

@@ -167,6 +167,7 @@ class EmbeddingStore:
         self._changes: dict[str, IdIndex] | None = None
         self._copy: CopyState | None = None
         self._last_checkpoint: Path | None = None
+        self._last_checkpoint_id: str | None = None  # its seal's id
         self._reading_fd: int | None = None  # a read-only handle's lock while it checkpoints
         # what earlier sessions counted (STATS.json), added to this one's at close
         self._history = _counters.load(path) if path is not None else {}
@@ -970,8 +971,8 @@ class EmbeddingStore:
         Raises:
             StoreExistsError: `dest` exists.
             ConfigError: incremental without an earlier checkpoint from this handle, or from
-                a read-only handle; `dest` inside a store or checkpoint; `step` not None or
-                an int >= 0.
+                a read-only handle, or after that checkpoint was removed or replaced; `dest`
+                inside a store or checkpoint; `step` not None or an int >= 0.
             StoreLockedError: (read-only handles) a writer holds the store.
             StorageIOError: `dest` cannot be made or written; nothing is left of it.
             CorruptStoreError: the medium lost rows the checkpoint would hold (a copy would
@@ -1039,7 +1040,8 @@ class EmbeddingStore:
             # up with no copy state to take them back from (`end_checkpoint(None)`)
             self._changes, self._copy = changes, copy
             return CheckpointPlan([t.spec for t in self._tables.values()], self._default_tiers,
-                                  parent, rows, self._gradient_steps())
+                                  parent, rows, self._gradient_steps(),
+                                  self._last_checkpoint_id)
 
     def checkpoint_pages(self, table: str, batch_rows: int
                          ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
@@ -1096,8 +1098,10 @@ class EmbeddingStore:
             assert self._copy is not None, "begin_checkpoint first"
             return self._copy.preimages(table)
 
-    def end_checkpoint(self, dest: Path | None) -> None:
+    def end_checkpoint(self, dest: Path | None, seal_id: str | None = None) -> None:
         """For `embstore.checkpoint`: stop saving pre-images; `dest` None after a failure.
+
+        `seal_id` is the finished checkpoint's seal id, which its child checks it by.
 
         Without a checkpoint begun (none, or this one ended already) it does nothing: a
         failure anywhere after `begin_checkpoint` was called may end it with None.
@@ -1110,7 +1114,8 @@ class EmbeddingStore:
                 if dest is not None:
                     # one step, no call between: an interrupt cannot leave the copy ended but
                     # the checkpoint unrecorded, the parent of the next incremental one
-                    self._copy, self._last_checkpoint = None, dest
+                    self._copy, self._last_checkpoint, self._last_checkpoint_id = (
+                        None, dest, seal_id)
                     return
                 # the changes meant for this checkpoint must go into the next incremental one
                 changes = copy.changes_to_keep(self._changes)

@@ -687,6 +687,30 @@ def test_an_incremental_checkpoint_after_a_chdir_follows_its_real_parent(tmp_pat
     with embstore.open(tmp_path / "r", read_only=True) as restored:
         assert _contents(restored) == expected
 
+def test_an_incremental_checkpoint_whose_parent_was_replaced_is_refused(tmp_path):
+    # it took whatever stood at its parent's path as its parent: another store's checkpoint
+    # put there, and restore gave that store's rows
+    import shutil
+
+    with embstore.open(tmp_path / "a", tables=[_spec()]) as store, \
+            embstore.open(tmp_path / "b", tables=[_spec()]) as other:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+        store.checkpoint(tmp_path / "c1")
+        other.update("t", np.arange(10), np.full((10, 4), 9, np.float32))
+        shutil.rmtree(tmp_path / "c1")
+        other.checkpoint(tmp_path / "c1")
+        store.update("t", [1], np.zeros((1, 4), np.float32))
+        with pytest.raises(E.ConfigError, match="was replaced by another"):
+            store.checkpoint(tmp_path / "c2", incremental=True)
+        assert not (tmp_path / "c2").exists()
+        store.checkpoint(tmp_path / "c3")  # a full one starts a new chain
+        store.update("t", [2], np.zeros((1, 4), np.float32))
+        store.checkpoint(tmp_path / "c4", incremental=True)
+        expected = _contents(store)
+    embstore.restore(tmp_path / "c4", tmp_path / "r")
+    with embstore.open(tmp_path / "r", read_only=True) as restored:
+        assert _contents(restored) == expected
+
 def test_an_incremental_checkpoint_whose_parent_was_removed_says_so(tmp_path):
     import shutil
 
