@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,12 +51,15 @@ def _read(root: Path) -> tuple[dict[str, Any], str | None]:
     """(the history, None) or ({}, why it is unreadable); ({}, None) where there is none."""
     file = root / STATS_NAME
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a named pipe in the file's place would block the open for a writer
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return {}, None
     except OSError as exc:
         return {}, f"cannot be opened ({exc.strerror or exc})"
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}, "is not a regular file"
         if os.fstat(fd).st_size > _MAX_BYTES:
             return {}, f"is over {_MAX_BYTES >> 20} MiB"
         with os.fdopen(fd, "rb", closefd=False) as fh:

@@ -339,6 +339,38 @@ def test_an_unreadable_stats_file_is_a_note_and_no_repair(tmp_path, capsys, stat
     assert fsck.check(path) == []  # the next close wrote it anew
 
 
+def test_a_named_pipe_in_place_of_the_stats_file_is_a_note_not_a_hang(tmp_path):
+    # the open of STATS.json blocked until a writer came to the pipe: every open, info and
+    # fsck of the store hung for ever
+    import threading
+
+    path = _store(tmp_path / "s", "pmem", n=5)
+    stats = path / "STATS.json"
+    stats.unlink()
+    os.mkfifo(stats)
+    stop, let_go = threading.Event(), []
+
+    def writer() -> None:  # lets a blocked reader go on, so the old code fails, not hangs
+        while not stop.wait(5):
+            try:
+                os.close(os.open(stats, os.O_WRONLY | os.O_NONBLOCK))
+                let_go.append(True)
+            except OSError:  # ENXIO: nobody waits on it; ENOENT: replaced by a file
+                pass
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        (note,) = fsck.check(path)
+        assert note.note and "is not a regular file" in note.message
+        with embstore.open(path) as store:
+            assert (store.lookup("t", np.arange(5)) == 1.25).all()
+    finally:
+        stop.set()
+        thread.join()
+    assert not let_go
+    assert fsck.check(path) == []  # the close wrote it anew
+
 @pytest.mark.parametrize("how", ["outside", "missing", "symlink", "garbage", "version"])
 def test_a_manifest_pointing_outside_at_a_missing_file_or_at_a_symlink_is_refused(tmp_path,
                                                                                  how):
