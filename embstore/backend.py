@@ -10,7 +10,9 @@ name equals the class's `name`; the registry finds it and the contract suite tes
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -556,17 +558,58 @@ def foreign_error(exc: Exception, what: str, path: object) -> Exception:
     """`exc` as a documented embstore error; `what` says what was being done, `path` where.
 
     An embstore error passes unchanged; an `OSError` becomes a `StorageIOError` with its errno;
-    `MemoryError` stays itself; anything else a library raised (RocksDB's "Corruption", an
-    LMDB error, a numpy or struct error on a short or foreign file) means the files are not
-    what the backend wrote: `CorruptStoreError`.
+    `MemoryError` stays itself; so does a library's error that names a failing medium (no
+    space, EIO, a read-only file system) or that came with the file system of `path` full,
+    as a `StorageIOError`. Anything else a library raised (RocksDB's "Corruption", an LMDB
+    error, a numpy or struct error on a short or foreign file) means the files are not what
+    the backend wrote: `CorruptStoreError`.
     """
     if isinstance(exc, EmbstoreError | MemoryError):
         return exc
     if isinstance(exc, OSError):
-        fix = ("free disk space" if exc.errno == 28 else
-               "check the device (dmesg), then reopen the store")
-        return StorageIOError(exc.errno, f"{what}: {exc.strerror or exc}; {fix}",
+        return StorageIOError(exc.errno, f"{what}: {exc.strerror or exc}; {_fix(exc.errno)}",
                               exc.filename or str(path))
+    # a library's own words for a failing medium (LMDB's "Input/output error"); a full disk
+    # is asked of the file system, since a library may name only its own state after one
+    # (RocksDB's "Writer has previous error")
+    code = next((c for words, c in _MEDIUM_FAILURES if words in str(exc)), None)
+    if path is not None and _file_system_full(Path(str(path))):
+        code = errno.ENOSPC
+    if code is not None:
+        # LMDB reports a write cut short (a disk that filled during it) as EIO too
+        fix = ("check the free disk space and the device (dmesg), then reopen the store"
+               if code == errno.EIO else _fix(code))
+        return StorageIOError(code, f"{what}: {type(exc).__name__}: {exc}; {fix}",
+                              str(path) if path is not None else None)
     return CorruptStoreError(
         f"{what}: {type(exc).__name__}: {exc}; the files are damaged or not embstore's: "
         "restore the store from a checkpoint (`embstore fsck` lists what is damaged)")
+
+
+_MEDIUM_FAILURES = (("No space left on device", errno.ENOSPC),
+                    ("Disk quota exceeded", errno.EDQUOT),
+                    ("Input/output error", errno.EIO),
+                    ("Read-only file system", errno.EROFS))
+
+
+def _fix(code: int | None) -> str:
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "free disk space"
+    return "check the device (dmesg), then reopen the store"
+
+
+def _file_system_full(path: Path) -> bool:
+    """Whether the file system holding `path` (or its nearest existing parent) is full."""
+    for where in (path, *path.parents):
+        try:
+            fs = os.statvfs(where)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+        return fs.f_bavail * fs.f_frsize < _FULL_BYTES
+    return False
+
+
+_FULL_BYTES = 1 << 20
+"""Free bytes below which a file system counts as full: a library's write of a batch fails."""

@@ -24,7 +24,13 @@ import pytest
 
 import embstore
 from embstore import _rebuild, fsck
-from embstore.errors import EmbstoreError, StorageIOError, SyncFailedError
+from embstore.errors import (
+    CapacityError,
+    CorruptStoreError,
+    EmbstoreError,
+    StorageIOError,
+    SyncFailedError,
+)
 from embstore.testing import FaultyBackend, inject
 
 DIM = 4
@@ -222,8 +228,9 @@ def test_a_checkpoint_or_restore_into_a_full_file_system_fails_and_frees_its_spa
     with embstore.open(tmp_path / "s", tables=tables,
                        tiers=[embstore.TierSpec(backend)]) as store:
         store.update("t", ids, np.ones((len(ids), 256), np.float32))
-        with pytest.raises(EmbstoreError):
+        with pytest.raises((StorageIOError, CapacityError)) as failed:  # not "damaged"
             store.checkpoint(small_fs / "ckpt")
+        assert "disk space" in str(failed.value), failed.value
         assert list(small_fs.iterdir()) == []
         fs = os.statvfs(small_fs)
         assert fs.f_bfree == fs.f_blocks
@@ -277,3 +284,25 @@ def test_a_failure_at_every_io_position_of_a_compaction_leaves_the_old_store(
     assert positions > 2  # the copy's puts, flush and close were each made to fail
     print(f"io faults {backend} compaction {errno.errorcode[code]} persistent={persistent}: "
           f"{positions} positions")
+
+
+def test_a_library_error_naming_a_failing_medium_or_met_on_a_full_disk_is_no_damage(
+        tmp_path, monkeypatch):
+    from embstore import backend
+
+    for text, code in [("mdb_txn_commit: Input/output error", errno.EIO),
+                       ("IO error: No space left on device: While appending", errno.ENOSPC)]:
+        err = backend.foreign_error(Exception(text), "writing", tmp_path)
+        assert isinstance(err, StorageIOError) and err.errno == code, err
+        assert "disk space" in str(err)
+    corrupt = Exception("Corruption: block checksum mismatch")
+    assert isinstance(backend.foreign_error(corrupt, "reading", tmp_path), CorruptStoreError)
+    assert isinstance(backend.foreign_error(corrupt, "reading", None), CorruptStoreError)
+    full = os.statvfs(tmp_path)
+    monkeypatch.setattr(backend.os, "statvfs", lambda path: type(full)(
+        (full.f_bsize, full.f_frsize, full.f_blocks, 0, 0, *full[5:])))
+    # RocksDB names only its own state after a write failed for space
+    err = backend.foreign_error(Exception("IO error: Writer has previous error."), "closing",
+                                tmp_path / "gone" / "tier0-rocksdb")
+    assert isinstance(err, StorageIOError) and err.errno == errno.ENOSPC
+    assert "free disk space" in str(err)
