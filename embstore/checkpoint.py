@@ -594,8 +594,10 @@ def _check_sealed(where: Path, doc: dict[str, Any], table: str, stored: int, dig
             f"{where}: table {table!r} does not hold what the checkpoint stored ({stored} rows "
             f"and {len(dead)} deletions found, its manifest records "
             f"{None if want is None else (want.get('rows'), want.get('deleted'))} with other "
-            "checksums): files are missing, damaged or from another checkpoint; restore "
-            "another checkpoint")
+            "checksums): files are missing, damaged or from another checkpoint, or the "
+            "checkpoint was opened for writing and changed since it was taken (open "
+            "checkpoints with read_only=True, or restore them, to train on); restore another "
+            "checkpoint")
 
 
 def _bottom_backend(root: Path, spec: TableSpec, tiers: tuple[TierSpec, ...], read_only: bool

@@ -726,3 +726,16 @@ def test_an_incremental_checkpoint_whose_parent_was_removed_says_so(tmp_path):
         expected = _contents(store)
     with embstore.open(tmp_path / "c2", read_only=True) as c2:
         assert _contents(c2) == expected
+
+
+def test_a_base_checkpoint_changed_by_a_writable_open_says_so_when_restored(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=[TierSpec("lmdb")]) as store:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+        store.checkpoint(tmp_path / "c0")
+        store.update("t", np.arange(5), np.full((5, 4), 2, np.float32))
+        store.checkpoint(tmp_path / "c1", incremental=True)
+    with embstore.open(tmp_path / "c0") as base:  # writable: its rows change
+        base.update("t", np.arange(3), np.zeros((3, 4), np.float32))
+    with pytest.raises(E.CorruptStoreError, match="opened for writing and changed"):
+        embstore.restore(tmp_path / "c1", tmp_path / "r")
+    assert not (tmp_path / "r").exists()
