@@ -303,13 +303,19 @@ class AccessRecorder:
 
     def lookup_many(self, batches: Sequence[tuple[TableSpec, np.ndarray]],
                     accessed: Mapping[str, Any] | None) -> None:
-        """Log checked distinct ids per table, or the batch as used where `accessed` gives it."""
+        """Log checked distinct ids per table, or the batch as used where `accessed` gives it.
+
+        Every table's `accessed` ids are checked before any batch is logged: a call refused
+        for one table's logs none (it reads nothing).
+
+        Raises:
+            InvalidIdsError: ids of `accessed` that `lookup` would refuse.
+        """
         used = accessed or {}
-        for spec, ids in batches:
-            if spec.name in used:
-                self.lookup(spec.name, as_ids(used[spec.name], spec), ids)
-            else:
-                self.lookup(spec.name, ids)
+        logged = [(spec.name, as_ids(used[spec.name], spec) if spec.name in used else None, ids)
+                  for spec, ids in batches]
+        for name, as_used, ids in logged:
+            self.lookup(name, ids if as_used is None else as_used, ids)
 
     def write(self, table: str, ids: np.ndarray) -> None:
         """Log a write (`apply_gradients`, `update`) unless it is a logged lookup's step."""

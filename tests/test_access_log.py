@@ -15,7 +15,13 @@ import pytest
 import embstore
 from embstore import _crash
 from embstore._access_log import read_access_log, sample_mask
-from embstore.errors import ConfigError, CorruptStoreError, InvalidValuesError, StoreLockedError
+from embstore.errors import (
+    ConfigError,
+    CorruptStoreError,
+    InvalidIdsError,
+    InvalidValuesError,
+    StoreLockedError,
+)
 from embstore.tools._mrc import (
     MIN_SAMPLED_IDS,
     SHARDS_ERROR_BOUND,
@@ -185,6 +191,22 @@ def test_a_bad_accessed_mapping_is_refused_and_logs_nothing(tmp_path: Path, acce
         store.flush()
         assert [list(x) for x in read_access_log(tmp_path / "log").batches("t")] == [[1, 2]]
         assert store.tier_statistics("t")[0].lookups == 2
+
+
+def test_a_lookup_many_refused_for_one_tables_accessed_ids_logs_no_table(
+        tmp_path: Path) -> None:
+    # the first table's batch was logged before the second table's accessed ids were checked
+    specs = [embstore.TableSpec("a", dim=2), embstore.TableSpec("b", dim=2)]
+    with embstore.open(None, tables=specs, record_accesses=tmp_path / "log") as store:
+        with pytest.raises(InvalidIdsError, match="table 'b'"):
+            store.lookup_many({"a": np.array([1, 2]), "b": np.array([3])},
+                              accessed={"a": np.array([1, 1, 2]), "b": np.array([1.5])})
+        store.lookup_many({"a": np.array([4])})
+        store.flush()
+        log = read_access_log(tmp_path / "log")
+        assert [list(x) for x in log.batches("a")] == [[4]]
+        assert log.batches("b") == []
+        assert store.tier_statistics("a")[0].lookups == 1
 
 
 def test_the_log_is_private_and_a_reopened_store_appends_to_it(tmp_path: Path) -> None:
