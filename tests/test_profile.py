@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import embstore
 from embstore._access_log import sample_mask
 from embstore.errors import ConfigError
 from embstore.placement import load_document
@@ -197,6 +198,25 @@ def test_profile_refuses_an_output_that_is_its_trace_or_no_file(
     target = str(tmp_path / output) if output else ""
     assert message in _profile_fails(tmp_path, capsys, str(tmp_path / "trace.npz"), "-o",
                                      target)
+
+
+@pytest.mark.parametrize("flag", ["-o", "--plot"])
+@pytest.mark.parametrize("name", ["t.ids", "ACCESS_LOG.json", "sub/new.svg"])
+def test_profile_refuses_an_output_inside_the_access_log_it_reads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None, flag: str,
+        name: str) -> None:
+    # -o log/t.ids replaced the log's own file with the profile, and any new file there joined
+    # the log, which its reader and recorder then refused as damaged
+    log = tmp_path / "log"
+    with embstore.open(None, tables=[embstore.TableSpec("t", dim=2)],
+                       record_accesses=log) as store:
+        store.lookup("t", np.array([1, 2, 3]))
+    (log / "sub").mkdir()
+    (tmp_path / "link").symlink_to(log)
+    for trace in (log, tmp_path / "link"):
+        out = ["-o", str(log / name)] if flag == "-o" else [
+            "-o", str(tmp_path / "p.json"), "--plot", str((log / name).with_suffix(".svg"))]
+        assert "lies inside the" in _profile_fails(tmp_path, capsys, str(trace), *out)
 
 
 @pytest.mark.parametrize(("plot", "message"), [

@@ -23,9 +23,9 @@ from embstore.layout import refuse_inside_store
 from embstore.spec import parse_bytes
 
 __all__ = ["Amount", "Parser", "add_output_flags", "amount", "bench_size", "check_output",
-           "existing_file", "non_negative_float", "non_negative_int", "one_of", "positive_float",
-           "positive_int", "progress", "quick_sizes", "same_file", "some_of", "thread_count",
-           "tier_chain", "work_dir"]
+           "existing_file", "inside_dir", "non_negative_float", "non_negative_int", "one_of",
+           "positive_float", "positive_int", "progress", "quick_sizes", "same_file", "some_of",
+           "thread_count", "tier_chain", "work_dir"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -405,6 +405,16 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
+def inside_dir(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> bool:
+    """Whether `path` (existing or not) lies inside the directory `folder`, links resolved."""
+    if not Path(folder).is_dir():
+        return False
+    try:
+        return Path(folder).resolve() in Path(path).resolve().parents
+    except (OSError, RuntimeError):  # a symlink loop: compare the paths as written
+        return Path(os.path.abspath(folder)) in Path(os.path.abspath(path)).parents
+
+
 def check_output(path: str | os.PathLike[str], flag: str,
                  inputs: Iterable[str | os.PathLike[str]] = ()) -> None:
     """Refuse an output path before any work: no name, a directory, no such folder, an input.
@@ -413,7 +423,8 @@ def check_output(path: str | os.PathLike[str], flag: str,
     output never replaces one of the files it was computed from.
 
     Raises:
-        ConfigError: `path` is empty, a directory, in a missing folder, or one of `inputs`.
+        ConfigError: `path` is empty, a directory, in a missing folder, one of `inputs`, or
+            inside one of them that is a directory (an access log).
     """
     text = os.fspath(path)
     if not text:
@@ -433,3 +444,7 @@ def check_output(path: str | os.PathLike[str], flag: str,
         if same_file(out, source):
             raise ConfigError(f"{flag} {text!r} is also an input ({os.fspath(source)!r}); "
                               "write the output to another file")
+        if inside_dir(out, source):  # an access log: the file would replace or join its own
+            raise ConfigError(f"{flag} {text!r} lies inside the input directory "
+                              f"{os.fspath(source)!r}, whose files it would replace or join; "
+                              "write the output beside it")
