@@ -194,6 +194,9 @@ BAD_BENCH = [
                                                 "--demo-chunk", "--threads")],
     (["placement", "-o", ""], "-o"),  # refused by the run, before it profiles anything
     (["placement", "--tables", "9", "--lookups", "8"], "--tables 9"),  # by the run too
+    # the proportional reference caches with clock: without its curve, a KeyError at the end
+    (["placement", "--quick", "--no-replay", "--policies", "lru"], "--policies"),
+    (["placement", "--quick", "--no-replay", "--policies", ""], "--policies"),
 ]
 
 

@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiers", type=existing_file, default=None,
                         help="tier model to plan with (default: measure dram, pmem, rocksdb)")
     parser.add_argument("--policies", default="clock,wtinylfu:hold_new=1",
-                        help="eviction specs the profile replays (clock,wtinylfu:hold_new=1)")
+                        help="eviction specs the profile replays, clock among them (the "
+                             "proportional reference runs it) (clock,wtinylfu:hold_new=1)")
     parser.add_argument("--warmup", type=_warmup_share, default=0.25,
                         help="share of the batches, in [0, 1), that only warm the caches "
                              "(0.25)")
@@ -206,9 +207,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--tables {args.tables:,} is more than --lookups {args.lookups:,}: "
                           "each table takes at least one lookup a batch; give fewer tables "
                           "or more lookups")
+    policies = [p for p in args.policies.split(",") if p]
+    if "clock" not in policies:  # naive_placement's proportional reference runs clock
+        raise ConfigError(f"--policies {args.policies!r} has no clock: the proportional "
+                          "reference placement caches with clock eviction, so its curve is "
+                          "needed; add clock (e.g. clock,wtinylfu:hold_new=1)")
     params = replace(PROFILES["2021"], tables=args.tables, lookups=args.lookups)
     tables = split_tables(list(synthesize(args.batches, seed=args.seed, params=params)))
-    profile = build_profile(tables, policies=[p for p in args.policies.split(",") if p],
+    profile = build_profile(tables, policies=policies,
                             points=12, warmup=args.warmup, seed=args.seed)
     own = args.dir is None
     directory = Path(tempfile.mkdtemp(prefix="embstore-placement-")) if own else args.dir
