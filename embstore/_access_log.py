@@ -113,11 +113,13 @@ def _rates(tables: Sequence[str], sample: float | Mapping[str, float]) -> dict[s
         given = dict.fromkeys(tables, sample)
     out = {}
     for name, rate in given.items():
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (
-                0 < rate <= 1) or threshold_of(rate) < 1:
+        # numpy's numbers are rates too (np.bool_ is neither np.integer nor np.floating)
+        if isinstance(rate, bool) or not isinstance(
+                rate, (int, float, np.integer, np.floating)) or not (
+                0 < rate <= 1) or threshold_of(float(rate)) < 1:
             raise ConfigError(f"record_sample for table {name!r} must be a rate in "
                               f"[2**-{HASH_BITS}, 1], got {rate!r}; e.g. 0.01 keeps 1% of ids")
-        out[name] = threshold_of(rate) / (1 << HASH_BITS)
+        out[name] = threshold_of(float(rate)) / (1 << HASH_BITS)
     return out
 
 

@@ -289,6 +289,23 @@ def test_bad_paths_and_rates_give_embstore_errors_and_create_no_store(tmp_path: 
     assert main(["profile", str(tmp_path / "other"), "-o", str(tmp_path / "p.json")]) == 2
 
 
+def test_numpy_rates_are_rates_and_numpy_bools_are_not(tmp_path: Path) -> None:
+    # np.float32(0.5) was refused as "not a rate in [2**-24, 1]", while np.float64 was taken
+    specs = [embstore.TableSpec("a", dim=2), embstore.TableSpec("b", dim=2)]
+    for k, sample in enumerate((np.float32(0.5), {"a": np.float32(0.25), "b": np.int64(1)})):
+        with embstore.open(None, tables=specs, record_accesses=tmp_path / f"log{k}",
+                           record_sample=sample) as store:  # type: ignore[arg-type]
+            store.lookup("a", np.arange(1000))
+        rates = read_access_log(tmp_path / f"log{k}").rates
+        assert rates == ({"a": 0.5, "b": 0.5} if k == 0 else {"a": 0.25, "b": 1.0})
+        assert all(type(r) is float for r in rates.values())
+    for bad in (np.bool_(True), np.float32(0), np.float64(np.nan), np.int64(2)):
+        with pytest.raises(ConfigError, match="record_sample"):
+            embstore.open(None, tables=specs, record_accesses=tmp_path / "bad",
+                          record_sample=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "bad").exists()
+
+
 def test_per_rank_logs_read_as_one_in_rank_order_and_must_agree(tmp_path: Path) -> None:
     from embstore._access_log import AccessRecorder
 
