@@ -44,12 +44,13 @@ the files (the store's `flush` and `close` call it).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import sys
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,12 @@ class _TableLog:
         _pwrite_all(self.off_fd, np.array([end], dtype="<i8").view(np.uint8).data,
                     (self.batches + 1) * 8)
         self.end, self.batches = end, self.batches + 1
+
+    def truncate(self, end: int, batches: int) -> None:
+        """Cut the log back to its first `batches` batches, which end at id `end`."""
+        os.ftruncate(self.off_fd, (batches + 1) * 8)
+        os.ftruncate(self.ids_fd, end * 8)
+        self.end, self.batches = end, batches
 
     def close(self) -> None:
         """Close both files (either may not be open: -1)."""
@@ -318,6 +325,26 @@ class AccessRecorder:
                   for spec, ids in batches]
         for name, as_used, ids in logged:
             self.lookup(name, ids if as_used is None else as_used, ids)
+
+    @contextlib.contextmanager
+    def writing(self, table: str, ids: np.ndarray) -> Iterator[None]:
+        """Log a write as `write` does, and take it back where the write then raises.
+
+        A write refused in the store (a non-finite step: nothing written) is no access: its
+        lookup stays unwritten for the step retried, and a batch it logged is cut off again.
+        """
+        log = self._logs[table]
+        unwritten, mark = list(log.unwritten), (log.end, log.batches)
+        self.write(table, ids)
+        try:
+            yield
+        except BaseException:
+            log.unwritten.clear()
+            log.unwritten.extend(unwritten)
+            if (log.end, log.batches) != mark:
+                with contextlib.suppress(OSError):  # the write's own error is the one to see
+                    log.truncate(*mark)
+            raise
 
     def write(self, table: str, ids: np.ndarray) -> None:
         """Log a write (`apply_gradients`, `update`) unless it is a logged lookup's step."""

@@ -593,9 +593,8 @@ class EmbeddingStore:
             rows = as_rows(rows, len(ids), t.spec)
             self._check_writable()
             _check_update_in_range(t, ids, rows)
-            if self._recorder is not None:
-                self._recorder.write(table, ids)
-            self._update(t, ids, rows)
+            with self._recording_write(table, ids):
+                self._update(t, ids, rows)
 
     def _update(self, t: _Table, ids: np.ndarray, rows: np.ndarray) -> None:
         """`update` of checked `ids` and `rows`."""
@@ -636,9 +635,8 @@ class EmbeddingStore:
             ids = as_ids(ids, t.spec)
             grads = as_rows(grads, len(ids), t.spec, what="gradients")
             self._check_writable()
-            if self._recorder is not None:
-                self._recorder.write(table, ids)
-            self._apply_gradients(t, ids, grads)
+            with self._recording_write(table, ids):
+                self._apply_gradients(t, ids, grads)
 
     def _apply_gradients(self, t: _Table, ids: np.ndarray, grads: np.ndarray, *,
                          distinct: bool = False) -> None:
@@ -751,9 +749,8 @@ class EmbeddingStore:
         """
         with self._mutex:
             for t, ids, values in self._pairs(requests, "gradients", checked_finite=finite):
-                if self._recorder is not None:
-                    self._recorder.write(t.spec.name, ids)
-                self._apply_gradients(t, ids, values, distinct=True)
+                with self._recording_write(t.spec.name, ids):
+                    self._apply_gradients(t, ids, values, distinct=True)
 
     def _write_many(self, requests: Mapping[str, tuple[Any, Any]], what: str,
                     write: Callable[[_Table, np.ndarray, np.ndarray], None],
@@ -769,9 +766,8 @@ class EmbeddingStore:
                 for t, ids, values in pairs:
                     precheck(t, ids, values)
             for t, ids, values in pairs:
-                if self._recorder is not None:
-                    self._recorder.write(t.spec.name, ids)
-                write(t, ids, values)
+                with self._recording_write(t.spec.name, ids):
+                    write(t, ids, values)
 
     def _requests(self, requests: Mapping[str, Any]) -> list[tuple[_Table, Any]]:
         """(table, its request) of each table of `requests`, all of them known."""
@@ -1351,6 +1347,13 @@ class EmbeddingStore:
         return {name: {"rows": len(t.chain), "updates_dropped": t.updates_dropped,
                        "tiers": [dataclasses.asdict(s) for s in t.chain.statistics()]}
                 for name, t in self._tables.items()}
+
+    def _recording_write(self, table: str,
+                         ids: np.ndarray) -> contextlib.AbstractContextManager[None]:
+        """Log a write of `ids` to `table` around it, taken back where the write raises."""
+        if self._recorder is None:
+            return contextlib.nullcontext()
+        return self._recorder.writing(table, ids)
 
     def _attach_recorder(self, recorder: AccessRecorder | None) -> None:
         """Log this store's batches to `recorder` from now on (None: stop; embstore._access_log).

@@ -20,6 +20,7 @@ from embstore.errors import (
     CorruptStoreError,
     InvalidIdsError,
     InvalidValuesError,
+    NonFiniteValueError,
     StoreLockedError,
 )
 from embstore.tools._mrc import (
@@ -207,6 +208,29 @@ def test_a_lookup_many_refused_for_one_tables_accessed_ids_logs_no_table(
         assert [list(x) for x in log.batches("a")] == [[4]]
         assert log.batches("b") == []
         assert store.tier_statistics("a")[0].lookups == 1
+
+
+def test_a_write_the_store_refuses_is_not_logged_and_leaves_its_lookup_for_the_retry(
+        tmp_path: Path) -> None:
+    # a step refused for a non-finite result writes nothing, but it took its lookup's match
+    # (the retried step was then logged as a batch of its own) or was logged as a batch
+    spec = embstore.TableSpec("t", dim=2, optimizer=embstore.optim.SGD(lr=1.0))
+    huge = np.full((2, 2), 3e38, np.float32)
+    with embstore.open(None, tables=[spec], record_accesses=tmp_path / "log") as store:
+        store.update("t", np.array([1, 2]), huge)           # a batch of its own
+        store.lookup("t", np.array([1, 2]))
+        for ids in (np.array([1, 2]), np.array([2])):       # the lookup's step, refused
+            with pytest.raises(NonFiniteValueError):
+                store.apply_gradients("t", ids, -huge[: len(ids)])
+        with pytest.raises(NonFiniteValueError):            # no lookup: refused, no batch
+            store.apply_gradients_many({"t": (np.array([1]), -huge[:1])})
+        store.apply_gradients("t", np.array([2, 1]), np.ones((2, 2), np.float32))  # retried
+        store.apply_gradients("t", np.array([9]), np.ones((1, 2), np.float32))  # its own
+    log = read_access_log(tmp_path / "log")
+    assert [list(x) for x in log.batches("t")] == [[1, 2], [1, 2], [9]]
+    assert not log.left_out and not log.lost_batches
+    assert (tmp_path / "log" / "t.ids").stat().st_size == 5 * 8
+    assert (tmp_path / "log" / "t.offsets").stat().st_size == 4 * 8
 
 
 def test_the_log_is_private_and_a_reopened_store_appends_to_it(tmp_path: Path) -> None:
