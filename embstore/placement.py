@@ -37,8 +37,9 @@ Three documents, each a JSON object with ``"format"`` and ``"version"`` keys:
 
 `load_document` checks the format, version (an int), and the fields the planner and `open`
 use and a placement's figures (every number finite and within its range, table names as
-`TableSpec` takes them, the file UTF-8 JSON; a placement's figures beside its chains are
-optional, as `open` needs only the chains), and raises `ConfigError` naming the file, the
+`TableSpec` takes them, the file UTF-8 JSON, a profile's distinct ids per batch no more
+than its lookups per batch and rows; a placement's figures beside its chains are optional,
+as `open` needs only the chains), and raises `ConfigError` naming the file, the
 field and the fix; `apply_placement` gives table specs their planned chains
 (``embstore.open(..., placement=path)``).
 """
@@ -227,6 +228,15 @@ def _check_profile(doc: dict[str, Any], where: str) -> None:
         for key in ("distinct_per_batch", "lookups_per_sample", "bytes_per_sample"):
             _number(t, key, where, what)
         _number(t, "lookups_per_batch", where, what, optional=True)
+        # no batch reaches more distinct rows than it looks up, nor than its table has (a
+        # sampled log's estimates keep both: its row count is rounded to the nearest)
+        distinct, rows = t["distinct_per_batch"], t["rows_touched"]
+        for most, of in ((t.get("lookups_per_batch"), "its lookups_per_batch"),
+                         (rows + 0.5, f"the {rows} rows it touches (rows_touched)")):
+            if most is not None and distinct > most:
+                raise ConfigError(f"{where!r}: {what}.distinct_per_batch is {_short(distinct)}, "
+                                  f"more than {of}: the figures contradict each other; "
+                                  "profile the trace again")
         _number(t, "sampled_ids", where, what, whole=True, optional=True)
         for key in ("sample_rate", "recorded_rate"):
             _number(t, key, where, what, above=True, most=1, optional=True)

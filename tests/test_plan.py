@@ -340,6 +340,24 @@ def test_every_profile_number_is_checked_naming_table_and_field(
         load_document(bad, "profile")
 
 
+def test_a_profile_whose_distinct_ids_per_batch_contradict_its_other_figures_is_refused(
+        files: Path, profile: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    # an edited distinct_per_batch was planned as given: seconds per batch for reads of rows
+    # the table does not have
+    t = profile["tables"]["t03"]
+    assert t["distinct_per_batch"] <= min(t["lookups_per_batch"], t["rows_touched"])
+    for fields, says in (
+            ({"distinct_per_batch": t["lookups_per_batch"] * 1.01}, "its lookups_per_batch"),
+            ({"distinct_per_batch": t["rows_touched"] + 1.0, "lookups_per_batch":
+              t["rows_touched"] * 2.0}, "rows it touches (rows_touched)")):
+        bad = json.loads(json.dumps(profile))
+        bad["tables"]["t03"].update(fields)
+        with pytest.raises(ConfigError, match=r"table 't03'.distinct_per_batch .*more than"):
+            load_document(bad, "profile")
+        (files / "bad.json").write_text(json.dumps(bad))
+        assert says in _plan_fails(files, capsys, profile="bad.json")
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("batches", -1), ("samples_per_batch", 0), ("step_calls", float("nan"))])
 def test_profile_header_numbers_are_checked(profile: dict[str, Any], field: str,
