@@ -8,14 +8,16 @@ the keys in order (each backend reads one page its own way, `_scan_page`), and b
 from __future__ import annotations
 
 import json
+import os
 from abc import abstractmethod
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from embstore.backend import Backend, BackendSpec
-from embstore.errors import ConfigError, StoreNotFoundError
+from embstore.errors import ConfigError, CorruptStoreError, StorageIOError, StoreNotFoundError
 
 from ._keys import decode_keys, decode_values
 
@@ -34,6 +36,31 @@ def missing_medium(what: str, directory: object) -> StoreNotFoundError:
     return StoreNotFoundError(
         f"no {what} in {directory}: never made, or its files were removed or lost (`embstore "
         "fsck STORE` checks a store); a read-only open makes none")
+
+
+def refuse_special_files(directory: Path, what: str) -> None:
+    """Refuse a database directory holding links, named pipes, sockets or devices.
+
+    The library (`what`) opens its files itself: a named pipe in a file's place (RocksDB's
+    CURRENT, LMDB's data.mdb) would block its open for ever, and a link would lead it out of
+    the store.
+
+    Raises:
+        CorruptStoreError: naming the first such entry.
+    """
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StorageIOError(exc.errno, f"cannot list {what} directory {directory}: "
+                             f"{exc.strerror or exc}", str(directory)) from exc
+    for entry in entries:
+        if not (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)):
+            kind = "a symbolic link" if entry.is_symlink() else "a named pipe, socket or device"
+            raise CorruptStoreError(
+                f"{entry.path} is {kind}, not a file {what} wrote; put the file itself back or "
+                "restore the tier from a checkpoint")
 
 
 def flag_option(backend: str, option: str, value: Any) -> bool:

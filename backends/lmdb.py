@@ -68,6 +68,7 @@ from ._kv import (
     flag_option,
     int_option,
     missing_medium,
+    refuse_special_files,
     table_meta,
 )
 
@@ -450,6 +451,7 @@ def _open_env(directory: Path, settings: tuple[tuple[str, Any], ...], read_only:
         CorruptStoreError, StoreLockedError: from LMDB.
     """
     s = dict(settings)
+    refuse_special_files(directory, "LMDB")
     file = directory / "data.mdb"
     if read_only and not file.exists():
         raise missing_medium("LMDB environment", directory)

@@ -62,6 +62,7 @@ from ._kv import (
     flag_option,
     int_option,
     missing_medium,
+    refuse_special_files,
     table_meta,
 )
 from ._rocksdb_read import check_log_framing, db_files, error_text, open_read_only
@@ -636,6 +637,7 @@ def _open_db(directory: Path, settings: tuple[tuple[str, Any], ...], read_only: 
     """
     cache = rocksdict.Cache(dict(settings)["block_cache_bytes"])
     path = str(directory)
+    refuse_special_files(directory, "RocksDB")
     exists = (directory / "CURRENT").exists()
     if read_only and not exists:
         raise missing_medium("RocksDB database", directory)

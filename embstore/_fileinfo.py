@@ -23,8 +23,10 @@ LMDB meta page (two of them: page 0 and page 1; 64-bit build), byte offsets in t
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from typing import Any
 from .checksum import crc32c
 
 __all__ = ["LMDB_MAGIC", "LMDBMeta", "fingerprint", "lmdb_map_size_ok", "lmdb_metas",
+           "open_regular",
            "pmem_state", "read_at"]
 
 LMDB_MAGIC = 0xBEEFC0DE
@@ -70,13 +73,29 @@ class LMDBMeta:
     txnid: int
 
 
+def open_regular(file: Path) -> int:
+    """A read-only descriptor of the regular file `file` (not through a symbolic link).
+
+    Opened without waiting: a named pipe put in a file's place would block the open until a
+    writer came, and the reads after it for ever.
+
+    Raises:
+        OSError: it cannot be opened, or is not a regular file (EINVAL).
+    """
+    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(file))
+    return fd
+
+
 def lmdb_metas(file: Path, file_size: int) -> list[LMDBMeta]:
     """Both meta pages of the LMDB data file `file` with what is wrong with each.
 
     The page size is read from page 0 (4096 if that is implausible). Raises OSError only
     when the file cannot be opened.
     """
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_regular(file)
     try:
         first = read_at(fd, 0, 152)
         psize = 4096

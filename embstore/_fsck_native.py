@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ._fileinfo import lmdb_map_size_ok, lmdb_metas, read_at
+from ._fileinfo import lmdb_map_size_ok, lmdb_metas, open_regular, read_at
 from ._fsck_common import MAX_DETAILED, Finding, RowDump, TableScan, check_rows, original_ids
 from ._lmdb_walk import walk as walk_lmdb
 from .checksum import crc32c, row_checksums
@@ -202,7 +202,7 @@ _META_TXNID = struct.Struct("<Q")
 
 def read_at_path(file: Path, offset: int, size: int) -> bytes:
     """Up to `size` bytes of `file` at `offset`."""
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_regular(file)
     try:
         return read_at(fd, offset, size)
     finally:
@@ -302,7 +302,7 @@ def check_log(file: Path, *, allow_torn_tail: bool) -> list[tuple[int, str]]:
     past the file's end is a write cut short by a crash: allowed with `allow_torn_tail`.
     """
     problems: list[tuple[int, str]] = []
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_regular(file)
     try:
         size = os.fstat(fd).st_size
         for base in range(0, size, 32768):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._fileinfo import LMDBMeta, lmdb_metas, read_at
+from ._fileinfo import LMDBMeta, lmdb_metas, open_regular, read_at
 
 __all__ = ["newest_meta", "walk"]
 
@@ -160,7 +160,7 @@ def walk(file: Path, meta: LMDBMeta, raw_meta: bytes | None = None) -> list[tupl
     `raw_meta`: the meta page's first 152 bytes as read when a reader pinned its snapshot
     (beside a writer, which may have rewritten the page since); read from the file if None.
     """
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_regular(file)
     try:
         w = _Walker(fd, meta.page_size, meta.last_page)
         raw = raw_meta if raw_meta is not None else read_at(fd, meta.page * meta.page_size, 152)

@@ -424,3 +424,34 @@ def test_fsck_reports_written_records_removed_with_their_directory(tmp_path):
     findings = fsck.check(path)
     assert any("written-id record is missing" in f.message for f in findings), findings
     assert fsck.exit_code(findings) == 4
+
+
+_OPEN_AND_FSCK = """
+import sys, embstore
+from embstore import fsck
+from embstore.errors import CorruptStoreError
+try:
+    embstore.open(sys.argv[1], read_only=sys.argv[2] == "ro").close()
+except CorruptStoreError as exc:
+    print("refused:", exc)
+print("fsck:", fsck.exit_code(fsck.check(sys.argv[1])))
+"""
+
+
+@pytest.mark.parametrize("read_only", ["ro", "rw"])
+@pytest.mark.parametrize(("backend", "name"), [("lmdb", "data.mdb"), ("rocksdb", "CURRENT")])
+def test_a_named_pipe_in_a_databases_directory_is_refused_not_waited_on(tmp_path, backend,
+                                                                         name, read_only):
+    # LMDB and RocksDB open their files themselves: the open blocked until a writer came
+    path = tmp_path / "s"
+    with embstore.open(path, tables=[embstore.TableSpec("t", dim=4)],
+                       tiers=[embstore.TierSpec(backend)]) as store:
+        store.update("t", np.arange(3), np.ones((3, 4), np.float32))
+    file = path / f"tier0-{backend}" / name
+    file.unlink()
+    os.mkfifo(file)
+    proc = subprocess.run([sys.executable, "-c", _OPEN_AND_FSCK, str(path), read_only],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"refused: {file} is a named pipe" in proc.stdout, proc.stdout
+    assert "fsck: 4" in proc.stdout
