@@ -119,12 +119,16 @@ def _encode(row_id: int, counter: int, row: np.ndarray) -> bytearray:
 
 # --- which mapping ---------------------------------------------------------------------------
 
-def test_libpmem_maps_the_file_when_the_library_is_present(tmp_path, monkeypatch):
+def _require_libpmem(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip unless libpmem loads here; its mapping is then used (no forced fallback)."""
     monkeypatch.delenv(_libpmem.FORCE_MMAP_ENV, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", _libpmem.PmemFallbackWarning)
         if _libpmem.load() is None:
             pytest.skip("libpmem is not installed")
+
+def test_libpmem_maps_the_file_when_the_library_is_present(tmp_path, monkeypatch):
+    _require_libpmem(monkeypatch)
     with _open(tmp_path) as b:
         b.put(_ids(1, 2), _rows(2))
         b.flush()
@@ -133,17 +137,12 @@ def test_libpmem_maps_the_file_when_the_library_is_present(tmp_path, monkeypatch
     assert isinstance(stats["is_pmem"], bool)
 
 
-
 def test_a_reader_on_a_read_only_file_system_maps_with_mmap(tmp_path, monkeypatch):
     # pmem_map_file opens the file for writing: on a read-only mount (a checkpoint on a
     # read-only snapshot) it fails with EROFS, which a reader took for a device error
     from embstore.errors import StorageIOError
 
-    monkeypatch.delenv(_libpmem.FORCE_MMAP_ENV, raising=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", _libpmem.PmemFallbackWarning)
-        if _libpmem.load() is None:
-            pytest.skip("libpmem is not installed")
+    _require_libpmem(monkeypatch)
     with _open(tmp_path) as b:
         b.put(_ids(1, 2), _rows(2))
 
@@ -192,11 +191,7 @@ def test_persistent_memory_path_flushes_cache_lines_and_keeps_the_format(tmp_pat
     """No DAX file system here: PMEM_IS_PMEM_FORCE makes libpmem treat the file as pmem, which
     runs the pmem_flush/pmem_drain path (read when libpmem loads: a child process).
     """
-    monkeypatch.delenv(_libpmem.FORCE_MMAP_ENV, raising=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", _libpmem.PmemFallbackWarning)
-        if _libpmem.load() is None:
-            pytest.skip("libpmem is not installed")
+    _require_libpmem(monkeypatch)
     done = subprocess.run([sys.executable, "-c", _PMEM_CHILD, str(tmp_path)],
                           env={**os.environ, "PMEM_IS_PMEM_FORCE": "1"},
                           capture_output=True, text=True, timeout=120)
