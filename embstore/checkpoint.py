@@ -553,8 +553,11 @@ def _copy_base(base: Path, tmp: Path) -> None:
                 elif not stat.S_ISREG(mode):
                     raise _not_copied(base, src, "not a regular file")
                 else:
-                    with open(dst, "xb") as out:
-                        os.chmod(dst, stat.S_IMODE(mode))
+                    # 0600 as the store's own files, whatever the checkpoint's (one made
+                    # read-only to keep it would give a restored store it cannot write)
+                    fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                     0o600)
+                    with open(fd_out, "wb") as out:
                         while True:
                             try:
                                 chunk = os.read(fd, 1 << 20)

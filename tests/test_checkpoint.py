@@ -739,3 +739,18 @@ def test_a_base_checkpoint_changed_by_a_writable_open_says_so_when_restored(tmp_
     with pytest.raises(E.CorruptStoreError, match="opened for writing and changed"):
         embstore.restore(tmp_path / "c1", tmp_path / "r")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_store_restored_from_a_write_protected_checkpoint_has_the_stores_own_modes(tmp_path):
+    with embstore.open(tmp_path / "s", tables=[_spec()], tiers=[TierSpec("lmdb")]) as store:
+        store.update("t", np.arange(10), np.ones((10, 4), np.float32))
+        store.checkpoint(tmp_path / "c0")
+    for dirpath, _, files in os.walk(tmp_path / "c0"):
+        for name in files:  # kept safe from writes, as operators keep checkpoints
+            os.chmod(os.path.join(dirpath, name), 0o400)
+    embstore.restore(tmp_path / "c0", tmp_path / "r")
+    modes = {os.stat(os.path.join(d, n)).st_mode & 0o777
+             for d, _, files in os.walk(tmp_path / "r") for n in files}
+    assert modes == {0o600}
+    with embstore.open(tmp_path / "r") as restored:
+        assert (restored.lookup("t", np.arange(10)) == 1).all()
