@@ -1,8 +1,9 @@
 """Byte-flip campaigns: every flip that changes a row, a key or a header is flagged by fsck,
 and fsck never crashes (see tests/_byteflip.py for how a flip is judged).
 
-The default run samples a few hundred bytes per backend; `-m slow` flips every byte of a small
-store and 1,000 random bytes of a larger one, and prints the detection rates.
+The default run samples a few hundred bytes of lmdb and pmem; `-m slow` samples rocksdb too,
+flips every byte of a small store and 1,000 random bytes of a larger one, and prints the
+detection rates.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def _real_fsck_survives(store: Path, flips: list[tuple[str, int]]) -> None:
         assert findings and fsck.exit_code(findings) == 4, (f, off)
 
 
-@pytest.mark.parametrize("bottom", PERSISTENT)
+# rocksdb (12 s) in the slow job, whose exhaustive flips cover it too
+@pytest.mark.parametrize("bottom", [pytest.param(b, marks=pytest.mark.slow) if b == "rocksdb" else b
+                                    for b in PERSISTENT])
 def test_sampled_flips_of_a_small_store_are_all_detected(tmp_path, bottom):
     store = _make(tmp_path / "s", bottom, rows=20)
     # most of a small LMDB file is free pages (about 2% of its bytes hold rows, keys or

@@ -14,6 +14,7 @@ from embstore.tools._demo_distributed import train_distributed  # noqa: E402
 STEPS = 30
 
 
+@pytest.mark.slow  # three demo runs (16 s); tests/test_demo.py keeps the one-process promise
 @pytest.mark.timeout(240)
 def test_two_processes_rerun_to_the_same_digest_and_follow_one_process() -> None:
     one = train_distributed(_tiny_job.tiny, 1, STEPS, timeout_s=100)

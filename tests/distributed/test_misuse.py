@@ -45,6 +45,7 @@ def test_a_store_of_record_that_may_drop_rows_is_refused_on_every_rank(tmp_path)
     assert got == [[True] * 4 + [20]] * 2
 
 
+@pytest.mark.slow  # waits out a group's timeout (13 s): the slow job
 @pytest.mark.timeout(60)
 def test_a_timeout_with_a_group_is_refused_and_errors_name_the_groups_timeout() -> None:
     # the timeout was ignored with group= and the error said "within 300 s"
@@ -73,6 +74,7 @@ def _resign(meta_file, edit) -> None:
     meta_file.write_text(json.dumps(meta))
 
 
+@pytest.mark.slow  # a dozen damaged records, each over two ranks (17 s): the slow job
 @pytest.mark.timeout(90)
 def test_damaged_missing_or_mismatched_shards_are_refused_on_every_rank(tmp_path) -> None:
     launch.run(mu.checkpointed, 2, str(tmp_path / "store"), str(tmp_path / "ckpt"),

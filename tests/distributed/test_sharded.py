@@ -91,6 +91,7 @@ def test_modules_with_ids_repeating_on_each_rank_are_bit_identical() -> None:
     assert launch.run(sc.modules_with_repeats, 3, timeout_s=100) == [[], [], []]
 
 
+@pytest.mark.slow  # waits out the timeout: the slow job
 @pytest.mark.timeout(120)
 def test_a_rank_that_stops_calling_times_out_the_others() -> None:
     with pytest.raises(PeerFailedError) as info:
