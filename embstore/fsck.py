@@ -252,20 +252,18 @@ def _kept_by_a_killed_repair(root: Path, repair: bool) -> list[Finding]:
     they kept (`_kept.killed_repairs`) for every check to report until a repair has.
     """
     out = []
+    killed = "a repair was killed after it swapped in the repaired store, before it reported"
     doc = recover_kept(root, move=repair, note=False)
     if doc is not None and repair:
-        out.append(Finding(None, "a repair was killed after it swapped in the repaired store, "
-                           f"before it reported: the store before it is kept at {doc['kept']}",
+        out.append(Finding(None, f"{killed}: the store before it is kept at {doc['kept']}",
                            file=str(doc["kept"]), repaired=True))
     elif doc is not None:
-        out.append(Finding(None, "a repair was killed after it swapped in the repaired store, "
-                           "before it reported: the store before it, the only copy of the rows "
-                           f"it dropped, lies at {doc['at']}; `embstore fsck --repair` keeps it "
-                           f"as {doc['kept']}", file=str(doc["at"])))
+        out.append(Finding(None, f"{killed}: the store before it, the only copy of the rows it "
+                           f"dropped, lies at {doc['at']}; `embstore fsck --repair` keeps it as "
+                           f"{doc['kept']}", file=str(doc["at"])))
     noted = killed_repairs(root)
     for kept in noted:
-        what = ("a repair was killed after it swapped in the repaired store, before it "
-                f"reported: the store before it, the only copy of the rows it dropped, is kept "
+        what = (f"{killed}: the store before it, the only copy of the rows it dropped, is kept "
                 f"at {kept['kept']}")
         out.append(Finding(None, what, file=kept["kept"], repaired=True) if repair else
                    Finding(None, f"{what}; `embstore fsck --repair` reports it once more and "
