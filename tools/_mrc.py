@@ -238,16 +238,17 @@ def _pyplot() -> Any:
     return plt
 
 
-def check_plot_path(path: str | Path) -> str:
+def check_plot_path(path: str | Path, inputs: Sequence[str | Path] = ()) -> str:
     """The image format of `path` (its extension), refused before any work if unwritable.
 
     Raises:
         ConfigError: matplotlib is missing, the extension is not a format it writes, or the
-            path is empty, a directory or in a missing folder.
+            path is empty, a directory, in a missing folder, or one of `inputs` or inside
+            one of them.
     """
     from ._args import check_output
 
-    check_output(path, "--plot")
+    check_output(path, "--plot", inputs)
     _pyplot()
     from matplotlib.backend_bases import FigureCanvasBase
 

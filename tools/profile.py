@@ -421,21 +421,15 @@ def _run(args: argparse.Namespace) -> int:
 
     from embstore.placement import save_document
 
-    from ._args import check_output, inside_dir, same_file
+    from ._args import check_output, same_file
 
     # every refusal before the work (minutes on a large trace), and never over the trace
     trace = [args.trace] if Path(args.trace).exists() else []
     check_output(args.output, "-o", trace)
     if args.plot is not None:
-        check_plot_path(args.plot)
-        for other, what in ((args.output, "-o"), *((t, "the trace") for t in trace)):
-            if same_file(args.plot, other):
-                raise ConfigError(f"--plot {args.plot!r} is also {what}; give another file")
-        for source in trace:
-            if inside_dir(args.plot, source):
-                raise ConfigError(f"--plot {args.plot!r} lies inside the trace directory "
-                                  f"{source!r}, whose files it would replace or join; draw it "
-                                  "beside it")
+        check_plot_path(args.plot, trace)
+        if same_file(args.plot, args.output):
+            raise ConfigError(f"--plot {args.plot!r} is also -o; give another file")
     check_settings(samples_per_batch=args.samples_per_batch, sample_rate=args.sample_rate,
                    points=args.points, warmup=args.warmup, step_calls=args.step_calls,
                    seed=args.seed)
